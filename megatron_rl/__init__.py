@@ -1,0 +1,1 @@
+"""Megatron-Core extension for RL post-training of Mixture-of-Experts models."""

@@ -1,0 +1,399 @@
+"""Typed configuration: dataclasses, YAML presets, dotted overrides, strict validation.
+
+Every section is a kw_only dataclass whose attributes carry one-line docstrings. A YAML
+preset is a partial instance of :class:`RunConfig`; ``key.sub=value`` overrides from the
+command line are applied on top. Validation runs before any model is built: an unknown
+key, a value of the wrong type or a rule that the layout breaks raises
+:class:`ConfigError` naming the dotted key and the rule.
+
+Sections owned elsewhere (objective, rollout, trainer) plug in as further fields of
+:class:`RunConfig` when they exist; this module owns only the loading machinery and the
+model and parallel-layout sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, mistyped or breaks a rule."""
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A Qwen3-MoE-style decoder: RMSNorm, RoPE, QK-norm, SwiGLU experts, no biases."""
+
+    vocab_size: int = 256
+    """Vocabulary size V; must be divisible by the tensor-parallel size."""
+    hidden_size: int = 64
+    """Model width H."""
+    num_layers: int = 4
+    """Number of transformer layers (every layer is an MoE layer)."""
+    num_attention_heads: int = 4
+    """Query heads."""
+    num_query_groups: int = 2
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 16
+    """Channels per attention head (kv_channels in Megatron)."""
+    num_experts: int = 8
+    """Routed experts E per MoE layer."""
+    moe_router_topk: int = 2
+    """Experts K each token is routed to."""
+    moe_ffn_hidden_size: int = 32
+    """Hidden size of one expert's SwiGLU MLP."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Score function over all experts (Qwen3/Mixtral: softmax; DeepSeek-V3: sigmoid)."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before top-K (un-normalized gates); False renormalizes top-K."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 disables it, usual for RL)."""
+    max_position_embeddings: int = 512
+    """Longest sequence the model accepts."""
+    rotary_base: float = 1_000_000.0
+    """RoPE base frequency."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    init_method_std: float = 0.02
+    """Standard deviation of the normal weight initialization."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+    untie_embeddings_and_output_weights: bool = True
+    """Separate output layer (Qwen3-MoE) instead of reusing the input embedding."""
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is laid out over processes (Megatron-Core parallel groups)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size; attention heads, the vocabulary and dense MLPs are split over it."""
+    sequence_parallel: bool | None = None
+    """Shard activations along the sequence over TP; None means on whenever TP > 1."""
+    expert_model_parallel_size: int = 1
+    """EP size; the experts of each MoE layer are split over it."""
+    expert_tensor_parallel_size: int = 1
+    """TP size inside each expert (ETP)."""
+    pipeline_model_parallel_size: int = 1
+    """PP size; layers are split into this many stages."""
+    context_parallel_size: int = 1
+    """CP size (only 1 is supported by this project so far)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron token dispatcher used for expert parallelism."""
+    world_size: int | None = None
+    """Expected number of processes; None takes it from the launcher at run time."""
+    use_cpu_platform: bool | None = None
+    """Patch Megatron for CPU (gloo); None means exactly when CUDA is unavailable."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: processes that together hold one copy of the dense weights."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def sequence_parallel_enabled(self) -> bool:
+        """Resolved sequence-parallel flag (MoE with TP > 1 requires it in Megatron)."""
+        if self.sequence_parallel is None:
+            return self.tensor_model_parallel_size > 1
+        return self.sequence_parallel
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for a given world size (validated to divide evenly)."""
+        return world_size // self.model_parallel_size
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """A whole run: model, layout and the seed; later sections add to this."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model architecture."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel layout."""
+    seed: int = 1234
+    """Seed for weights, data order and sampling."""
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule}")
+
+
+def validate_model(m: ModelConfig, prefix: str = "model") -> None:
+    """Check the architecture's own consistency rules."""
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_attention_heads",
+        "num_query_groups",
+        "head_dim",
+        "num_experts",
+        "moe_router_topk",
+        "moe_ffn_hidden_size",
+        "max_position_embeddings",
+    ):
+        _require(getattr(m, name) > 0, f"{prefix}.{name}", "must be a positive integer")
+    _require(
+        m.moe_router_topk <= m.num_experts,
+        f"{prefix}.moe_router_topk",
+        f"top-K ({m.moe_router_topk}) must not exceed model.num_experts ({m.num_experts})",
+    )
+    _require(
+        m.num_attention_heads % m.num_query_groups == 0,
+        f"{prefix}.num_query_groups",
+        f"must divide model.num_attention_heads ({m.num_attention_heads})",
+    )
+    _require(m.norm_epsilon > 0, f"{prefix}.norm_epsilon", "must be > 0")
+    _require(m.rotary_base > 0, f"{prefix}.rotary_base", "must be > 0")
+    _require(m.init_method_std > 0, f"{prefix}.init_method_std", "must be > 0")
+    _require(m.moe_aux_loss_coeff >= 0, f"{prefix}.moe_aux_loss_coeff", "must be >= 0")
+    _require(
+        not (m.moe_router_pre_softmax and m.moe_router_score_function == "sigmoid"),
+        f"{prefix}.moe_router_pre_softmax",
+        "only applies to softmax routing (model.moe_router_score_function=softmax)",
+    )
+
+
+def validate_layout(
+    m: ModelConfig, p: ParallelConfig, world_size: int | None = None, prefix: str = "parallel"
+) -> None:
+    """Check that the layout fits the model and, when known, the world size."""
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp, cp = p.expert_tensor_parallel_size, p.context_parallel_size
+    for name, val in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+        ("context_parallel_size", cp),
+    ):
+        _require(val >= 1, f"{prefix}.{name}", "must be >= 1")
+    _require(cp == 1, f"{prefix}.context_parallel_size", "context parallelism is not supported yet")
+    _require(
+        m.num_experts % ep == 0,
+        f"{prefix}.expert_model_parallel_size",
+        f"EP ({ep}) must divide model.num_experts ({m.num_experts})",
+    )
+    _require(
+        m.num_attention_heads % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
+    )
+    _require(
+        m.num_query_groups % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide model.num_query_groups ({m.num_query_groups})",
+    )
+    _require(
+        m.vocab_size % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide model.vocab_size ({m.vocab_size}); pad the vocabulary",
+    )
+    _require(
+        m.moe_ffn_hidden_size % etp == 0,
+        f"{prefix}.expert_tensor_parallel_size",
+        f"ETP ({etp}) must divide model.moe_ffn_hidden_size ({m.moe_ffn_hidden_size})",
+    )
+    _require(
+        m.num_layers % pp == 0,
+        f"{prefix}.pipeline_model_parallel_size",
+        f"PP ({pp}) must divide model.num_layers ({m.num_layers})",
+    )
+    _require(
+        not (p.sequence_parallel and tp == 1),
+        f"{prefix}.sequence_parallel",
+        "sequence parallelism needs parallel.tensor_model_parallel_size > 1",
+    )
+    _require(
+        not (tp > 1 and p.sequence_parallel is False),
+        f"{prefix}.sequence_parallel",
+        "MoE with tensor parallelism requires sequence parallelism (Megatron-Core rule)",
+    )
+    if p.world_size is not None:
+        _require(p.world_size >= 1, f"{prefix}.world_size", "must be >= 1")
+        _require(
+            world_size is None or world_size == p.world_size,
+            f"{prefix}.world_size",
+            f"config expects {p.world_size} processes but the launcher started {world_size}",
+        )
+        world_size = p.world_size
+    if world_size is not None:
+        _require(
+            world_size % p.model_parallel_size == 0,
+            f"{prefix}.world_size",
+            f"world size {world_size} is not divisible by TP x PP x CP = {p.model_parallel_size}",
+        )
+        expert_span = etp * ep * pp
+        _require(
+            world_size % expert_span == 0,
+            f"{prefix}.expert_model_parallel_size",
+            f"world size {world_size} is not divisible by ETP x EP x PP = {expert_span}",
+        )
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """Validate a whole run config; returns it for chaining."""
+    validate_model(cfg.model)
+    validate_layout(cfg.model, cfg.parallel, world_size)
+    return cfg
+
+
+# --------------------------------------------------------------------------- loading
+
+T = TypeVar("T")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(value: Any, annotation: Any, key: str) -> Any:
+    """Check ``value`` against a field annotation, converting only lossless cases."""
+    origin = get_origin(annotation)
+    if origin in (Union, types.UnionType):
+        options = get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(f"{key}: {value!r} does not match {annotation}")
+    if origin is Literal:
+        allowed = get_args(annotation)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
+        return value
+    if dataclasses.is_dataclass(annotation):
+        if isinstance(value, annotation):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for section {annotation.__name__}")
+        return from_dict(annotation, value, prefix=key)
+    if origin in (list, tuple, Sequence):
+        (item_type, *_) = get_args(annotation) or (Any,)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        items = [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true/false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+    if annotation is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"{key}: expected a number, got {value!r}")
+    if annotation is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    if isinstance(annotation, type) and isinstance(value, annotation):
+        return value
+    raise ConfigError(f"{key}: cannot interpret {value!r} as {annotation}")
+
+
+def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
+    """Build dataclass ``cls`` from a nested mapping; unknown keys are errors."""
+    hints = _field_types(cls)
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(
+                f"{dotted}: unknown key; {cls.__name__} accepts {sorted(names)}"
+            )
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Nested plain-dict form of a config (for logging and checkpoints)."""
+    return dataclasses.asdict(cfg)
+
+
+def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "c=x"]`` into a nested dict, values parsed as YAML scalars."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key.path=value")
+        key, raw = item.split("=", 1)
+        key = key.strip().lstrip("-")
+        if not key:
+            raise ConfigError(f"override {item!r}: empty key")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    cls: type[T] = RunConfig,  # type: ignore[assignment]
+    world_size: int | None = None,
+    validate_fn=None,
+) -> T:
+    """Load a YAML preset, apply dotted overrides, build and validate ``cls``.
+
+    Args:
+        path: YAML preset; None starts from the dataclass defaults.
+        overrides: ``key.path=value`` strings, applied after the preset.
+        cls: the top-level config dataclass.
+        world_size: number of processes, when known, for layout validation.
+        validate_fn: validation hook; defaults to :func:`validate` for RunConfig.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        text = Path(path).read_text()
+        loaded = yaml.safe_load(text) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        data = loaded
+    data = _merge(data, parse_overrides(overrides))
+    cfg = from_dict(cls, data)
+    check = validate_fn or (validate if cls is RunConfig else None)
+    if check is not None:
+        check(cfg, world_size)
+    return cfg

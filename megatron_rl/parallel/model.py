@@ -1,0 +1,187 @@
+"""Build a Qwen3-MoE-style Megatron ``GPTModel`` for the current parallel rank.
+
+Owns: the mapping from :class:`~megatron_rl.config.ModelConfig` and
+:class:`~megatron_rl.config.ParallelConfig` to Megatron's ``TransformerConfig``, the layer
+spec (Transformer Engine when TE and CUDA are present, Megatron's local modules otherwise)
+and the pipeline-stage model itself. Does not own process groups (see ``groups.py``) or
+weights on disk (see ``checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports and CUDA is present (the TE spec needs both)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """``torch.nn.RMSNorm`` usable under sequence parallelism.
+
+    Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; the only thing SP needs
+    from a norm is that its weight is flagged ``sequence_parallel`` so that
+    ``finalize_model_grads`` all-reduces the partial gradients over the TP group.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        **unused_kwargs,
+    ) -> None:
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+
+def build_transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, **overrides
+) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` for the model under the given layout.
+
+    Args:
+        model: architecture.
+        parallel: layout.
+        **overrides: extra ``TransformerConfig`` fields (e.g. ``moe_enable_routing_replay``,
+            ``recompute_granularity``), applied last.
+    """
+    dtype = _DTYPES[model.params_dtype]
+    on_gpu = torch.cuda.is_available()
+    fields = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        # Every layer is MoE; ffn_hidden_size only sizes a dense MLP that is never built.
+        ffn_hidden_size=model.moe_ffn_hidden_size,
+        num_moe_experts=model.num_experts,
+        moe_router_topk=model.moe_router_topk,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_pre_softmax=model.moe_router_pre_softmax,
+        moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_router_dtype="fp32",
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
+        moe_grouped_gemm=False,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_method_std,
+        attention_softmax_in_fp32=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
+        context_parallel_size=parallel.context_parallel_size,
+        sequence_parallel=parallel.sequence_parallel_enabled(),
+        # Micro-batches of a packed batch differ in length; p2p must exchange shapes.
+        variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,
+        # Fused CUDA kernels: TE/apex are absent on CPU, and the torch paths are exact.
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        use_cpu_initialization=not on_gpu,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def _with_norm(spec: ModuleSpec, norm: type) -> ModuleSpec:
+    """Copy of a local layer spec whose four norms are ``norm``."""
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    attn = dataclasses.replace(attn, q_layernorm=norm, k_layernorm=norm)
+    self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
+    layer = dataclasses.replace(
+        layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention
+    )
+    return dataclasses.replace(spec, submodules=layer)
+
+
+def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
+    """Transformer-block spec: TE modules on GPU with TE, Megatron local modules otherwise."""
+    if use_te is None:
+        use_te = transformer_engine_available()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=True
+        )
+    local = get_gpt_layer_local_spec(
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=True,
+        normalization="RMSNorm",
+    )
+    layer = _with_norm(local, SequenceParallelRMSNorm)
+    num_local_layers = config.num_layers // config.pipeline_model_parallel_size
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * num_local_layers, layer_norm=SequenceParallelRMSNorm
+    )
+
+
+def build_model(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    use_te: bool | None = None,
+    **config_overrides,
+) -> GPTModel:
+    """The ``GPTModel`` stage owned by this rank (parallel state must be initialized).
+
+    Args:
+        model: architecture.
+        parallel: layout, matching the initialized parallel state.
+        use_te: force the TE (True) or local (False) spec; None picks automatically.
+        **config_overrides: forwarded to :func:`build_transformer_config`.
+    """
+    config = build_transformer_config(model, parallel, **config_overrides)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=build_layer_spec(config, use_te),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=int(model.rotary_base),
+        parallel_output=True,
+    )
+    return gpt

@@ -1,0 +1,94 @@
+"""Forward (and backward) over packed micro-batches through Megatron's pipeline schedules.
+
+Owns: wrapping a model stage for gradient reduction (Megatron DDP + ``finalize_model_grads``)
+and driving ``get_forward_backward_func()`` with packed micro-batches, so every layout
+(TP+SP, EP, PP and combinations) runs through Megatron's own schedule code. The loss is a
+per-token sum with the token count reported to Megatron (``calculate_per_token_loss``), so
+gradients equal the gradient of the global token mean whatever the micro-batching, data
+parallelism or pipeline split. Does not own the loss math: callers pass ``loss_fn``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_rl.parallel.packing import PackedMicroBatch
+
+# loss_fn(micro_batch, logits_1TV_local) -> (loss_sum scalar, num_tokens int tensor, dict)
+LossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
+
+
+def wrap_for_training(model: torch.nn.Module) -> DistributedDataParallel:
+    """Wrap a stage in Megatron DDP so gradients land in ``param.main_grad`` and reduce."""
+    config = model.config
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=False,
+        # Sum over DP; finalize_model_grads divides by the global token count.
+        average_in_collective=False,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare GPTModel inside DDP (or the model itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def run_schedule(
+    model: torch.nn.Module,
+    micro_batches: Sequence[PackedMicroBatch],
+    loss_fn: LossFn,
+    forward_only: bool,
+) -> list[dict]:
+    """Run the micro-batches through Megatron's schedule for this rank's layout.
+
+    Args:
+        model: the stage (DDP-wrapped when ``forward_only`` is False).
+        micro_batches: this data-parallel rank's micro-batches, in order.
+        loss_fn: per-micro-batch loss on the last stage.
+        forward_only: skip the backward pass and gradient reduction.
+
+    Returns:
+        On the last pipeline stage, the dicts returned by ``loss_fn`` in micro-batch order;
+        an empty list on other stages.
+    """
+    if not micro_batches:
+        raise ValueError("run_schedule: no micro-batches for this rank")
+    config = unwrap(model).config
+    config.calculate_per_token_loss = True
+    if not forward_only and not isinstance(model, DistributedDataParallel):
+        raise TypeError("run_schedule: wrap the model with wrap_for_training() to train")
+
+    def forward_step(data_iterator: Iterable[PackedMicroBatch], stage: torch.nn.Module):
+        mb = next(data_iterator)
+        output = stage(
+            input_ids=mb.tokens,
+            position_ids=mb.position_ids,
+            attention_mask=mb.attention_mask,
+        )
+
+        def loss_func(output_tensor: torch.Tensor):
+            return loss_fn(mb, output_tensor)
+
+        return output, loss_func
+
+    if not forward_only:
+        model.zero_grad_buffer()
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro_batches),
+        model=[model],
+        num_microbatches=len(micro_batches),
+        seq_length=max(mb.padded_length for mb in micro_batches),
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
