@@ -1,0 +1,1 @@
+"""Per-layer MoE routing records (top-K experts and router probabilities), replay and stats."""

@@ -1,0 +1,47 @@
+"""Install megatron_rl and moe_routing.
+
+torch is bounded above by 2.13.0 so that a CPU machine that installed the 2.13.0 CPU build
+keeps it (anything newer would pull a CUDA build and its multi-GB dependencies); GPU users
+install the CUDA build of torch first, and pip leaves it in place.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="Megatron-Core extension for RL post-training of Mixture-of-Experts LLMs",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*", "moe_routing", "moe_routing.*"]),
+    package_data={"megatron_rl": ["py.typed"]},
+    install_requires=[
+        "torch>=2.6,<=2.13.0",
+        "megatron-core==0.16.1",
+        "numpy",
+        "pyyaml>=6",
+        # megatron-core's distributed checkpoint writer measures worker memory with psutil.
+        "psutil",
+        "tqdm",
+        "safetensors>=0.4",
+        "transformers>=4.51",
+        "nvidia-ml-py",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # GPU-only extras: install CUDA torch first (see README), never on a CPU machine.
+        "sglang": ["sglang==0.5.23"],
+        "te": ["transformer-engine[pytorch]>=2.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megatron-rl-smoke = megatron_rl.smoke:main",
+        ],
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "License :: OSI Approved :: Apache Software License",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

@@ -1,0 +1,82 @@
+"""Config loading: YAML presets, dotted overrides and strict validation with named keys."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import ConfigError, RunConfig, load_config, parse_overrides, validate
+
+PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.yaml"
+
+
+def test_preset_loads_with_overrides():
+    cfg = load_config(
+        PRESET,
+        ["model.num_experts=16", "parallel.tensor_model_parallel_size=2", "seed=7"],
+        world_size=2,
+    )
+    assert isinstance(cfg, RunConfig)
+    assert cfg.model.num_experts == 16
+    assert cfg.parallel.tensor_model_parallel_size == 2
+    assert cfg.parallel.sequence_parallel_enabled()
+    assert cfg.seed == 7
+    assert cfg.model.vocab_size == 256  # from the preset, untouched
+
+
+def test_overrides_parse_yaml_scalars():
+    assert parse_overrides(["a.b=1", "a.c=0.5", "d=true", "e=null", "f=alltoall"]) == {
+        "a": {"b": 1, "c": 0.5},
+        "d": True,
+        "e": None,
+        "f": "alltoall",
+    }
+
+
+def test_float_field_accepts_integer_literal():
+    cfg = load_config(None, ["model.rotary_base=10000"])
+    assert cfg.model.rotary_base == 10000.0 and isinstance(cfg.model.rotary_base, float)
+
+
+INVALID = [
+    (["model.num_expert=8"], "model.num_expert", "unknown key"),
+    (["bogus=1"], "bogus", "unknown key"),
+    (["parallel.expert_model_parallel_size=3"], "parallel.expert_model_parallel_size", "must divide model.num_experts"),
+    (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size", "must divide model.num_attention_heads"),
+    (["parallel.tensor_model_parallel_size=4"], "parallel.tensor_model_parallel_size", "must divide model.num_query_groups"),
+    (["model.moe_router_topk=9"], "model.moe_router_topk", "must not exceed model.num_experts"),
+    (["model.vocab_size=255", "parallel.tensor_model_parallel_size=2", "parallel.world_size=2"], "parallel.tensor_model_parallel_size", "must divide model.vocab_size"),
+    (["parallel.pipeline_model_parallel_size=3"], "parallel.pipeline_model_parallel_size", "must divide model.num_layers"),
+    (["parallel.world_size=3", "parallel.tensor_model_parallel_size=2"], "parallel.world_size", "not divisible by TP x PP x CP"),
+    (["parallel.moe_token_dispatcher_type=flex"], "parallel.moe_token_dispatcher_type", "is not one of"),
+    (["model.hidden_size=abc"], "model.hidden_size", "expected an integer"),
+    (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tensor_model_parallel_size > 1"),
+    (["parallel.context_parallel_size=2"], "parallel.context_parallel_size", "not supported"),
+    (["model.num_query_groups=3"], "model.num_query_groups", "must divide model.num_attention_heads"),
+    (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel", "requires sequence parallelism"),
+    (["model.moe_router_score_function=sigmoid", "model.moe_router_pre_softmax=true"], "model.moe_router_pre_softmax", "only applies to softmax"),
+    (["model=3"], "model", "expected a mapping"),
+]
+
+
+@pytest.mark.parametrize("overrides,key,rule", INVALID, ids=[c[1] + ":" + c[2] for c in INVALID])
+def test_invalid_config_names_key_and_rule(overrides, key, rule):
+    with pytest.raises(ConfigError) as err:
+        load_config(PRESET, overrides)
+    message = str(err.value)
+    assert message.startswith(key + ":"), message
+    assert rule in message, message
+
+
+def test_world_size_from_launcher_is_checked():
+    cfg = load_config(PRESET, ["parallel.tensor_model_parallel_size=2"])
+    with pytest.raises(ConfigError, match="parallel.world_size: world size 3 is not divisible"):
+        validate(cfg, world_size=3)
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size: world size 2"):
+        validate(load_config(PRESET, ["parallel.expert_model_parallel_size=4"]), world_size=2)
+    with pytest.raises(ConfigError, match="expects 4 processes but the launcher started 2"):
+        validate(load_config(PRESET, ["parallel.world_size=4"]), world_size=2)
+
+
+def test_malformed_override_is_rejected():
+    with pytest.raises(ConfigError, match="expected key.path=value"):
+        parse_overrides(["model.num_experts"])
