@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from megatron_rl.config import ModelConfig, ParallelConfig, validate_layout, val
 from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.cpu_platform import cpu_platform
 from megatron_rl.parallel.groups import ParallelGroups, model_parallel
+from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.packing import PackedMicroBatch, next_token_targets, pack_sequences
 from megatron_rl.parallel.schedule import run_schedule, unwrap, wrap_for_training
@@ -45,8 +47,12 @@ class LayoutRun:
     """Sequences packed into one micro-batch."""
     seed: int = 1234
     """Seed for the weights of the reference run."""
-    dispatcher_overrides: dict = field(default_factory=dict)
-    """Extra TransformerConfig fields (e.g. for later routing checks)."""
+    prompt_lengths: list[int] | None = None
+    """Prompt length of each sample; when given, the log-prob pass with routing records runs."""
+    config_overrides: dict = field(default_factory=dict)
+    """Extra TransformerConfig fields (e.g. for routing replay checks)."""
+    extra_check: Callable | None = None
+    """Module-level ``fn(model, groups, run) -> dict`` run after loading, merged into the result."""
 
 
 def micro_batches_for_rank(
@@ -126,11 +132,13 @@ def layout_worker(run: LayoutRun) -> dict:
     validate_layout(run.model, run.parallel, world_size)
     with cpu_platform(enable=run.parallel.use_cpu_platform is not False):
         with model_parallel(run.parallel, run.seed) as groups:
-            model = build_model(run.model, run.parallel, **run.dispatcher_overrides)
+            model = build_model(run.model, run.parallel, **run.config_overrides)
             if run.save_checkpoint:
                 save_model(model, Path(run.checkpoint_dir))
             else:
                 load_model(model, Path(run.checkpoint_dir))
+            extra = run.extra_check(model, groups, run) if run.extra_check else {}
+            logprob_pass = _logprob_pass(model, groups, run) if run.prompt_lengths else {}
             ddp = wrap_for_training(model)
             micro_batches = micro_batches_for_rank(
                 run.sequences, groups, run.micro_batch_sequences
@@ -151,18 +159,59 @@ def layout_worker(run: LayoutRun) -> dict:
                 "is_last_stage": groups.is_last_stage,
                 "samples": samples if groups.tp_rank == 0 else {},
                 "grads": grads if groups.tp_rank == 0 else {},
+                "logprob_pass": logprob_pass,
+                "extra": extra,
             }
 
 
+def _logprob_pass(model, groups: ParallelGroups, run: LayoutRun) -> dict:
+    """Per-sample response log-probs, entropies and routing records of this DP rank."""
+    mine = list(range(groups.dp_rank, len(run.sequences), groups.dp_size))
+    result = compute_logprobs(
+        model,
+        groups,
+        [run.sequences[i] for i in mine],
+        [run.prompt_lengths[i] for i in mine],
+        micro_batch_sequences=run.micro_batch_sequences,
+        record_routing=True,
+    )
+    out = {}
+    for j, sample in enumerate(mine):
+        lo, hi = int(result.cu_seqlens_S1[j]), int(result.cu_seqlens_S1[j + 1])
+        rec = result.record.sample(j)
+        out[sample] = {
+            "logprobs": result.logprobs_T[lo:hi],
+            "entropy": result.entropy_T[lo:hi],
+            "expert_ids": rec.expert_ids_TLK,
+            "probs": rec.probs_TLK,
+            "gates": rec.gates_TLK,
+            "layer_numbers": rec.layer_numbers,
+        }
+    return out
+
+
 def merge_rank_results(results: list[dict]) -> dict:
-    """Combine per-rank results: every sample's logits and each gradient, once."""
+    """Combine per-rank results: every sample's outputs and each gradient, once.
+
+    ``per_rank_logprob_pass`` keeps every rank's copy so callers can check that all ranks
+    of a model-parallel group returned the same log-probs and records.
+    """
     samples: dict[int, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
+    logprob_pass: dict[int, dict] = {}
     for res in results:
         samples.update(res["samples"])
         for name, grad in res["grads"].items():
             grads.setdefault(name, grad)
-    return {"samples": samples, "grads": grads}
+        for sample, value in res["logprob_pass"].items():
+            logprob_pass.setdefault(sample, value)
+    return {
+        "samples": samples,
+        "grads": grads,
+        "logprob_pass": logprob_pass,
+        "per_rank_logprob_pass": [res["logprob_pass"] for res in results],
+        "extra": [res["extra"] for res in results],
+    }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

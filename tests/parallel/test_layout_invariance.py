@@ -1,5 +1,7 @@
 """Layout invariance: a checkpoint saved at TP1/EP1/PP1 and resharded into each layout gives
-the single-process logits (1e-5, fp32) and router / output-layer gradients (1e-4 relative).
+the single-process logits (1e-5, fp32) and router / output-layer gradients (1e-4 relative),
+the same response log-probs and entropies (1e-5) and the same routing records (ids exactly,
+router probabilities 1e-5) from the forward-only log-prob pass.
 
 One gloo world per layout; everything a layout checks comes out of that one world.
 """
@@ -24,6 +26,7 @@ pytestmark = pytest.mark.parallel
 MODEL = ModelConfig(vocab_size=256, num_layers=4, num_experts=8, moe_router_topk=2)
 # 8 variable-length sequences: 4 micro-batches of 2 on one process, 2 per rank under DP=2.
 SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=5, max_len=40, seed=0)
+PROMPT_LENGTHS = [max(1, len(s) // 3) for s in SEQUENCES]
 
 LAYOUTS = {
     "TP2+SP": (ParallelConfig(tensor_model_parallel_size=2), 2),
@@ -50,7 +53,9 @@ def reference(checkpoint_dir):
         parallel=ParallelConfig(),
         checkpoint_dir=checkpoint_dir,
         sequences=SEQUENCES,
+        prompt_lengths=PROMPT_LENGTHS,
         save_checkpoint=True,
+        extra_check=independent_reference_check,
     )
     return merge_rank_results(run_world(layout_worker, 1, run, timeout_s=300))
 
@@ -61,7 +66,11 @@ def layout_results(checkpoint_dir, reference):
     def run(name):
         parallel, world = LAYOUTS[name]
         job = LayoutRun(
-            model=MODEL, parallel=parallel, checkpoint_dir=checkpoint_dir, sequences=SEQUENCES
+            model=MODEL,
+            parallel=parallel,
+            checkpoint_dir=checkpoint_dir,
+            sequences=SEQUENCES,
+            prompt_lengths=PROMPT_LENGTHS,
         )
         return merge_rank_results(run_world(layout_worker, world, job, timeout_s=300))
 
@@ -97,3 +106,122 @@ def test_comparison_detects_a_wrong_weight(reference):
     report = compare(tampered, reference)
     assert report["logits_max_abs_diff"] > 1e-5
     assert min(v for k, v in report.items() if k.startswith("grad_rel_err")) > 1e-4
+
+
+# ------------------------------------------------------------------ log-prob pass and records
+
+
+def independent_reference_check(model, groups, run):
+    """Runs in the single-process world: the log-prob pass against plain computations.
+
+    Log-probs and entropies come from each sample run alone (no packing) with a full
+    log-softmax; expert ids and probabilities from router logits captured by a forward
+    hook on each router (hidden states times the router weight), softmax, top-K.
+    """
+    from megatron_rl.parallel.logprobs import compute_logprobs
+
+    router_logits = {}
+    hooks = []
+    for layer in model.decoder.layers:
+        def hook(module, inputs, output, number=layer.layer_number):
+            hidden = inputs[0].reshape(-1, inputs[0].shape[-1]).float()
+            router_logits.setdefault(number, []).append(hidden @ module.weight.float().t())
+
+        hooks.append(layer.mlp.router.register_forward_hook(hook))
+    result = compute_logprobs(
+        model, groups, run.sequences, run.prompt_lengths,
+        micro_batch_sequences=run.micro_batch_sequences, record_routing=True,
+    )
+    for handle in hooks:
+        handle.remove()
+    record = result.record
+    routers_restored = all("routing" not in vars(layer.mlp.router) for layer in model.decoder.layers)
+
+    lp_err, ent_err = 0.0, 0.0
+    with torch.no_grad():
+        for i, (seq, prompt) in enumerate(zip(run.sequences, run.prompt_lengths)):
+            n = seq.numel()
+            logits = model(
+                input_ids=seq[None],
+                position_ids=torch.arange(n)[None],
+                attention_mask=torch.ones(n, n, dtype=torch.bool).triu(1)[None, None],
+            )[0].double()
+            logp = torch.log_softmax(logits, dim=-1)[prompt - 1 : n - 1]
+            expected_lp = logp.gather(1, seq[prompt:, None])[:, 0]
+            expected_ent = -(logp.exp() * logp).sum(-1)
+            lo, hi = int(result.cu_seqlens_S1[i]), int(result.cu_seqlens_S1[i + 1])
+            lp_err = max(lp_err, float((result.logprobs_T[lo:hi] - expected_lp).abs().max()))
+            ent_err = max(ent_err, float((result.entropy_T[lo:hi] - expected_ent).abs().max()))
+
+    # Router calls are padded micro-batch rows; keep the real tokens of each row.
+    mb_tokens = []
+    for start in range(0, len(run.sequences), run.micro_batch_sequences):
+        chunk = run.sequences[start : start + run.micro_batch_sequences]
+        mb_tokens.append(sum(s.numel() for s in chunk))
+    ids_equal, prob_err, gate_err = True, 0.0, 0.0
+    k = record.topk
+    for column, number in enumerate(record.layer_numbers):
+        logits_TE = torch.cat([call[:n] for call, n in zip(router_logits[number], mb_tokens)])
+        probs_TE = torch.softmax(logits_TE.double(), dim=-1)
+        top = probs_TE.topk(k, dim=-1)
+        ids_equal &= bool((record.expert_ids_TLK[:, column].long() == top.indices).all())
+        prob_err = max(prob_err, float((record.probs_TLK[:, column].double() - top.values).abs().max()))
+        gates = top.values / top.values.sum(-1, keepdim=True)
+        gate_err = max(gate_err, float((record.gates_TLK[:, column].double() - gates).abs().max()))
+    return {
+        "logprob_max_err": lp_err,
+        "entropy_max_err": ent_err,
+        "record_ids_equal_hooked_topk": ids_equal,
+        "record_prob_max_err": prob_err,
+        "record_gate_max_err": gate_err,
+        "record_dtype": str(record.expert_ids_TLK.dtype),
+        "record_shape": tuple(record.expert_ids_TLK.shape),
+        "total_tokens": sum(s.numel() for s in run.sequences),
+        "routers_restored": routers_restored,
+    }
+
+
+def test_logprob_pass_matches_independent_computation(reference):
+    check = reference["extra"][0]
+    assert check["logprob_max_err"] <= 1e-5, check
+    assert check["entropy_max_err"] <= 1e-5, check
+
+
+def test_record_matches_hooked_router_logits(reference):
+    check = reference["extra"][0]
+    assert check["record_ids_equal_hooked_topk"], check
+    assert check["record_prob_max_err"] <= 1e-6, check
+    assert check["record_gate_max_err"] <= 1e-6, check
+    assert check["record_dtype"] == "torch.uint8"  # E = 8 fits the narrowest type
+    assert check["record_shape"] == (check["total_tokens"], MODEL.num_layers, MODEL.moe_router_topk)
+    assert check["routers_restored"], "the recorder left a wrapper on a router"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_logprob_pass_and_record_match_single_process(name, layout_results, reference):
+    actual, expected = layout_results(name)["logprob_pass"], reference["logprob_pass"]
+    assert sorted(actual) == sorted(expected) == list(range(len(SEQUENCES)))
+    for sample, ref in expected.items():
+        got = actual[sample]
+        assert got["layer_numbers"] == ref["layer_numbers"] == (1, 2, 3, 4)
+        assert (got["logprobs"] - ref["logprobs"]).abs().max() <= 1e-5, (name, sample)
+        assert (got["entropy"] - ref["entropy"]).abs().max() <= 1e-5, (name, sample)
+        assert torch.equal(got["expert_ids"], ref["expert_ids"]), (name, sample)
+        assert (got["probs"] - ref["probs"]).abs().max() <= 1e-5, (name, sample)
+        assert (got["gates"] - ref["gates"]).abs().max() <= 1e-5, (name, sample)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_model_parallel_rank_returns_the_same_outputs(name, layout_results):
+    per_rank = layout_results(name)["per_rank_logprob_pass"]
+    by_sample = {}
+    for rank_result in per_rank:
+        for sample, value in rank_result.items():
+            by_sample.setdefault(sample, []).append(value)
+    parallel, _ = LAYOUTS[name]
+    copies = parallel.model_parallel_size  # TP x PP ranks share one data-parallel shard
+    for sample, values in by_sample.items():
+        assert len(values) == copies, (sample, len(values))
+        for other in values[1:]:
+            for key in ("logprobs", "entropy", "expert_ids", "probs", "gates"):
+                assert torch.equal(other[key], values[0][key]), (name, sample, key)

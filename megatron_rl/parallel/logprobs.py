@@ -1,0 +1,177 @@
+"""Forward-only log-prob pass over packed prompt+response samples, with routing records.
+
+Shape legend: S samples of this data-parallel rank, T_resp response tokens (packed,
+sample order), T_all prompt+response tokens, L MoE layers, K top-K.
+
+``compute_logprobs`` packs the samples into micro-batches, runs them through Megatron's
+forward-only pipeline schedule, computes on the last stage each response token's
+log-probability and the entropy of the full next-token distribution from vocab-sharded
+logits (never gathering the vocabulary), and broadcasts them to every pipeline stage, so
+every rank of the model-parallel group returns the same tensors. With
+``record_routing=True`` a :class:`~moe_routing.record.RouterRecorder` watches every MoE
+router and the result carries one :class:`~moe_routing.types.RouterRecord` over all
+prompt+response positions.
+
+Data parallelism is the caller's: each DP rank passes its own samples. All DP ranks must
+run the same number of micro-batches (expert dispatch is a collective across them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences
+from megatron_rl.parallel.schedule import run_schedule, unwrap
+from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+from moe_routing.layout import assemble_record
+from moe_routing.record import RouterRecorder
+from moe_routing.types import RouterRecord
+
+
+@dataclass
+class LogProbResult:
+    """Per-response-token outputs of the pass, in sample order."""
+
+    logprobs_T: torch.Tensor
+    """``[T_resp]`` fp32 log-probability of each response token."""
+    entropy_T: torch.Tensor
+    """``[T_resp]`` fp32 entropy of the distribution that predicted each response token."""
+    cu_seqlens_S1: torch.Tensor
+    """``[S + 1]`` response-token boundaries of the samples."""
+    record: RouterRecord | None
+    """Routing of every prompt+response position (``[T_all, L, K]``), when recorded."""
+
+
+def validate_samples(
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    vocab_size: int,
+    max_length: int,
+) -> None:
+    """Reject malformed samples before any forward runs, naming the sample and position."""
+    if len(sequences) == 0:
+        raise ValueError("log-prob pass: no samples")
+    if len(sequences) != len(prompt_lengths):
+        raise ValueError(
+            f"log-prob pass: {len(sequences)} sequences but {len(prompt_lengths)} prompt lengths"
+        )
+    for i, (seq, prompt) in enumerate(zip(sequences, prompt_lengths)):
+        if seq.dim() != 1 or seq.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"sample {i}: expected a 1-D integer token tensor, got {seq.dtype} {tuple(seq.shape)}")
+        if seq.numel() > max_length:
+            raise ValueError(
+                f"sample {i} has {seq.numel()} tokens, more than the model's maximum "
+                f"{max_length} (model.max_position_embeddings)"
+            )
+        if not 1 <= prompt < seq.numel():
+            raise ValueError(
+                f"sample {i}: prompt length {prompt} must be in [1, {seq.numel() - 1}] so that "
+                "at least one response token follows the prompt"
+            )
+        bad = (seq < 0) | (seq >= vocab_size)
+        if bool(bad.any()):
+            pos = int(torch.nonzero(bad)[0, 0])
+            raise ValueError(
+                f"sample {i} position {pos}: token id {int(seq[pos])} is outside the "
+                f"vocabulary [0, {vocab_size})"
+            )
+
+
+def pack_for_rank(
+    sequences: Sequence[torch.Tensor], groups: ParallelGroups, per_micro_batch: int
+) -> list[PackedMicroBatch]:
+    """Consecutive samples per micro-batch, padded to one length across data-parallel ranks."""
+    chunks = [list(range(i, min(i + per_micro_batch, len(sequences)))) for i in range(0, len(sequences), per_micro_batch)]
+    longest = max(sum(int(sequences[j].numel()) for j in chunk) for chunk in chunks)
+    stats = torch.tensor([longest, len(chunks), -len(chunks)], dtype=torch.int64)
+    if groups.dp_size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=groups.dp)
+    if int(stats[1]) != -int(stats[2]):
+        raise ValueError(
+            f"data-parallel ranks hold different micro-batch counts ({-int(stats[2])}..{int(stats[1])}); "
+            "give every DP rank the same number of samples"
+        )
+    return [
+        pack_sequences(
+            [sequences[j] for j in chunk],
+            sample_ids=chunk,
+            pad_multiple=groups.tp_size if groups.sequence_parallel else 1,
+            pad_to=int(stats[0]),
+        )
+        for chunk in chunks
+    ]
+
+
+def _response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """Row positions whose logits predict the response tokens of the micro-batch's samples."""
+    rows = []
+    for i, sample in enumerate(mb.sample_ids.tolist()):
+        start, end = int(mb.cu_seqlens[i]), int(mb.cu_seqlens[i + 1])
+        rows.append(torch.arange(start + prompt_lengths[sample] - 1, end - 1))
+    return torch.cat(rows)
+
+
+def compute_logprobs(
+    model: torch.nn.Module,
+    groups: ParallelGroups,
+    sequences: Sequence[torch.Tensor],
+    prompt_lengths: Sequence[int],
+    *,
+    micro_batch_sequences: int = 4,
+    record_routing: bool = False,
+    probs_dtype: torch.dtype = torch.float32,
+    chunk_tokens: int = 1024,
+) -> LogProbResult:
+    """Response-token log-probs and entropies (and optionally routing) for this DP rank.
+
+    Args:
+        model: this rank's model stage (bare or DDP-wrapped).
+        groups: this rank's parallel groups.
+        sequences: prompt+response token ids per sample, ``[len_s]``.
+        prompt_lengths: prompt tokens at the start of each sample.
+        micro_batch_sequences: samples packed per micro-batch.
+        record_routing: also return the routing record of every position.
+        probs_dtype: dtype of recorded router probabilities and gates.
+        chunk_tokens: tokens per chunk of the vocab-parallel log-softmax.
+    """
+    gpt = unwrap(model)
+    validate_samples(sequences, prompt_lengths, gpt.vocab_size, gpt.max_sequence_length)
+    micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
+
+    def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
+        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
+        targets_T[:-1] = mb.tokens[0, 1:]
+        rows = _response_rows(mb, prompt_lengths)
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens
+        )
+        zero = logits_1TV.new_zeros(())
+        return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
+
+    recorder = RouterRecorder([model], probs_dtype=probs_dtype) if record_routing else None
+    with torch.no_grad():
+        if recorder is not None:
+            with recorder:
+                outputs = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+        else:
+            outputs = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+    response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
+    total = int(response_lengths.sum())
+    packed = torch.empty(2, total, dtype=torch.float32)
+    if groups.is_last_stage:
+        packed[0] = torch.cat([o["lp"] for o in outputs])
+        packed[1] = torch.cat([o["ent"] for o in outputs])
+    if groups.pp_size > 1:
+        last = dist.get_global_rank(groups.pp, groups.pp_size - 1)
+        dist.broadcast(packed, src=last, group=groups.pp)
+    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
+    torch.cumsum(response_lengths, 0, out=cu[1:])
+    record = None
+    if recorder is not None:
+        record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
+    return LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=record)

@@ -1,0 +1,351 @@
+"""Vocab-parallel per-token log-probability and entropy, with autograd.
+
+Owns: from logits whose vocabulary is split over a tensor-parallel group (Megatron's
+contiguous split: rank ``r`` holds global ids ``[r * V_local, (r + 1) * V_local)``), the
+log-probability of each token's target id and the entropy of each token's full next-token
+distribution, forward and backward. It never gathers the vocabulary and never holds an fp32
+copy of all logits: tokens go through in chunks of ``chunk_tokens``, so temporaries are
+``[C, V_local]`` (one in forward; in backward one, or two when the entropy needs a gradient).
+
+Does not own: the process groups (passed in; ``None`` or a group of size 1 means no
+collectives), label shifting, token masks, packing and the loss (``megatron_rl.algos``).
+
+Layout follows Megatron's ``VocabParallelCrossEntropy``: :class:`VocabParallelLogProbMath`
+holds the local math in static methods and never communicates; the autograd Function
+``_VocabParallelLogProbEntropy`` interleaves it with two all-reduces per chunk: a MAX of the
+local maxima, then one SUM of the packed ``[3, C]`` partial statistics.
+
+Math per token, with ``m`` the max logit over the whole vocabulary, ``s = sum_v exp(z_v - m)``
+and ``p = softmax(z)``::
+
+    logprob = z_target - m - log s
+    entropy = log s - sum_v exp(z_v - m) (z_v - m) / s
+    d logprob / dz = onehot(target) - p
+    d entropy / dz = -p (log p + entropy)
+
+Saved for backward: a reference to the input logits (no copy), the targets, and two ``[T]``
+vectors in the compute dtype: the log-normalizer ``lse = m + log s`` and the entropy (the
+latter only when the entropy needs a gradient). The softmax is not kept; backward
+recomputes it chunk by chunk as ``p = exp(z - lse)``, which is local to the shard, so the
+backward pass needs no collectives. Both upstream gradients are applied in one pass.
+
+Precision: the math runs in fp32 for fp32/bf16/fp16 logits (fp64 for fp64 logits, so that
+gradients can be checked in double); each chunk is cast on its own, never the whole input.
+Outputs are in that compute dtype; the logits gradient comes back in the logits' dtype.
+
+Shape legend: T tokens, V vocabulary (global, ``V = V_local * tp_size``), V_local this rank's
+vocabulary shard, C tokens in one chunk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["VocabParallelLogProbMath", "vocab_parallel_logprobs_entropy"]
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp64 stays fp64 (exact gradient checks); every narrower float is computed in fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class VocabParallelLogProbMath:
+    """Local math on one chunk of one vocabulary shard; no collectives.
+
+    ``z`` denotes logits, ``m`` the per-token max over the whole vocabulary (after the MAX
+    all-reduce) and ``lse = m + log sum_v exp(z_v - m)`` the per-token log-normalizer.
+    """
+
+    @staticmethod
+    def local_targets(
+        targets_C: torch.Tensor, vocab_start: int, v_local: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Maps global target ids to ids inside this shard.
+
+        Args:
+            targets_C: global target ids, shape [C], int64.
+            vocab_start: first global id this shard holds.
+            v_local: number of ids this shard holds.
+
+        Returns:
+            ``(local_ids_C, in_shard_C)``: local ids, shape [C] int64, set to 0 where the
+            target lives on another shard (so indexing stays in bounds); and the bool mask
+            of targets this shard holds, shape [C].
+        """
+        local_ids_C = targets_C - vocab_start
+        in_shard_C = (local_ids_C >= 0) & (local_ids_C < v_local)
+        return local_ids_C.masked_fill(~in_shard_C, 0), in_shard_C
+
+    @staticmethod
+    def chunk_max(logits_CV: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+        """Per-token max over this shard, shape [C], in ``compute_dtype``.
+
+        The max is exact in any dtype, so only the [C] result is cast, not the chunk.
+        """
+        return logits_CV.amax(dim=-1).to(compute_dtype)
+
+    @staticmethod
+    def chunk_partial_stats(
+        logits_CV: torch.Tensor,
+        max_C: torch.Tensor,
+        local_ids_C: torch.Tensor,
+        in_shard_C: torch.Tensor,
+        compute_entropy: bool,
+    ) -> torch.Tensor:
+        """This shard's share of the per-token statistics, packed for one SUM all-reduce.
+
+        Args:
+            logits_CV: this shard's logits for the chunk, shape [C, V_local], any float dtype.
+            max_C: global per-token max, shape [C], in the compute dtype.
+            local_ids_C: targets as shard-local ids, shape [C] (see :meth:`local_targets`).
+            in_shard_C: which targets this shard holds, shape [C] bool.
+            compute_entropy: whether to fill row 1 (otherwise it stays zero).
+
+        Returns:
+            Shape [3, C] in ``max_C``'s dtype: row 0 ``sum_v exp(z_v - m)``, row 1
+            ``sum_v exp(z_v - m) (z_v - m)``, row 2 the target's logit (0 where another
+            shard holds the target). Summed over shards, each row is the full-vocabulary value.
+        """
+        # The only [C, V_local] temporary: every step below works on it in place.
+        work_CV = logits_CV.to(max_C.dtype, copy=True)
+        exp_CV = work_CV.sub_(max_C[:, None]).exp_()
+        sum_exp_C = exp_CV.sum(dim=-1)
+        if compute_entropy:
+            # e * log(e) equals e * (z - m) and can overwrite e in place; xlogy also gives 0,
+            # not 0 * -inf = nan, for logits at -inf (masked or padded vocabulary entries).
+            weighted_C = exp_CV.xlogy_(exp_CV).sum(dim=-1)
+        else:
+            weighted_C = torch.zeros_like(sum_exp_C)
+        target_logit_C = logits_CV.gather(1, local_ids_C[:, None]).squeeze(1).to(max_C.dtype)
+        target_logit_C = target_logit_C.masked_fill(~in_shard_C, 0.0)
+        return torch.stack([sum_exp_C, weighted_C, target_logit_C])
+
+    @staticmethod
+    def finalize(
+        max_C: torch.Tensor, stats_3C: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token results from the global max and the summed statistics.
+
+        Args:
+            max_C: global per-token max, shape [C].
+            stats_3C: statistics summed over all shards (see :meth:`chunk_partial_stats`).
+
+        Returns:
+            ``(logprobs_C, entropy_C, lse_C)``, each shape [C]; ``entropy_C`` is meaningless
+            if row 1 was not computed.
+        """
+        sum_exp_C, weighted_C, target_logit_C = stats_3C
+        log_sum_exp_C = sum_exp_C.log()
+        logprobs_C = (target_logit_C - max_C) - log_sum_exp_C
+        entropy_C = log_sum_exp_C - weighted_C / sum_exp_C
+        return logprobs_C, entropy_C, max_C + log_sum_exp_C
+
+    @staticmethod
+    def chunk_grad(
+        logits_CV: torch.Tensor,
+        lse_C: torch.Tensor,
+        local_ids_C: torch.Tensor,
+        in_shard_C: torch.Tensor,
+        grad_logprobs_C: torch.Tensor,
+        entropy_C: torch.Tensor | None = None,
+        grad_entropy_C: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Gradient of the chunk's logits: ``g_lp (onehot - p) - g_H p (log p + H)``.
+
+        Args:
+            logits_CV: this shard's logits for the chunk, shape [C, V_local].
+            lse_C: global per-token log-normalizer, shape [C], in the compute dtype.
+            local_ids_C: targets as shard-local ids, shape [C].
+            in_shard_C: which targets this shard holds, shape [C] bool.
+            grad_logprobs_C: upstream gradient of the log-probs, shape [C].
+            entropy_C: per-token entropy, shape [C]; needed only with ``grad_entropy_C``.
+            grad_entropy_C: upstream gradient of the entropy, shape [C], or ``None`` to skip
+                the entropy term (and its second temporary).
+
+        Returns:
+            Shape [C, V_local] in ``lse_C``'s dtype.
+        """
+        work_CV = logits_CV.to(lse_C.dtype, copy=True)
+        probs_CV = work_CV.sub_(lse_C[:, None]).exp_()
+        if grad_entropy_C is None:
+            grad_CV = probs_CV.mul_(-grad_logprobs_C[:, None])
+        else:
+            # -p (g_lp + g_H (log p + H)) = -(p (g_lp + g_H H) + g_H p log p); p log p via
+            # xlogy is 0 where p = 0, where (z - lse) * p would be -inf * 0 = nan.
+            p_log_p_CV = torch.special.xlogy(probs_CV, probs_CV).mul_(grad_entropy_C[:, None])
+            scale_C = grad_logprobs_C + grad_entropy_C * entropy_C
+            grad_CV = probs_CV.mul_(scale_C[:, None]).add_(p_log_p_CV)
+        rows = in_shard_C.nonzero().squeeze(1)
+        grad_CV.index_put_(
+            (rows, local_ids_C[rows]), grad_logprobs_C[rows].to(grad_CV.dtype), accumulate=True
+        )
+        return grad_CV
+
+
+def _group_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    """Chunked forward with the all-reduces; collective-free backward from recomputed p."""
+
+    @staticmethod
+    def forward(
+        ctx,
+        logits_TV: torch.Tensor,
+        targets_T: torch.Tensor,
+        tp_group: dist.ProcessGroup | None,
+        chunk_tokens: int,
+        compute_entropy: bool,
+        entropy_requires_grad: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        math = VocabParallelLogProbMath
+        tp_rank, tp_size = _group_rank_and_size(tp_group)
+        num_tokens, v_local = logits_TV.shape
+        vocab_start = tp_rank * v_local
+        dtype = _compute_dtype(logits_TV.dtype)
+        logprobs_T = logits_TV.new_empty(num_tokens, dtype=dtype)
+        lse_T = logits_TV.new_empty(num_tokens, dtype=dtype)
+        entropy_T = logits_TV.new_empty(num_tokens if compute_entropy else 0, dtype=dtype)
+        for start in range(0, num_tokens, chunk_tokens):
+            chunk = slice(start, min(start + chunk_tokens, num_tokens))
+            logits_CV = logits_TV[chunk]
+            local_ids_C, in_shard_C = math.local_targets(targets_T[chunk], vocab_start, v_local)
+            max_C = math.chunk_max(logits_CV, dtype)
+            if tp_size > 1:
+                dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=tp_group)
+            stats_3C = math.chunk_partial_stats(
+                logits_CV, max_C, local_ids_C, in_shard_C, compute_entropy
+            )
+            if tp_size > 1:
+                dist.all_reduce(stats_3C, op=dist.ReduceOp.SUM, group=tp_group)
+            logprobs_C, entropy_C, lse_C = math.finalize(max_C, stats_3C)
+            logprobs_T[chunk] = logprobs_C
+            lse_T[chunk] = lse_C
+            if compute_entropy:
+                entropy_T[chunk] = entropy_C
+
+        ctx.chunk_tokens = chunk_tokens
+        ctx.vocab_start = vocab_start
+        ctx.entropy_grad = compute_entropy and entropy_requires_grad
+        ctx.save_for_backward(
+            logits_TV, targets_T, lse_T, entropy_T if ctx.entropy_grad else None
+        )
+        if not ctx.entropy_grad:
+            ctx.mark_non_differentiable(entropy_T)
+        return logprobs_T, entropy_T
+
+    @staticmethod
+    def backward(ctx, grad_logprobs_T: torch.Tensor, grad_entropy_T: torch.Tensor | None):
+        math = VocabParallelLogProbMath
+        logits_TV, targets_T, lse_T, entropy_T = ctx.saved_tensors
+        num_tokens, v_local = logits_TV.shape
+        grad_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
+        for start in range(0, num_tokens, ctx.chunk_tokens):
+            chunk = slice(start, min(start + ctx.chunk_tokens, num_tokens))
+            local_ids_C, in_shard_C = math.local_targets(
+                targets_T[chunk], ctx.vocab_start, v_local
+            )
+            entropy_terms = {}
+            if ctx.entropy_grad:
+                entropy_terms = {
+                    "entropy_C": entropy_T[chunk],
+                    "grad_entropy_C": grad_entropy_T[chunk],
+                }
+            # copy_ casts the [C, V_local] compute-dtype gradient back to the logits' dtype.
+            grad_TV[chunk] = math.chunk_grad(
+                logits_TV[chunk],
+                lse_T[chunk],
+                local_ids_C,
+                in_shard_C,
+                grad_logprobs_T[chunk],
+                **entropy_terms,
+            )
+        return grad_TV, None, None, None, None, None
+
+
+def _check_inputs(
+    logits_TV: torch.Tensor, targets_T: torch.Tensor, tp_size: int, chunk_tokens: int
+) -> None:
+    """Raises with the offending tensor (and token) named; all ranks raise alike."""
+    if not isinstance(logits_TV, torch.Tensor) or logits_TV.dim() != 2:
+        shape = tuple(logits_TV.shape) if isinstance(logits_TV, torch.Tensor) else type(logits_TV)
+        raise ValueError(f"logits_TV must be a 2-D tensor [T, V_local]; got {shape}")
+    if not logits_TV.is_floating_point():
+        raise TypeError(f"logits_TV must be floating point; got {logits_TV.dtype}")
+    if not isinstance(targets_T, torch.Tensor) or targets_T.dim() != 1:
+        shape = tuple(targets_T.shape) if isinstance(targets_T, torch.Tensor) else type(targets_T)
+        raise ValueError(f"targets_T must be a 1-D tensor [T]; got {shape}")
+    if targets_T.is_floating_point() or targets_T.is_complex() or targets_T.dtype == torch.bool:
+        raise TypeError(f"targets_T must hold integer token ids; got {targets_T.dtype}")
+    if targets_T.shape[0] != logits_TV.shape[0]:
+        raise ValueError(
+            f"targets_T has {targets_T.shape[0]} tokens but logits_TV has "
+            f"{logits_TV.shape[0]} (shape {tuple(logits_TV.shape)})"
+        )
+    if targets_T.device != logits_TV.device:
+        raise ValueError(
+            f"targets_T is on {targets_T.device} but logits_TV is on {logits_TV.device}"
+        )
+    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}")
+    vocab = logits_TV.shape[1] * tp_size
+    outside_T = (targets_T < 0) | (targets_T >= vocab)
+    if outside_T.any():
+        token = int(outside_T.nonzero()[0, 0])
+        raise ValueError(
+            f"targets_T[{token}] = {int(targets_T[token])} is outside the vocabulary "
+            f"[0, {vocab}) (V_local {logits_TV.shape[1]} x tp_size {tp_size})"
+        )
+
+
+def vocab_parallel_logprobs_entropy(
+    logits_TV: torch.Tensor,
+    targets_T: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    chunk_tokens: int = 1024,
+    compute_entropy: bool = True,
+    entropy_requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probability of the target and full-vocabulary entropy, vocab-parallel.
+
+    Every rank of ``tp_group`` must call this with the same ``T``, targets and
+    ``chunk_tokens`` (each chunk runs two all-reduces in forward; backward runs none).
+
+    Args:
+        logits_TV: this rank's vocabulary shard of the logits, shape [T, V_local], any float
+            dtype; rank ``r`` holds global ids ``[r * V_local, (r + 1) * V_local)``.
+        targets_T: global target ids, shape [T], integer dtype, each in ``[0, V)``.
+        tp_group: the tensor-parallel group the vocabulary is split over; ``None`` or a
+            group of size 1 means the whole vocabulary is local and nothing is communicated.
+        chunk_tokens: tokens per chunk; bounds the temporaries to ``[chunk_tokens, V_local]``
+            in the compute dtype.
+        compute_entropy: also compute the entropy (costs one more pass over each chunk).
+        entropy_requires_grad: make the entropy differentiable; otherwise it is returned
+            detached and backward skips the entropy term.
+
+    Returns:
+        ``(logprobs_T, entropy_T)``: shape [T] each, fp32 (fp64 for fp64 logits);
+        ``logprobs_T`` is differentiable w.r.t. ``logits_TV``; ``entropy_T`` is ``None``
+        when ``compute_entropy`` is False.
+
+    Raises:
+        ValueError: a tensor of the wrong shape, a target outside ``[0, V)`` (the message
+            names the first such token and its id), or a non-positive ``chunk_tokens``.
+        TypeError: non-float logits or non-integer targets.
+    """
+    _, tp_size = _group_rank_and_size(tp_group)
+    _check_inputs(logits_TV, targets_T, tp_size, chunk_tokens)
+    logprobs_T, entropy_T = _VocabParallelLogProbEntropy.apply(
+        logits_TV,
+        targets_T.long(),
+        tp_group,
+        chunk_tokens,
+        compute_entropy,
+        entropy_requires_grad,
+    )
+    return logprobs_T, (entropy_T if compute_entropy else None)

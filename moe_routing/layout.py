@@ -1,0 +1,145 @@
+"""Move routing data between the global token axis and each rank's shards.
+
+Shape legend: T tokens of this data-parallel rank's samples (packed, sample order),
+T_pad padded tokens of one micro-batch row, N = T_pad / TP tokens one router call sees
+under sequence parallelism, L MoE layers (L_local on this pipeline stage), K top-K.
+
+Megatron shards a micro-batch row along the sequence over the TP group (contiguous
+chunks, rank order) when sequence parallelism is on, and pipeline stages hold contiguous
+blocks of layers. ``assemble_record`` reverses both for what a :class:`RouterRecorder`
+saw; ``local_ids_per_call`` cuts a global ``[T, L, K]`` id tensor into exactly what each
+router call of this rank sees. Groups are passed in; this is the only routing module that
+runs collectives.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from moe_routing.record import LayerCall, RouterRecorder
+from moe_routing.types import RouterRecord
+
+
+def _call_per_micro_batch(recorder: RouterRecorder, num_micro_batches: int) -> dict[int, list[LayerCall]]:
+    calls = {}
+    for number in recorder.layer_numbers:
+        layer_calls = recorder.calls(number)
+        if len(layer_calls) != num_micro_batches:
+            raise RuntimeError(
+                f"layer {number}: recorded {len(layer_calls)} router calls for "
+                f"{num_micro_batches} micro-batches (was activation recomputation on?)"
+            )
+        calls[number] = layer_calls
+    return calls
+
+
+def _gather_tokens(local_NLK: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
+    if tp_size == 1:
+        return local_NLK
+    parts = [torch.empty_like(local_NLK) for _ in range(tp_size)]
+    dist.all_gather(parts, local_NLK.contiguous(), group=tp_group)
+    return torch.cat(parts, dim=0)
+
+
+def _gather_layers(local_TLK: torch.Tensor, pp_group, pp_size: int) -> torch.Tensor:
+    if pp_size == 1:
+        return local_TLK
+    parts = [torch.empty_like(local_TLK) for _ in range(pp_size)]
+    dist.all_gather(parts, local_TLK.contiguous(), group=pp_group)
+    return torch.cat(parts, dim=1)
+
+
+def assemble_record(
+    recorder: RouterRecorder,
+    micro_batches: Sequence,
+    groups,
+    num_experts: int,
+) -> RouterRecord:
+    """One record for this data-parallel rank's samples, on every TP and PP rank.
+
+    Args:
+        recorder: the recorder that watched one forward of each micro-batch.
+        micro_batches: the ``PackedMicroBatch`` list that was run, in order.
+        groups: ``ParallelGroups`` of this rank (tp/pp groups and sizes, SP flag).
+        num_experts: experts per layer.
+    """
+    calls = _call_per_micro_batch(recorder, len(micro_batches))
+    numbers = recorder.layer_numbers
+    tp_size = groups.tp_size if groups.sequence_parallel else 1
+    fields: dict[str, list[torch.Tensor]] = {"ids": [], "probs": [], "gates": []}
+    for m, mb in enumerate(micro_batches):
+        per_field = {
+            "ids": torch.stack([calls[n][m].expert_ids_NK for n in numbers], dim=1),
+            "probs": torch.stack([calls[n][m].probs_NK for n in numbers], dim=1),
+            "gates": torch.stack([calls[n][m].gates_NK for n in numbers], dim=1),
+        }
+        for key, local_NLK in per_field.items():
+            row_TLK = _gather_tokens(local_NLK, groups.tp, tp_size)
+            fields[key].append(row_TLK[: mb.num_tokens])
+    stage = {key: torch.cat(parts, dim=0) for key, parts in fields.items()}
+    layer_numbers = torch.tensor(numbers, dtype=torch.int64)
+    if groups.pp_size > 1:
+        stage = {k: _gather_layers(v, groups.pp, groups.pp_size) for k, v in stage.items()}
+        layer_numbers = _gather_layers(layer_numbers[None, :, None], groups.pp, groups.pp_size)
+        layer_numbers = layer_numbers[0, :, 0]
+    lengths = [int(n) for mb in micro_batches for n in mb.cu_seqlens.diff()]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=cu[1:])
+    return RouterRecord(
+        expert_ids_TLK=stage["ids"],
+        probs_TLK=stage["probs"],
+        gates_TLK=stage["gates"],
+        layer_numbers=tuple(int(n) for n in layer_numbers),
+        cu_seqlens_S1=cu,
+        num_experts=num_experts,
+    )
+
+
+def local_ids_per_call(
+    expert_ids_TLK: torch.Tensor,
+    layer_numbers: Sequence[int],
+    local_layer_numbers: Sequence[int],
+    micro_batches: Sequence,
+    groups,
+    pad_ids_K: torch.Tensor | None = None,
+) -> dict[int, list[torch.Tensor]]:
+    """Cut global ids ``[T, L, K]`` into each local router call's ``[N, K]`` ids.
+
+    Args:
+        expert_ids_TLK: ids for this DP rank's samples, rows in packed sample order.
+        layer_numbers: global layer number of each of the L columns.
+        local_layer_numbers: layers whose routers live on this rank.
+        micro_batches: the micro-batches that will run, in order (they define padding).
+        groups: ``ParallelGroups`` of this rank.
+        pad_ids_K: ids used for padding positions (default ``0..K-1``).
+
+    Returns:
+        For each local layer number, one ``[N, K]`` int64 tensor per micro-batch.
+    """
+    column = {number: i for i, number in enumerate(layer_numbers)}
+    missing = [n for n in local_layer_numbers if n not in column]
+    if missing:
+        raise ValueError(f"routing data has no entry for MoE layer(s) {missing}")
+    k = expert_ids_TLK.shape[2]
+    if pad_ids_K is None:
+        pad_ids_K = torch.arange(k)
+    tp_size = groups.tp_size if groups.sequence_parallel else 1
+    out: dict[int, list[torch.Tensor]] = {n: [] for n in local_layer_numbers}
+    offset = 0
+    for mb in micro_batches:
+        rows_TLK = expert_ids_TLK[offset : offset + mb.num_tokens].to(torch.int64)
+        offset += mb.num_tokens
+        padded_TLK = pad_ids_K.to(torch.int64).expand(mb.padded_length, len(layer_numbers), k).clone()
+        padded_TLK[: mb.num_tokens] = rows_TLK
+        shard = mb.padded_length // tp_size
+        start = (groups.tp_rank if tp_size > 1 else 0) * shard
+        for number in local_layer_numbers:
+            out[number].append(padded_TLK[start : start + shard, column[number]])
+    if offset != expert_ids_TLK.shape[0]:
+        raise ValueError(
+            f"routing data covers {expert_ids_TLK.shape[0]} tokens but the micro-batches hold {offset}"
+        )
+    return out

@@ -1,0 +1,177 @@
+"""Record each MoE router's decisions during a forward pass (hooks on Megatron's routers).
+
+Shape legend: N tokens seen by one router call (this rank's sequence-parallel shard of one
+micro-batch), E experts, K experts per token, L MoE layers on this rank.
+
+``RouterRecorder`` wraps ``TopKRouter.routing`` of every router in the given model chunks,
+keyed by the router's global ``layer_number`` (never by construction order). Each call of
+a router appends one :class:`LayerCall` (ids of the dispatched experts, their router
+probabilities under the score function, their gate weights) to that layer's list. When the
+caller supplies *query ids* for a layer (the experts an earlier pass used for the same
+tokens), the call also returns the current router log-probabilities at those ids, which
+is what RSPO's router-shift weight needs. Everything lives inside the context manager:
+entering wraps the routers, leaving restores them, and nothing stays behind in any class
+or module.
+
+What it does not own: assembling calls from shards, micro-batches and stages into one
+:class:`~moe_routing.types.RouterRecord` (``moe_routing.layout``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from moe_routing.scores import dispatched_topk, router_log_scores
+from moe_routing.types import compact_id_dtype
+
+
+@dataclass
+class LayerCall:
+    """What one router call decided for its N tokens."""
+
+    expert_ids_NK: torch.Tensor
+    """Dispatched experts, by descending router probability (compact integer dtype)."""
+    probs_NK: torch.Tensor
+    """Router probabilities of those experts under the score function."""
+    gates_NK: torch.Tensor
+    """Gate weights used to combine the experts' outputs."""
+    query_log_probs_NK: torch.Tensor | None = None
+    """Current router log-probabilities at the query ids, when queried (fp32, no grad)."""
+
+
+@dataclass
+class _RouterEntry:
+    router: torch.nn.Module
+    original_routing: Callable
+    had_instance_routing: bool
+    calls: list[LayerCall] = field(default_factory=list)
+    queries: list[torch.Tensor] = field(default_factory=list)
+
+
+def find_routers(model_chunks: Iterable[torch.nn.Module]) -> dict[int, torch.nn.Module]:
+    """Megatron ``TopKRouter`` modules of the chunks, by global layer number.
+
+    Raises:
+        ValueError: the model has no MoE layers, or two routers share a layer number.
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers: dict[int, torch.nn.Module] = {}
+    for chunk in model_chunks:
+        for name, module in chunk.named_modules():
+            if isinstance(module, TopKRouter):
+                if module.layer_number is None:
+                    raise ValueError(f"router {name} has no layer number")
+                if module.layer_number in routers:
+                    raise ValueError(f"two routers claim layer number {module.layer_number}")
+                routers[module.layer_number] = module
+    return routers
+
+
+class RouterRecorder:
+    """Context manager that records every router call of the given model chunks.
+
+    Args:
+        model_chunks: this rank's model chunk(s) (any wrappers; routers are found inside).
+        probs_dtype: dtype for recorded probabilities and gates.
+        allow_empty: do not raise when this pipeline stage holds no MoE layer.
+
+    Raises:
+        ValueError: no MoE layer in the model (unless ``allow_empty``).
+    """
+
+    def __init__(
+        self,
+        model_chunks: Iterable[torch.nn.Module],
+        probs_dtype: torch.dtype = torch.float32,
+        allow_empty: bool = False,
+    ) -> None:
+        routers = find_routers(model_chunks)
+        if not routers and not allow_empty:
+            raise ValueError("cannot record routing: the model has no MoE layers (no TopKRouter)")
+        self.probs_dtype = probs_dtype
+        self._entries = {
+            number: _RouterEntry(
+                router=router,
+                original_routing=router.routing,
+                had_instance_routing="routing" in vars(router),
+            )
+            for number, router in sorted(routers.items())
+        }
+        self._active = False
+
+    @property
+    def layer_numbers(self) -> tuple[int, ...]:
+        """Global layer numbers of the recorded routers, ascending."""
+        return tuple(self._entries)
+
+    def calls(self, layer_number: int) -> list[LayerCall]:
+        """Calls recorded so far for one layer, in call order."""
+        return self._entries[layer_number].calls
+
+    def set_queries(self, layer_number: int, expert_ids_per_call: list[torch.Tensor]) -> None:
+        """Experts ``[N, K]`` at which each coming call of a layer reports log-probabilities.
+
+        The i-th coming call of the layer consumes the i-th tensor; its N must match.
+        """
+        self._entries[layer_number].queries = list(expert_ids_per_call)
+
+    def clear(self) -> None:
+        """Drop recorded calls and pending queries (between passes)."""
+        for entry in self._entries.values():
+            entry.calls.clear()
+            entry.queries.clear()
+
+    def __enter__(self) -> "RouterRecorder":
+        if self._active:
+            raise RuntimeError("RouterRecorder is already active")
+        for number, entry in self._entries.items():
+            entry.router.routing = self._wrap(number, entry)
+        self._active = True
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for entry in self._entries.values():
+            if entry.had_instance_routing:
+                entry.router.routing = entry.original_routing
+            else:
+                # Deleting our instance attribute re-exposes the class's routing method.
+                del entry.router.routing
+        self._active = False
+
+    def _wrap(self, layer_number: int, entry: _RouterEntry) -> Callable:
+        router = entry.router
+        original = entry.original_routing
+
+        def routing(logits, *args, **kwargs):
+            probs_NE, routing_map_NE = original(logits, *args, **kwargs)
+            entry.calls.append(
+                self._describe(layer_number, entry, router, logits, probs_NE, routing_map_NE)
+            )
+            return probs_NE, routing_map_NE
+
+        return routing
+
+    def _describe(self, layer_number, entry, router, logits, probs_NE, routing_map_NE) -> LayerCall:
+        with torch.no_grad():
+            logits_NE = logits.reshape(-1, router.config.num_moe_experts)
+            log_scores_NE = router_log_scores(logits_NE, router.score_function)
+            ids_NK = dispatched_topk(log_scores_NE, routing_map_NE, router.topk)
+            query = None
+            if entry.queries:
+                query_ids_NK = entry.queries.pop(0).to(device=ids_NK.device, dtype=torch.int64)
+                if query_ids_NK.shape != ids_NK.shape:
+                    raise ValueError(
+                        f"layer {layer_number}: query ids have shape {tuple(query_ids_NK.shape)}"
+                        f" but the router saw {tuple(ids_NK.shape)} (tokens x top-K)"
+                    )
+                query = log_scores_NE.gather(1, query_ids_NK)
+            return LayerCall(
+                expert_ids_NK=ids_NK.to(compact_id_dtype(router.config.num_moe_experts)),
+                probs_NK=log_scores_NE.gather(1, ids_NK).exp().to(self.probs_dtype),
+                gates_NK=probs_NE.detach().float().gather(1, ids_NK).to(self.probs_dtype),
+                query_log_probs_NK=query,
+            )
