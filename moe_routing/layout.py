@@ -52,6 +52,37 @@ def _gather_layers(local_TLK: torch.Tensor, pp_group, pp_size: int) -> torch.Ten
     return torch.cat(parts, dim=1)
 
 
+def gather_call_field(
+    recorder: RouterRecorder, micro_batches: Sequence, groups, field: str
+) -> torch.Tensor:
+    """One per-call field of every local layer as ``[T, L, ...]`` over this DP rank's tokens.
+
+    Tokens are gathered over the sequence-parallel shards (TP) and padding is dropped;
+    layers are gathered over pipeline stages, in stage order.
+    """
+    calls = _call_per_micro_batch(recorder, len(micro_batches))
+    numbers = recorder.layer_numbers
+    tp_size = groups.tp_size if groups.sequence_parallel else 1
+    rows = []
+    for m, mb in enumerate(micro_batches):
+        values = [getattr(calls[n][m], field) for n in numbers]
+        if any(v is None for v in values):
+            raise RuntimeError(f"router calls of micro-batch {m} did not record {field}")
+        local_NL = torch.stack(values, dim=1)
+        is_bool = local_NL.dtype == torch.bool
+        if is_bool:  # collectives move bytes; gloo has no bool reduction type
+            local_NL = local_NL.to(torch.uint8)
+        rows.append(_gather_tokens(local_NL, groups.tp, tp_size)[: mb.num_tokens])
+    gathered = _gather_layers(torch.cat(rows, dim=0), groups.pp, groups.pp_size)
+    return gathered.bool() if is_bool else gathered
+
+
+def gathered_layer_numbers(recorder: RouterRecorder, groups) -> tuple[int, ...]:
+    """Global layer numbers of the L columns that ``gather_call_field`` returns."""
+    numbers = torch.tensor(recorder.layer_numbers, dtype=torch.int64)[None, :]
+    return tuple(int(n) for n in _gather_layers(numbers, groups.pp, groups.pp_size)[0])
+
+
 def assemble_record(
     recorder: RouterRecorder,
     micro_batches: Sequence,
@@ -66,33 +97,14 @@ def assemble_record(
         groups: ``ParallelGroups`` of this rank (tp/pp groups and sizes, SP flag).
         num_experts: experts per layer.
     """
-    calls = _call_per_micro_batch(recorder, len(micro_batches))
-    numbers = recorder.layer_numbers
-    tp_size = groups.tp_size if groups.sequence_parallel else 1
-    fields: dict[str, list[torch.Tensor]] = {"ids": [], "probs": [], "gates": []}
-    for m, mb in enumerate(micro_batches):
-        per_field = {
-            "ids": torch.stack([calls[n][m].expert_ids_NK for n in numbers], dim=1),
-            "probs": torch.stack([calls[n][m].probs_NK for n in numbers], dim=1),
-            "gates": torch.stack([calls[n][m].gates_NK for n in numbers], dim=1),
-        }
-        for key, local_NLK in per_field.items():
-            row_TLK = _gather_tokens(local_NLK, groups.tp, tp_size)
-            fields[key].append(row_TLK[: mb.num_tokens])
-    stage = {key: torch.cat(parts, dim=0) for key, parts in fields.items()}
-    layer_numbers = torch.tensor(numbers, dtype=torch.int64)
-    if groups.pp_size > 1:
-        stage = {k: _gather_layers(v, groups.pp, groups.pp_size) for k, v in stage.items()}
-        layer_numbers = _gather_layers(layer_numbers[None, :, None], groups.pp, groups.pp_size)
-        layer_numbers = layer_numbers[0, :, 0]
     lengths = [int(n) for mb in micro_batches for n in mb.cu_seqlens.diff()]
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=cu[1:])
     return RouterRecord(
-        expert_ids_TLK=stage["ids"],
-        probs_TLK=stage["probs"],
-        gates_TLK=stage["gates"],
-        layer_numbers=tuple(int(n) for n in layer_numbers),
+        expert_ids_TLK=gather_call_field(recorder, micro_batches, groups, "expert_ids_NK"),
+        probs_TLK=gather_call_field(recorder, micro_batches, groups, "probs_NK"),
+        gates_TLK=gather_call_field(recorder, micro_batches, groups, "gates_NK"),
+        layer_numbers=gathered_layer_numbers(recorder, groups),
         cu_seqlens_S1=cu,
         num_experts=num_experts,
     )

@@ -8,8 +8,8 @@ keyed by the router's global ``layer_number`` (never by construction order). Eac
 a router appends one :class:`LayerCall` (ids of the dispatched experts, their router
 probabilities under the score function, their gate weights) to that layer's list. When the
 caller supplies *query ids* for a layer (the experts an earlier pass used for the same
-tokens), the call also returns the current router log-probabilities at those ids, which
-is what RSPO's router-shift weight needs. Everything lives inside the context manager:
+tokens), the call also returns the current router probabilities at those ids, which
+is what RSPO's router-shift weight needs (returned as probabilities). Everything lives inside the context manager:
 entering wraps the routers, leaving restores them, and nothing stays behind in any class
 or module.
 
@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moe_routing.scores import dispatched_topk, router_log_scores
+from moe_routing.scores import dispatched_topk, router_log_scores, same_expert_set
 from moe_routing.types import compact_id_dtype
 
 
@@ -38,8 +38,13 @@ class LayerCall:
     """Router probabilities of those experts under the score function."""
     gates_NK: torch.Tensor
     """Gate weights used to combine the experts' outputs."""
-    query_log_probs_NK: torch.Tensor | None = None
-    """Current router log-probabilities at the query ids, when queried (fp32, no grad)."""
+    natural_equals_dispatched_N: torch.Tensor | None = None
+    """bool: the router's own top-K set equals the dispatched set (False where replay overrode it)."""
+    query_probs_NK: torch.Tensor | None = None
+    """Current router probabilities at the query ids, when queried (same dtype and rounding
+    as ``probs_NK``, so unchanged weights reproduce a recorded probability bit for bit)."""
+    natural_equals_query_N: torch.Tensor | None = None
+    """bool: the router's own top-K set equals the query set (no flip), when queried."""
 
 
 @dataclass
@@ -160,7 +165,8 @@ class RouterRecorder:
             logits_NE = logits.reshape(-1, router.config.num_moe_experts)
             log_scores_NE = router_log_scores(logits_NE, router.score_function)
             ids_NK = dispatched_topk(log_scores_NE, routing_map_NE, router.topk)
-            query = None
+            natural_NK = log_scores_NE.topk(router.topk, dim=-1).indices
+            query = natural_equals_query = None
             if entry.queries:
                 query_ids_NK = entry.queries.pop(0).to(device=ids_NK.device, dtype=torch.int64)
                 if query_ids_NK.shape != ids_NK.shape:
@@ -168,10 +174,13 @@ class RouterRecorder:
                         f"layer {layer_number}: query ids have shape {tuple(query_ids_NK.shape)}"
                         f" but the router saw {tuple(ids_NK.shape)} (tokens x top-K)"
                     )
-                query = log_scores_NE.gather(1, query_ids_NK)
+                query = log_scores_NE.gather(1, query_ids_NK).exp().to(self.probs_dtype)
+                natural_equals_query = same_expert_set(natural_NK, query_ids_NK)
             return LayerCall(
                 expert_ids_NK=ids_NK.to(compact_id_dtype(router.config.num_moe_experts)),
                 probs_NK=log_scores_NE.gather(1, ids_NK).exp().to(self.probs_dtype),
                 gates_NK=probs_NE.detach().float().gather(1, ids_NK).to(self.probs_dtype),
-                query_log_probs_NK=query,
+                natural_equals_dispatched_N=same_expert_set(natural_NK, ids_NK),
+                query_probs_NK=query,
+                natural_equals_query_N=natural_equals_query,
             )

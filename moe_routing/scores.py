@@ -40,3 +40,8 @@ def dispatched_topk(
         )
     masked_NE = log_scores_NE.masked_fill(~routing_map_NE, float("-inf"))
     return masked_NE.topk(topk, dim=-1).indices
+
+
+def same_expert_set(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+    """bool ``[N]``: the two rows hold the same experts, in any order."""
+    return (a_NK.sort(dim=-1).values == b_NK.to(a_NK.dtype).sort(dim=-1).values).all(dim=-1)

@@ -28,8 +28,11 @@ from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-from moe_routing.layout import assemble_record
+from moe_routing.layout import assemble_record, gather_call_field, gathered_layer_numbers, local_ids_per_call
 from moe_routing.record import RouterRecorder
+from moe_routing.replay import RoutingReplay
+from moe_routing.shift import router_shift_TL, rspo_gamma_T
+from moe_routing.stats import routing_metrics
 from moe_routing.types import RouterRecord
 
 
@@ -45,6 +48,10 @@ class LogProbResult:
     """``[S + 1]`` response-token boundaries of the samples."""
     record: RouterRecord | None
     """Routing of every prompt+response position (``[T_all, L, K]``), when recorded."""
+    rspo_gamma_T: torch.Tensor | None = None
+    """``[T_resp]`` unfloored RSPO router-shift weight of each response token (with ``old_record``)."""
+    routing_metrics: dict[str, torch.Tensor] | None = None
+    """Replay agreement, flip rate and router shift per layer (when routing was watched)."""
 
 
 def validate_samples(
@@ -116,6 +123,19 @@ def _response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch
     return torch.cat(rows)
 
 
+def response_positions(cu_seqlens_S1: torch.Tensor, prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """Positions on the packed all-token axis whose outputs predict the response tokens.
+
+    Response token t of a sample is predicted by position t - 1, so the routing and the
+    RSPO weight of a response token are those of the position before it.
+    """
+    rows = [
+        torch.arange(int(cu_seqlens_S1[i]) + p - 1, int(cu_seqlens_S1[i + 1]) - 1)
+        for i, p in enumerate(prompt_lengths)
+    ]
+    return torch.cat(rows)
+
+
 def compute_logprobs(
     model: torch.nn.Module,
     groups: ParallelGroups,
@@ -126,6 +146,9 @@ def compute_logprobs(
     record_routing: bool = False,
     probs_dtype: torch.dtype = torch.float32,
     chunk_tokens: int = 1024,
+    replay_ids_TLK: torch.Tensor | None = None,
+    replay_layer_numbers: Sequence[int] | None = None,
+    old_record: RouterRecord | None = None,
 ) -> LogProbResult:
     """Response-token log-probs and entropies (and optionally routing) for this DP rank.
 
@@ -138,6 +161,10 @@ def compute_logprobs(
         record_routing: also return the routing record of every position.
         probs_dtype: dtype of recorded router probabilities and gates.
         chunk_tokens: tokens per chunk of the vocab-parallel log-softmax.
+        replay_ids_TLK: experts to dispatch every position to (R2/R3), validated by the caller.
+        replay_layer_numbers: layer number of each column of ``replay_ids_TLK``.
+        old_record: the old policy's record of the same positions; the pass then measures
+            the current router log-probs at its experts and returns RSPO weights.
     """
     gpt = unwrap(model)
     validate_samples(sequences, prompt_lengths, gpt.vocab_size, gpt.max_sequence_length)
@@ -153,13 +180,24 @@ def compute_logprobs(
         zero = logits_1TV.new_zeros(())
         return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
 
-    recorder = RouterRecorder([model], probs_dtype=probs_dtype) if record_routing else None
-    with torch.no_grad():
-        if recorder is not None:
-            with recorder:
-                outputs = run_schedule(model, micro_batches, loss_fn, forward_only=True)
-        else:
-            outputs = run_schedule(model, micro_batches, loss_fn, forward_only=True)
+    watch = record_routing or replay_ids_TLK is not None or old_record is not None
+    if old_record is not None:
+        # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
+        probs_dtype = old_record.probs_TLK.dtype
+    recorder = RouterRecorder([model], probs_dtype=probs_dtype) if watch else None
+    if old_record is not None:
+        _queue_queries(recorder, old_record, micro_batches, groups)
+    replay = None
+    if replay_ids_TLK is not None:
+        replay = RoutingReplay(
+            [model],
+            local_ids_per_call(replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers, micro_batches, groups),
+        )
+    with torch.no_grad(), _maybe(recorder), _maybe(replay):
+        outputs = run_schedule(
+            model, micro_batches, loss_fn, forward_only=True,
+            before_forward=replay.before_forward if replay is not None else None,
+        )
     response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
     total = int(response_lengths.sum())
     packed = torch.empty(2, total, dtype=torch.float32)
@@ -171,7 +209,56 @@ def compute_logprobs(
         dist.broadcast(packed, src=last, group=groups.pp)
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     torch.cumsum(response_lengths, 0, out=cu[1:])
-    record = None
+    result = LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
     if recorder is not None:
         record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
-    return LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=record)
+        if record_routing:
+            result.record = record
+        _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
+    return result
+
+
+class _maybe:
+    """``with _maybe(cm)``: enter ``cm`` unless it is None."""
+
+    def __init__(self, cm) -> None:
+        self.cm = cm
+
+    def __enter__(self):
+        return self.cm.__enter__() if self.cm is not None else None
+
+    def __exit__(self, *exc):
+        return self.cm.__exit__(*exc) if self.cm is not None else None
+
+
+def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:
+    per_call = local_ids_per_call(
+        old_record.expert_ids_TLK, old_record.layer_numbers, recorder.layer_numbers, micro_batches, groups
+    )
+    for number, ids in per_call.items():
+        recorder.set_queries(number, ids)
+
+
+def _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record) -> None:
+    """RSPO weights and routing metrics from what the recorder saw."""
+    all_cu = record.cu_seqlens_S1
+    valid_T = torch.ones(record.num_tokens, dtype=torch.bool)
+    valid_T[all_cu[1:] - 1] = False  # a sample's last position feeds no prediction
+    agree_TL = gather_call_field(recorder, micro_batches, groups, "natural_equals_dispatched_N")
+    kwargs = {}
+    if old_record is not None:
+        if tuple(old_record.layer_numbers) != record.layer_numbers:
+            raise ValueError(
+                f"old record covers layers {old_record.layer_numbers}, the model has {record.layer_numbers}"
+            )
+        current_TLK = gather_call_field(recorder, micro_batches, groups, "query_probs_NK")
+        shift_TL = router_shift_TL(current_TLK, old_record.probs_TLK)
+        kwargs["shift_TL"] = shift_TL
+        kwargs["natural_equals_old_TL"] = gather_call_field(
+            recorder, micro_batches, groups, "natural_equals_query_N"
+        )
+        gamma_all_T = rspo_gamma_T(shift_TL.sum(dim=1), len(record.layer_numbers))
+        result.rspo_gamma_T = gamma_all_T[response_positions(all_cu, prompt_lengths)]
+    result.routing_metrics = routing_metrics(
+        record.layer_numbers, natural_equals_dispatched_TL=agree_TL, valid_T=valid_T, **kwargs
+    )

@@ -184,4 +184,20 @@ def build_model(
         rotary_base=int(model.rotary_base),
         parallel_output=True,
     )
+    if config.moe_enable_routing_replay:
+        _forget_global_replay_instances(gpt)
     return gpt
+
+
+def _forget_global_replay_instances(gpt: GPTModel) -> None:
+    """Drop this model's routers from Megatron's class-level RouterReplay list.
+
+    Replay here addresses routers by layer number (``moe_routing.replay``); the class-level
+    list would only keep every model ever built alive and ordered by construction.
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(m.router_replay) for m in gpt.modules() if getattr(m, "router_replay", None)}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
+    ]

@@ -48,6 +48,7 @@ def run_schedule(
     micro_batches: Sequence[PackedMicroBatch],
     loss_fn: LossFn,
     forward_only: bool,
+    before_forward: Callable[[int], None] | None = None,
 ) -> list[dict]:
     """Run the micro-batches through Megatron's schedule for this rank's layout.
 
@@ -56,6 +57,8 @@ def run_schedule(
         micro_batches: this data-parallel rank's micro-batches, in order.
         loss_fn: per-micro-batch loss on the last stage.
         forward_only: skip the backward pass and gradient reduction.
+        before_forward: called with the micro-batch index right before its forward
+            (routing replay hands the routers that micro-batch's experts here).
 
     Returns:
         On the last pipeline stage, the dicts returned by ``loss_fn`` in micro-batch order;
@@ -68,8 +71,10 @@ def run_schedule(
     if not forward_only and not isinstance(model, DistributedDataParallel):
         raise TypeError("run_schedule: wrap the model with wrap_for_training() to train")
 
-    def forward_step(data_iterator: Iterable[PackedMicroBatch], stage: torch.nn.Module):
-        mb = next(data_iterator)
+    def forward_step(data_iterator: Iterable[tuple[int, PackedMicroBatch]], stage: torch.nn.Module):
+        index, mb = next(data_iterator)
+        if before_forward is not None:
+            before_forward(index)
         output = stage(
             input_ids=mb.tokens,
             position_ids=mb.position_ids,
@@ -85,7 +90,7 @@ def run_schedule(
         model.zero_grad_buffer()
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro_batches),
+        data_iterator=iter(enumerate(micro_batches)),
         model=[model],
         num_microbatches=len(micro_batches),
         seq_length=max(mb.padded_length for mb in micro_batches),

@@ -1,0 +1,289 @@
+"""One parallel policy-update step: routing plan, RSPO weights, objective, backward, step.
+
+Shape legend: S samples of this data-parallel rank, T_resp their response tokens (packed,
+sample order), T_all prompt+response positions, L MoE layers, K top-K.
+
+``forward_backward`` takes this DP rank's mini-batch, resolves the routing plan into the
+experts every position is dispatched to (``none``: the router decides; ``R2``: the old
+policy's recorded experts; ``R3``: the experts the rollout engine returned, SGLang layout),
+validates them before any forward, optionally runs a forward-only *probe* under the same
+plan (current router log-probabilities at the old experts give the RSPO weights; the same
+pass yields replay agreement, flip rate and router shift; it also gives the current
+log-probs and entropies the 80/20 and STAPO filters select on), and then runs forward and
+backward through Megatron's schedule with the objective from ``megatron_rl.algos``.
+
+Losses are normalized by the global kept-token (or sequence) count of the whole mini-batch
+across data-parallel ranks, and Megatron's DDP sums gradients over DP, so micro-batching
+and the layout do not change the gradient. The probe costs one extra forward; it runs
+only when RSPO or routing diagnostics are asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.algos.aggregation import kept_counts
+from megatron_rl.algos.config import ObjectiveConfig
+from megatron_rl.algos.loss import policy_loss
+from megatron_rl.algos.masks import build_loss_mask
+from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.parallel.logprobs import _maybe, _response_rows, compute_logprobs, pack_for_rank
+from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.schedule import run_schedule, unwrap
+from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+from moe_routing.layout import local_ids_per_call
+from moe_routing.record import find_routers
+from moe_routing.replay import RoutingReplay
+from moe_routing.stats import gamma_metrics
+from moe_routing.types import RouterRecord
+from moe_routing.validate import RoutingDataError, validate_expert_ids
+
+RoutingMode = Literal["none", "R2", "R3"]
+
+
+@dataclass
+class TrainBatch:
+    """This data-parallel rank's mini-batch; per-token tensors follow the response axis."""
+
+    sequences: list[torch.Tensor]
+    """Prompt+response token ids per sample."""
+    prompt_lengths: list[int]
+    """Prompt tokens at the start of each sample."""
+    old_logprobs_T: torch.Tensor
+    """``[T_resp]`` old-policy log-probs."""
+    advantages_T: torch.Tensor
+    """``[T_resp]`` advantages."""
+    loss_mask_T: torch.Tensor | None = None
+    """``[T_resp]`` bool response mask (default: every response token)."""
+    rollout_logprobs_T: torch.Tensor | None = None
+    """``[T_resp]`` rollout-engine log-probs (mismatch corrections, metrics)."""
+    ref_logprobs_T: torch.Tensor | None = None
+    """``[T_resp]`` reference-policy log-probs (KL)."""
+    truncated_S: torch.Tensor | None = None
+    """``[S]`` bool, samples cut at the length limit (overlong filter)."""
+    old_record: RouterRecord | None = None
+    """Old-policy routing record of every position (R2 and RSPO)."""
+    rollout_routes: list[torch.Tensor] | None = None
+    """R3: per sample the rollout engine's experts ``[len_s - 1, L, K]`` (SGLang layout)."""
+
+
+@dataclass
+class RoutingPlan:
+    """How experts are chosen during the update."""
+
+    mode: RoutingMode = "none"
+    """none: the router decides; R2: replay the old record; R3: replay the rollout routes."""
+    diagnostics: bool = True
+    """Run the probe pass for routing metrics even when RSPO is off."""
+
+
+@dataclass
+class StepResult:
+    """What one update step measured."""
+
+    loss: torch.Tensor
+    """0-dim global loss (sum over micro-batches and DP ranks of pre-normalized terms)."""
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    """0-dim metric tensors, identical on every rank."""
+
+
+def replay_ids_for(
+    batch: TrainBatch,
+    plan: RoutingPlan,
+    *,
+    num_experts: int,
+    topk: int,
+    layer_numbers: Sequence[int],
+    local_layers: Sequence[int],
+) -> torch.Tensor | None:
+    """Validated ``[T_all, L, K]`` experts to dispatch, or None for ``mode='none'``.
+
+    Args:
+        batch: the mini-batch (old record for R2, rollout routes for R3).
+        plan: the routing plan.
+        num_experts: E.
+        topk: K.
+        layer_numbers: MoE layer numbers of the model (the columns of R3 routes).
+        local_layers: MoE layer numbers on this rank (must all be covered).
+    """
+    total = sum(int(s.numel()) for s in batch.sequences)
+    if plan.mode == "none":
+        return None
+    if plan.mode == "R2":
+        if batch.old_record is None:
+            raise RoutingDataError("routing plan R2 needs the old-policy RouterRecord (batch.old_record)")
+        ids = batch.old_record.expert_ids_TLK
+        validate_expert_ids(ids, num_experts=num_experts, topk=topk, layer_numbers=batch.old_record.layer_numbers,
+                            required_layers=local_layers, num_tokens=total, source="R2 record")
+        return ids
+    if plan.mode != "R3":
+        raise ValueError(f"routing plan mode {plan.mode!r} is not one of none, R2, R3")
+    if batch.rollout_routes is None or len(batch.rollout_routes) != len(batch.sequences):
+        raise RoutingDataError("routing plan R3 needs one rollout route tensor per sample (batch.rollout_routes)")
+    parts = []
+    for i, (routes, seq) in enumerate(zip(batch.rollout_routes, batch.sequences)):
+        n = int(seq.numel())
+        if routes.dim() != 3 or routes.shape[0] != n - 1:
+            raise RoutingDataError(
+                f"R3 routes of sample {i}: expected [{n - 1}, L, K] (prompt+response minus the last "
+                f"token), got {tuple(routes.shape)}"
+            )
+        validate_expert_ids(routes, num_experts=num_experts, topk=topk, layer_numbers=layer_numbers,
+                            required_layers=local_layers, num_tokens=n - 1, source=f"R3 routes of sample {i}")
+        # The last position is never forwarded by the rollout engine and feeds no loss;
+        # dispatch it to the experts of the position before it.
+        parts.append(torch.cat([routes.to(torch.int64), routes[-1:].to(torch.int64)]))
+    return torch.cat(parts)
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    groups: ParallelGroups,
+    batch: TrainBatch,
+    objective: ObjectiveConfig,
+    plan: RoutingPlan,
+    *,
+    micro_batch_sequences: int = 4,
+    chunk_tokens: int = 1024,
+) -> StepResult:
+    """Forward and backward of one mini-batch; gradients land reduced in ``main_grad``."""
+    gpt = unwrap(model)
+    num_layers, topk = gpt.config.num_layers, gpt.config.moe_router_topk
+    layer_numbers = tuple(range(1, num_layers + 1))
+    replay_ids = replay_ids_for(
+        batch, plan, num_experts=gpt.config.num_moe_experts, topk=topk,
+        layer_numbers=layer_numbers, local_layers=tuple(find_routers([model])),
+    )
+    replay_columns = batch.old_record.layer_numbers if plan.mode == "R2" else layer_numbers
+    lengths = torch.tensor([int(s.numel()) - p for s, p in zip(batch.sequences, batch.prompt_lengths)])
+    cu_S1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu_S1[1:])
+    seq_ids_T = seq_ids_from_cu_seqlens(cu_S1)
+    num_seqs = len(batch.sequences)
+    response_mask_T = (
+        batch.loss_mask_T.bool() if batch.loss_mask_T is not None else torch.ones(int(cu_S1[-1]), dtype=torch.bool)
+    )
+
+    uses_rspo = objective.rspo_gamma_min is not None
+    needs_filter_inputs = objective.entropy_top_rho is not None or objective.stapo_tau_p is not None
+    metrics: dict[str, torch.Tensor] = {}
+    gamma_T = probe = None
+    if uses_rspo or plan.diagnostics or needs_filter_inputs:
+        if uses_rspo and batch.old_record is None:
+            raise RoutingDataError("the objective uses RSPO weights but the batch has no old_record")
+        probe = compute_logprobs(
+            model, groups, batch.sequences, batch.prompt_lengths,
+            micro_batch_sequences=micro_batch_sequences, chunk_tokens=chunk_tokens,
+            replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=batch.old_record,
+        )
+        gamma_T = probe.rspo_gamma_T
+        metrics.update(probe.routing_metrics or {})
+        if gamma_T is not None:
+            metrics.update(gamma_metrics(gamma_T, response_mask_T, objective.rspo_gamma_min))
+
+    kept_T = response_mask_T
+    if needs_filter_inputs or objective.overlong_filter:
+        kept_T, mask_metrics = build_loss_mask(
+            objective, loss_mask_T=response_mask_T, seq_ids_T=seq_ids_T,
+            logprobs_T=probe.logprobs_T if probe else None, advantages_T=batch.advantages_T,
+            entropy_T=probe.entropy_T if probe else None, truncated_S=batch.truncated_S,
+        )
+        metrics.update(mask_metrics)
+    num_tokens, num_kept_seqs = kept_counts(kept_T, seq_ids_T, num_seqs)
+    counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
+    if groups.dp_size > 1:
+        dist.all_reduce(counts, group=groups.dp)
+
+    micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences)
+    loss_fn = _objective_loss_fn(
+        batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens
+    )
+    replay = None
+    if replay_ids is not None:
+        local = local_ids_per_call(replay_ids, replay_columns, tuple(find_routers([model])), micro_batches, groups)
+        replay = RoutingReplay([model], local)
+    with _maybe(replay):
+        outputs = run_schedule(
+            model, micro_batches, loss_fn, forward_only=False,
+            before_forward=replay.before_forward if replay is not None else None,
+        )
+    return StepResult(*_reduce_step(outputs, groups, metrics))
+
+
+def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens):
+    """Per-micro-batch loss: vocab-parallel log-probs, then the objective on its tokens."""
+    first_sample = [int(mb.sample_ids[0]) for mb in micro_batches]
+    by_first = {s: i for i, s in enumerate(first_sample)}
+
+    def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
+        samples = mb.sample_ids
+        lo, hi = int(cu_S1[samples[0]]), int(cu_S1[samples[-1] + 1])
+        rows = _response_rows(mb, batch.prompt_lengths)
+        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
+        targets_T[:-1] = mb.tokens[0, 1:]
+        logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
+            logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens,
+            entropy_requires_grad=objective.entropy_coef > 0,
+        )
+        local_cu = cu_S1[samples[0] : samples[-1] + 2] - lo
+
+        def part(t):
+            return None if t is None else t[lo:hi]
+
+        loss, metrics = policy_loss(
+            objective,
+            logprobs_T=logprobs_T,
+            old_logprobs_T=batch.old_logprobs_T[lo:hi],
+            advantages_T=batch.advantages_T[lo:hi],
+            loss_mask_T=kept_T[lo:hi],
+            seq_ids_T=seq_ids_from_cu_seqlens(local_cu),
+            num_seqs=len(samples),
+            rollout_logprobs_T=part(batch.rollout_logprobs_T),
+            ref_logprobs_T=part(batch.ref_logprobs_T),
+            entropy_T=entropy_T,
+            rspo_gamma_T=part(gamma_T),
+            truncated_S=None if batch.truncated_S is None else batch.truncated_S[samples],
+            global_num_tokens=counts[0],
+            global_num_seqs=counts[1],
+            apply_filters=False,
+        )
+        metrics = {**metrics, "loss": loss.detach(), "micro_batch": torch.tensor(by_first[int(samples[0])])}
+        # Count 0: the objective already divided by the global count; Megatron must not again.
+        return loss, torch.tensor(0, dtype=torch.int), metrics
+
+    return loss_fn
+
+
+def _reduce_step(outputs: list[dict], groups: ParallelGroups, metrics: dict) -> tuple[torch.Tensor, dict]:
+    """Global loss and step metrics, identical on every rank.
+
+    Objective metrics are averaged over micro-batches and data-parallel ranks (each
+    micro-batch's fractions are over its own kept tokens).
+    """
+    names = sorted({k for o in outputs for k in o if k not in ("loss", "micro_batch")})
+    if groups.pp_size > 1:
+        # Only the last stage ran the loss; the others learn the metric names from it.
+        last = dist.get_global_rank(groups.pp, groups.pp_size - 1)
+        box = [names]
+        dist.broadcast_object_list(box, src=last, group=groups.pp)
+        names = box[0]
+    local = torch.zeros(2 + len(names), dtype=torch.float64)
+    if groups.is_last_stage and outputs:
+        local[0] = sum(o["loss"].double() for o in outputs)
+        local[1] = len(outputs)
+        for i, name in enumerate(names):
+            local[2 + i] = sum(o[name].double() for o in outputs if name in o)
+    if groups.pp_size > 1:
+        dist.broadcast(local, src=last, group=groups.pp)
+    if groups.dp_size > 1:
+        dist.all_reduce(local, group=groups.dp)
+    count = local[1].clamp_min(1)
+    step_metrics = {f"objective/{n}": (local[2 + i] / count).float() for i, n in enumerate(names)}
+    step_metrics.update(metrics)
+    step_metrics["loss"] = local[0].float()
+    return local[0].float(), step_metrics

@@ -1,0 +1,269 @@
+"""Routing replay (R2, R3), RSPO router-shift weights and the parallel training step.
+
+The single-process world checks replay and RSPO semantics against independent
+computations from hooked router logits; every layout world (TP2+SP, EP2, PP2,
+TP2+SP x EP2) then runs one training step per routing plan (none, R2, R3) with the RSPO
+objective and must reproduce the single-process loss and gradients (1e-5 relative).
+"""
+
+import functools
+
+import pytest
+import torch
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.parallel.layout_check import random_sequences, relative_error
+from megatron_rl.parallel.world import run_world
+
+pytestmark = pytest.mark.parallel
+
+MODEL = ModelConfig(vocab_size=256, num_layers=4, num_experts=8, moe_router_topk=2)
+SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=6, max_len=30, seed=1)
+PROMPTS = [max(1, len(s) // 3) for s in SEQUENCES]
+PLANS = ("none", "R2", "R3")
+LAYOUTS = {
+    "TP2+SP": (ParallelConfig(tensor_model_parallel_size=2), 2),
+    "EP2": (ParallelConfig(expert_model_parallel_size=2), 2),
+    "PP2": (ParallelConfig(pipeline_model_parallel_size=2), 2),
+    "TP2+SP x EP2": (ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2), 4),
+}
+
+
+def _advantages(sample: int) -> torch.Tensor:
+    n = SEQUENCES[sample].numel() - PROMPTS[sample]
+    return torch.randn(n, generator=torch.Generator().manual_seed(50 + sample))
+
+
+def _rollout_routes(sample: int) -> torch.Tensor:
+    """Arbitrary valid experts per position in SGLang's layout [len - 1, L, K] (int32)."""
+    gen = torch.Generator().manual_seed(1000 + sample)
+    n = SEQUENCES[sample].numel() - 1
+    scores = torch.rand(n, MODEL.num_layers, MODEL.num_experts, generator=gen)
+    return scores.topk(MODEL.moe_router_topk, dim=-1).indices.to(torch.int32)
+
+
+def _perturb_routers(model, scale=0.05):
+    """Deterministic router change, identical in every layout (routers are replicated)."""
+    for layer in model.decoder.layers:
+        gen = torch.Generator().manual_seed(100 + layer.layer_number)
+        weight = layer.mlp.router.weight
+        weight.data += scale * torch.randn(weight.shape, generator=gen) * weight.data.std()
+
+
+def _build(parallel, checkpoint, save, **overrides):
+    from megatron_rl.parallel.checkpoint import load_model, save_model
+    from megatron_rl.parallel.model import build_model
+    from megatron_rl.parallel.schedule import wrap_for_training
+
+    model = build_model(MODEL, parallel, moe_enable_routing_replay=True, **overrides)
+    (save_model if save else load_model)(model, checkpoint)
+    return model, wrap_for_training(model)
+
+
+def _step_all_plans(model, ddp, groups, mine, old):
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+
+    out = {}
+    for mode in PLANS:
+        batch = TrainBatch(
+            sequences=[SEQUENCES[i] for i in mine],
+            prompt_lengths=[PROMPTS[i] for i in mine],
+            old_logprobs_T=old.logprobs_T,
+            advantages_T=torch.cat([_advantages(i) for i in mine]),
+            old_record=old.record,
+            rollout_routes=[_rollout_routes(i) for i in mine],
+        )
+        result = forward_backward(ddp, groups, batch, get_preset("rspo"), RoutingPlan(mode=mode),
+                                  micro_batch_sequences=2)
+        grads = {f"router.{l.layer_number}": l.mlp.router.weight.main_grad.clone() for l in model.decoder.layers}
+        out[mode] = {
+            "loss": float(result.loss),
+            "metrics": {k: float(v) for k, v in result.metrics.items()},
+            "grads": grads if groups.tp_rank == 0 else {},
+        }
+    return out
+
+
+def layout_step_worker(parallel, checkpoint):
+    from megatron_rl.parallel.cpu_platform import cpu_platform
+    from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.logprobs import compute_logprobs
+
+    with cpu_platform(), model_parallel(parallel, seed=1234) as groups:
+        model, ddp = _build(parallel, checkpoint, save=False)
+        mine = list(range(groups.dp_rank, len(SEQUENCES), groups.dp_size))
+        old = compute_logprobs(ddp, groups, [SEQUENCES[i] for i in mine], [PROMPTS[i] for i in mine],
+                               micro_batch_sequences=2, record_routing=True)
+        _perturb_routers(model)
+        return _step_all_plans(model, ddp, groups, mine, old)
+
+
+def _hook_router_logits(model):
+    logits, hooks = {}, []
+    for layer in model.decoder.layers:
+        def hook(module, inputs, output, number=layer.layer_number):
+            hidden = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+            logits.setdefault(number, []).append(hidden @ module.weight.double().t())
+
+        hooks.append(layer.mlp.router.register_forward_hook(hook))
+    return logits, hooks
+
+
+def _real_rows(calls, micro_batch_tokens):
+    return torch.cat([c[:n] for c, n in zip(calls, micro_batch_tokens)])
+
+
+def reference_worker(checkpoint):
+    """Single process: semantics checks, then the reference step of every plan."""
+    from megatron_rl.parallel.cpu_platform import cpu_platform
+    from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.logprobs import compute_logprobs
+
+    parallel = ParallelConfig()
+    mb_tokens = [sum(s.numel() for s in SEQUENCES[i : i + 2]) for i in range(0, len(SEQUENCES), 2)]
+    numbers = tuple(range(1, MODEL.num_layers + 1))
+    out = {}
+    with cpu_platform(), model_parallel(parallel, seed=1234) as groups:
+        model, ddp = _build(parallel, checkpoint, save=True)
+        run = functools.partial(compute_logprobs, ddp, groups, SEQUENCES, PROMPTS, micro_batch_sequences=2)
+        old = run(record_routing=True)
+        ids = old.record.expert_ids_TLK
+
+        # R2 with unchanged weights: same log-probs; RSPO gamma exactly 1.
+        same = run(replay_ids_TLK=ids, replay_layer_numbers=numbers, old_record=old.record)
+        out["r2_unchanged_logprob_err"] = float((same.logprobs_T - old.logprobs_T).abs().max())
+        out["gamma_unchanged_is_one"] = bool((same.rspo_gamma_T == 1).all())
+        out["agreement_unchanged"] = float(same.routing_metrics["routing/replay_agreement"])
+
+        _perturb_routers(model)
+        natural = run(record_routing=True)
+        out["natural_changed_frac"] = float((natural.record.expert_ids_TLK != ids).any(-1).float().mean())
+
+        # R2 after the perturbation: dispatch still equals the record; agreement drops.
+        logits, hooks = _hook_router_logits(model)
+        r2 = run(record_routing=True, replay_ids_TLK=ids, replay_layer_numbers=numbers, old_record=old.record)
+        for handle in hooks:
+            handle.remove()
+        out["r2_dispatch_equals_record"] = torch.equal(r2.record.expert_ids_TLK.sort(-1).values, ids.sort(-1).values)
+        out["r2_agreement"] = float(r2.routing_metrics["routing/replay_agreement"])
+
+        # RSPO gamma against an independent per-token computation from hooked router logits.
+        shift = torch.zeros(ids.shape[0], dtype=torch.float64)
+        for col, number in enumerate(numbers):
+            log_p = torch.log_softmax(_real_rows(logits[number], mb_tokens), dim=-1)
+            current = log_p.gather(1, ids[:, col].long())
+            shift += (current - old.record.probs_TLK[:, col].double().log()).abs().mean(-1)
+        gamma_all = torch.exp(-shift / len(numbers))
+        rows = torch.cat([torch.arange(int(old.record.cu_seqlens_S1[i]) + p - 1, int(old.record.cu_seqlens_S1[i + 1]) - 1)
+                          for i, p in enumerate(PROMPTS)])
+        out["gamma_err"] = float((r2.rspo_gamma_T.double() - gamma_all[rows]).abs().max())
+        out["gamma_below_one"] = float(r2.rspo_gamma_T.min())
+        out["gamma_requires_grad"] = r2.rspo_gamma_T.requires_grad
+
+        # R3: arbitrary ids are dispatched exactly; gates = softmax restricted to them.
+        routes = torch.cat([torch.cat([_rollout_routes(i), _rollout_routes(i)[-1:]]) for i in range(len(SEQUENCES))])
+        logits, hooks = _hook_router_logits(model)
+        r3 = run(record_routing=True, replay_ids_TLK=routes, replay_layer_numbers=numbers)
+        for handle in hooks:
+            handle.remove()
+        out["r3_dispatch_equals_routes"] = torch.equal(
+            r3.record.expert_ids_TLK.long().sort(-1).values, routes.long().sort(-1).values)
+        gate_err = 0.0
+        for col, number in enumerate(numbers):
+            real = _real_rows(logits[number], mb_tokens)
+            chosen = r3.record.expert_ids_TLK[:, col].long()
+            expected = torch.softmax(real.gather(1, chosen), dim=-1)
+            gate_err = max(gate_err, float((r3.record.gates_TLK[:, col].double() - expected).abs().max()))
+        out["r3_gate_err"] = gate_err
+
+        out["steps"] = _step_all_plans(model, ddp, groups, list(range(len(SEQUENCES))), old)
+
+        # Activation recomputation replays the same experts in the backward recompute.
+        recompute_model, recompute_ddp = _build(
+            parallel, checkpoint, save=False,
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+        )
+        _perturb_routers(recompute_model)
+        out["recompute_steps"] = _step_all_plans(recompute_model, recompute_ddp, groups, list(range(len(SEQUENCES))), old)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("train") / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint_dir):
+    return run_world(reference_worker, 1, checkpoint_dir, timeout_s=400)[0]
+
+
+@pytest.fixture(scope="module")
+def layout(checkpoint_dir, reference):
+    @functools.cache
+    def run(name):
+        parallel, world = LAYOUTS[name]
+        per_rank = run_world(layout_step_worker, world, parallel, checkpoint_dir, timeout_s=400)
+        merged = {}
+        for mode in PLANS:
+            grads = {}
+            for rank in per_rank:
+                for key, value in rank[mode]["grads"].items():
+                    grads.setdefault(key, value)
+            merged[mode] = {"loss": [r[mode]["loss"] for r in per_rank], "grads": grads}
+        return merged
+
+    return run
+
+
+def test_r2_with_unchanged_weights_reproduces_the_recorded_pass(reference):
+    assert reference["r2_unchanged_logprob_err"] <= 1e-6
+    assert reference["agreement_unchanged"] == 1.0
+
+
+def test_rspo_gamma_is_one_with_unchanged_weights(reference):
+    assert reference["gamma_unchanged_is_one"]
+
+
+def test_r2_keeps_recorded_experts_after_router_change(reference):
+    assert reference["natural_changed_frac"] > 0.05, "the perturbation must change natural routing"
+    assert reference["r2_dispatch_equals_record"]
+    assert reference["r2_agreement"] < 1.0
+
+
+def test_rspo_gamma_matches_independent_computation(reference):
+    assert reference["gamma_err"] <= 1e-6
+    assert reference["gamma_below_one"] < 1.0
+    assert reference["gamma_requires_grad"] is False
+
+
+def test_r3_dispatches_given_experts_with_restricted_softmax_gates(reference):
+    assert reference["r3_dispatch_equals_routes"]
+    assert reference["r3_gate_err"] <= 1e-6
+
+
+@pytest.mark.parametrize("mode", PLANS)
+def test_router_receives_gradient(reference, mode):
+    grads = reference["steps"][mode]["grads"]
+    assert all(g.abs().sum() > 0 for g in grads.values()), mode
+
+
+@pytest.mark.parametrize("mode", PLANS)
+def test_activation_recomputation_gives_the_same_step(reference, mode):
+    plain, recompute = reference["steps"][mode], reference["recompute_steps"][mode]
+    assert abs(plain["loss"] - recompute["loss"]) <= 1e-6 * max(1.0, abs(plain["loss"]))
+    for key, grad in plain["grads"].items():
+        assert relative_error(recompute["grads"][key], grad) <= 1e-5, (mode, key)
+
+
+@pytest.mark.parametrize("mode", PLANS)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_training_step_is_layout_invariant(name, mode, layout, reference):
+    ref = reference["steps"][mode]
+    got = layout(name)[mode]
+    for loss in got["loss"]:
+        assert abs(loss - ref["loss"]) <= 1e-5 * max(1e-3, abs(ref["loss"])), (name, mode, loss, ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, grad in ref["grads"].items():
+        assert relative_error(got["grads"][key], grad) <= 1e-5, (name, mode, key)
