@@ -114,6 +114,17 @@ def _split_sizes_as_ints(sizes: Any) -> list[int] | None:
     return [int(s) for s in sizes]
 
 
+def _clip_grad_by_total_norm_cpu(parameters, max_norm, total_norm, use_decoupled_grad=False):
+    """Megatron's clip-by-total-norm without its ``torch.cuda.FloatTensor`` assertion."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
+    clip_coeff = max_norm / (total_norm + 1.0e-6)
+    if grads and clip_coeff < 1.0:
+        torch._foreach_mul_(grads, clip_coeff)
+
+
 @dataclass
 class _Patcher:
     """Records (owner, name, old value) so every patch is undone in reverse order."""
@@ -176,6 +187,12 @@ def _patch_megatron(p: _Patcher) -> None:
         )
 
     p.set(dispatcher, "all_to_all", all_to_all_with_int_splits)
+
+    # Gradient clipping asserts CUDA fp32 grads (type string 'torch.cuda.FloatTensor').
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+    p.set(clip_grads, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu)
+    p.set(optimizer, "clip_grad_by_total_norm_fp32", _clip_grad_by_total_norm_cpu)
 
 
 _ACTIVE: list[bool] = []

@@ -12,6 +12,8 @@ PATCHED_TORCH_CUDA = ("current_device", "Stream", "Event", "current_stream", "st
 def _snapshot():
     import megatron.core.tensor_parallel.random as random
     import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as optimizer
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     return {
@@ -19,6 +21,8 @@ def _snapshot():
         "random._get_cuda_rng_state": random._get_cuda_rng_state,
         "random._set_cuda_rng_state": random._set_cuda_rng_state,
         "dispatcher.all_to_all": dispatcher.all_to_all,
+        "clip_grads.clip": clip_grads.clip_grad_by_total_norm_fp32,
+        "optimizer.clip": optimizer.clip_grad_by_total_norm_fp32,
         "moe_utils.te_general_gemm": getattr(moe_utils, "te_general_gemm", "<absent>"),
     }
 

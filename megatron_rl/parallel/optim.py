@@ -1,0 +1,64 @@
+"""Megatron-Core's distributed optimizer setup for a DDP-wrapped model stage.
+
+Owns: the optimizer section of the run config and building Megatron's optimizer from it
+(a ``ChainedOptimizer`` over the dense and the expert parameters, gradient clipping over
+the right groups). On CPU it runs through the CPU platform layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer hyperparameters."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (AdamW-style decoupled weight decay) or SGD with momentum."""
+    lr: float = 1e-6
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.0
+    """SGD momentum."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):
+    """Megatron optimizer over a DDP-wrapped stage (``schedule.wrap_for_training``)."""
+    config = OptimizerConfig(
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_beta1,
+        adam_beta2=cfg.adam_beta2,
+        adam_eps=cfg.adam_eps,
+        sgd_momentum=cfg.sgd_momentum,
+        clip_grad=cfg.clip_grad,
+        bf16=model.config.bf16,
+        fp16=model.config.fp16,
+        params_dtype=model.config.params_dtype,
+        use_distributed_optimizer=False,
+    )
+    return get_megatron_optimizer(config, [model])
+
+
+def optimizer_step(optimizer) -> dict[str, torch.Tensor]:
+    """Apply the reduced gradients; returns ``optim/grad_norm`` and ``optim/skipped``."""
+    ok, grad_norm, _ = optimizer.step()
+    return {
+        "optim/grad_norm": torch.tensor(float(grad_norm if grad_norm is not None else 0.0)),
+        "optim/skipped": torch.tensor(0.0 if ok else 1.0),
+    }
