@@ -1,0 +1,59 @@
+"""Pure-torch RL policy objectives on packed token batches.
+
+Tensors and floats in, tensors out: no ``torch.distributed``, no Megatron, no I/O, no
+``.item()`` inside a loss. Typical use::
+
+    cfg = get_preset("dapo")                       # or get_preset("gspo", stapo_tau_p=0.002)
+    adv_T = compute_advantages(cfg, rewards_S=..., group_ids_S=..., seq_ids_T=...,
+                               loss_mask_T=..., num_groups=G)
+    loss, metrics = policy_loss(cfg, logprobs_T=..., old_logprobs_T=..., advantages_T=adv_T,
+                                loss_mask_T=..., seq_ids_T=..., num_seqs=S)
+
+Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``loss`` (entry point),
+``surrogate`` (ratio units and gates), ``weights`` (RSPO, TIS/MIS/IcePop), ``masks``
+(overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``shaping``,
+``segments`` (packed-axis kernels), ``validation``.
+"""
+
+from megatron_rl.algos.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    dr_grpo_advantages_S,
+    grpo_advantages_S,
+    masked_whiten_T,
+    rloo_advantages_S,
+    token_returns_T,
+)
+from megatron_rl.algos.aggregation import aggregate_loss, kept_counts
+from megatron_rl.algos.config import ObjectiveConfig, ObjectiveConfigError
+from megatron_rl.algos.kl import kl_estimate_T, kl_reward_penalty_T
+from megatron_rl.algos.loss import policy_loss
+from megatron_rl.algos.masks import build_loss_mask
+from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
+from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
+from megatron_rl.algos.shaping import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from megatron_rl.algos.validation import InputError
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "OBJECTIVE_PRESETS",
+    "InputError",
+    "ObjectiveConfig",
+    "ObjectiveConfigError",
+    "aggregate_loss",
+    "build_loss_mask",
+    "compute_advantages",
+    "dr_grpo_advantages_S",
+    "dynamic_sampling_keep_S",
+    "get_preset",
+    "grpo_advantages_S",
+    "kept_counts",
+    "kl_estimate_T",
+    "kl_reward_penalty_T",
+    "masked_whiten_T",
+    "policy_loss",
+    "rloo_advantages_S",
+    "seq_ids_from_cu_seqlens",
+    "soft_overlong_penalty_S",
+    "token_returns_T",
+]
