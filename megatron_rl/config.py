@@ -113,13 +113,110 @@ class ParallelConfig:
 
 
 @dataclass(kw_only=True)
+class OptimConfig:
+    """Optimizer hyperparameters (Megatron-Core's optimizer)."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (decoupled weight decay) or SGD with momentum."""
+    lr: float = 1e-6
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    sgd_momentum: float = 0.0
+    """SGD momentum."""
+    clip_grad: float = 1.0
+    """Clip the global gradient norm to this (0 disables)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How responses are sampled each step."""
+
+    engine: Literal["embedded", "sglang"] = "embedded"
+    """embedded: the training model generates in-process; sglang: SGLang servers."""
+    group_size: int = 8
+    """Responses per prompt (G)."""
+    prompts_per_step: int = 16
+    """Groups per training step (over all data-parallel ranks)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = 8
+    """Longest response."""
+    return_routed_experts: bool = True
+    """Ask the engine for routed experts (needed by R3 and routing diagnostics)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: draw at most this many rounds of prompts per step."""
+    eval_temperature: float = 0.0
+    """Held-out evaluation temperature (0: greedy)."""
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    """The RL loop."""
+
+    steps: int = 30
+    """RL steps (each: rollouts, old-policy pass, updates)."""
+    mini_batches: int = 1
+    """Policy updates per step (the step's groups split into this many mini-batches)."""
+    epochs: int = 1
+    """Passes over the step's mini-batches."""
+    micro_batch_sequences: int = 32
+    """Sequences packed per micro-batch."""
+    routing_replay: Literal["none", "R2", "R3"] = "R2"
+    """Routing plan during updates."""
+    routing_diagnostics: bool = True
+    """Measure replay agreement, flip rate and router shift each update (one extra forward)."""
+    eval_every: int = 5
+    """Held-out evaluation every N steps (and at the start and the end)."""
+    save_every: int = 10
+    """Checkpoint every N steps (and at the end)."""
+    run_dir: str = "runs/demo"
+    """Metrics, plots and checkpoints go here."""
+    resume: bool = True
+    """Continue from the latest checkpoint in run_dir when there is one."""
+    sft_steps: int = 0
+    """Supervised warm-start steps on the task before RL."""
+    sft_lr: float = 3e-3
+    """Warm-start learning rate (Adam)."""
+    sft_batch_size: int = 64
+    """Warm-start examples per step (over all data-parallel ranks)."""
+    progress: bool = True
+    """Show progress bars on rank 0."""
+
+
+GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+@dataclass(kw_only=True)
 class RunConfig:
-    """A whole run: model, layout and the seed; later sections add to this."""
+    """A whole run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model architecture."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollouts."""
+    train: TrainerConfig = field(default_factory=TrainerConfig)
+    """The RL loop."""
+    task: dict[str, Any] = field(default_factory=lambda: {"name": "addition"})
+    """Task: ``name`` plus that task's options (megatron_rl.rollout.tasks.TaskConfig)."""
+    reward: str = "exact_match"
+    """Reward function name (megatron_rl.rollout.tasks.REWARDS)."""
+    objective: dict[str, Any] = field(default_factory=lambda: {"preset": "grpo"})
+    """Objective: ``preset`` plus ObjectiveConfig overrides (megatron_rl.algos.presets)."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
 
@@ -245,10 +342,69 @@ def validate_layout(
         )
 
 
+def resolve_objective(cfg: RunConfig):
+    """The run's ``ObjectiveConfig`` (preset + overrides); errors name ``objective.<key>``."""
+    from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
+
+    options = dict(cfg.objective)
+    preset = options.pop("preset", None)
+    if preset not in OBJECTIVE_PRESETS.names():
+        raise ConfigError(
+            f"objective.preset: unknown objective {preset!r}; available: {sorted(OBJECTIVE_PRESETS.names())}"
+        )
+    try:
+        return get_preset(preset, **options)
+    except ValueError as err:
+        raise ConfigError(f"objective: {err}") from err
+
+
+def resolve_task_config(cfg: RunConfig):
+    """The run's ``TaskConfig``; errors name ``task.<key>``."""
+    from megatron_rl.rollout.tasks import TaskConfig
+
+    return from_dict(TaskConfig, dict(cfg.task), prefix="task")
+
+
+def validate_run(cfg: RunConfig) -> None:
+    """Rules across sections of an RL run (cheap: no model is built)."""
+    from megatron_rl.rollout.tasks import REWARDS, TASKS
+
+    objective = resolve_objective(cfg)
+    task = resolve_task_config(cfg)
+    if task.name not in TASKS.names():
+        raise ConfigError(f"task.name: unknown task {task.name!r}; available: {sorted(TASKS.names())}")
+    if cfg.reward not in REWARDS.names():
+        raise ConfigError(f"reward: unknown reward {cfg.reward!r}; available: {sorted(REWARDS.names())}")
+    r, t = cfg.rollout, cfg.train
+    _require(
+        not (objective.advantage in GROUP_RELATIVE_ADVANTAGES and r.group_size < 2),
+        "rollout.group_size",
+        f"the {objective.advantage!r} advantage is group-relative and needs a group size >= 2",
+    )
+    _require(r.group_size >= 1, "rollout.group_size", "must be >= 1")
+    _require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _require(r.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+    _require(
+        not (t.routing_replay == "R3" and not r.return_routed_experts),
+        "train.routing_replay",
+        "R3 replays the rollout engine's routes, but rollout.return_routed_experts is false",
+    )
+    _require(t.steps >= 0, "train.steps", "must be >= 0")
+    _require(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
+    _require(t.epochs >= 1, "train.epochs", "must be >= 1")
+    _require(t.eval_every >= 1, "train.eval_every", "must be >= 1")
+    _require(t.save_every >= 1, "train.save_every", "must be >= 1")
+    _require(t.micro_batch_sequences >= 1, "train.micro_batch_sequences", "must be >= 1")
+    _require(cfg.optim.lr > 0, "optim.lr", "must be > 0")
+
+
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Validate a whole run config; returns it for chaining."""
     validate_model(cfg.model)
     validate_layout(cfg.model, cfg.parallel, world_size)
+    validate_run(cfg)
     return cfg
 
 
@@ -288,6 +444,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping for section {annotation.__name__}")
         return from_dict(annotation, value, prefix=key)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
     if origin in (list, tuple, Sequence):
         (item_type, *_) = get_args(annotation) or (Any,)
         if not isinstance(value, (list, tuple)):

@@ -289,15 +289,20 @@ def _diagnostics(
     num_response = tensors["loss_mask_T"].bool().sum().clamp(min=1).double()
     metrics["mask/kept_frac"] = kept.count_S.sum().double() / num_response
     metrics.update(_kept_stats("ratio", surrogate.ratio_T, kept))
+    zero = torch.zeros((), dtype=torch.float64, device=kept.mask_T.device)
     for side, flags_T in (("low", surrogate.clip_low_T), ("high", surrogate.clip_high_T)):
-        metrics[f"clip/{side}_token_frac"] = _fraction(flags_T, kept)
-        seq_flagged_S = (
-            segment_sum(flags_T.to(kept.count_S.dtype), kept.seq_ids_T, kept.num_seqs) > 0
-        )
-        metrics[f"clip/{side}_seq_frac"] = (
-            seq_flagged_S.sum().double() / num_kept_seqs.clamp(min=1).double()
-        )
-    metrics["clip/dual_token_frac"] = _fraction(surrogate.dual_clip_T, kept)
+        # A gate without this bound never clips: skip the passes over the tokens.
+        token_frac = seq_frac = zero
+        if flags_T is not None:
+            token_frac = _fraction(flags_T, kept)
+            seq_flagged_S = segment_sum(
+                flags_T.to(kept.count_S.dtype), kept.seq_ids_T, kept.num_seqs
+            )
+            seq_frac = (seq_flagged_S > 0).sum().double() / num_kept_seqs.clamp(min=1).double()
+        metrics[f"clip/{side}_token_frac"] = token_frac
+        metrics[f"clip/{side}_seq_frac"] = seq_frac
+    dual_T = surrogate.dual_clip_T
+    metrics["clip/dual_token_frac"] = zero if dual_T is None else _fraction(dual_T, kept)
     if kl_T is not None:
         metrics.update(_kept_stats("kl", kl_T, kept))
     if tensors["entropy_T"] is not None:

@@ -60,12 +60,12 @@ class SurrogateOut:
     """[T] per-token loss (before token weights), 0 on masked tokens."""
     ratio_T: Tensor
     """[T] ratio the gate saw (sequence units: the sequence ratio), detached."""
-    clip_low_T: Tensor
-    """[T] bool: the lower bound is active (zero gradient for clip; weight raised for cispo)."""
-    clip_high_T: Tensor
-    """[T] bool: the upper bound is active."""
-    dual_clip_T: Tensor
-    """[T] bool: the dual-clip cap is active (A < 0, x > c)."""
+    clip_low_T: Tensor | None
+    """[T] bool: lower bound active (clip: zero gradient; cispo: weight raised); None: no bound."""
+    clip_high_T: Tensor | None
+    """[T] bool: the upper bound is active; None when the gate has no upper bound."""
+    dual_clip_T: Tensor | None
+    """[T] bool: the dual-clip cap is active (A < 0, x > c); None without dual clip."""
 
 
 def compute_surrogate(
@@ -92,11 +92,8 @@ def compute_surrogate(
     """
     adv_T = advantages_T.detach()
     if cfg.ratio_unit == "none":
-        no_flag_T = torch.zeros_like(kept.mask_T)
         loss_T = -adv_T * logprobs_T * kept.weight_T
-        return SurrogateOut(
-            loss_T, torch.ones_like(loss_T).detach(), no_flag_T, no_flag_T, no_flag_T
-        )
+        return SurrogateOut(loss_T, torch.ones_like(loss_T).detach(), None, None, None)
     # Masked log-ratios become 0 before exp, so no overflow there can reach a value or gradient.
     log_ratio_T = (logprobs_T - old_logprobs_T.detach()) * kept.weight_T
     rspo_before = log_gamma_T is not None and cfg.rspo_apply == "before_clip"
@@ -108,13 +105,11 @@ def compute_surrogate(
     else:
         ratio_T = _unit_ratio(cfg.ratio_unit, log_ratio_T, logprobs_T, kept)
         out = _GATES[cfg.gate](cfg, ratio_T, adv_T, logprobs_T)
-    return SurrogateOut(
-        out.loss_T * kept.weight_T,
-        out.ratio_T.detach(),
-        out.clip_low_T & kept.mask_T,
-        out.clip_high_T & kept.mask_T,
-        out.dual_clip_T & kept.mask_T,
-    )
+    flags = [
+        None if f is None else f & kept.mask_T
+        for f in (out.clip_low_T, out.clip_high_T, out.dual_clip_T)
+    ]
+    return SurrogateOut(out.loss_T * kept.weight_T, out.ratio_T.detach(), *flags)
 
 
 def _unit_ratio(unit: str, log_ratio_T: Tensor, logprobs_T: Tensor, kept: KeptTokens) -> Tensor:
@@ -145,9 +140,9 @@ def _geometric(
             neg_T = neg_T + log_gamma_T
         ratio_neg_T = kept.to_tokens(torch.exp(kept.seq_mean(neg_T)))
         ratio_T = torch.where(adv_T > 0, ratio_T, ratio_neg_T)
-    high_T = (adv_T > 0) & (log_ratio_T > cfg.eps_high) & clipping
-    low_T = (adv_T < 0) & (log_ratio_T < -cfg.eps_low) & clipping
-    return SurrogateOut(-adv_T * ratio_T, ratio_T, low_T, high_T, torch.zeros_like(high_T))
+    high_T = (adv_T > 0) & (log_ratio_T > cfg.eps_high) if clipping else None
+    low_T = (adv_T < 0) & (log_ratio_T < -cfg.eps_low) if clipping else None
+    return SurrogateOut(-adv_T * ratio_T, ratio_T, low_T, high_T, None)
 
 
 def _clip_gate(
@@ -155,7 +150,7 @@ def _clip_gate(
 ) -> SurrogateOut:
     lower, upper = 1.0 - cfg.eps_low, 1.0 + cfg.eps_high
     loss_T = torch.maximum(-adv_T * x_T, -adv_T * x_T.clamp(min=lower, max=upper))
-    dual_T = torch.zeros_like(adv_T, dtype=torch.bool)
+    dual_T = None
     if cfg.dual_clip_c is not None:
         loss_T = torch.where(adv_T < 0, torch.minimum(loss_T, -adv_T * cfg.dual_clip_c), loss_T)
         dual_T = (adv_T < 0) & (x_T > cfg.dual_clip_c)
@@ -170,8 +165,7 @@ def _soft_gate(
     # Scalars become tensors of x's dtype: a float32 1.05 would not be the paper's tau_neg.
     tau_T = torch.where(adv_T > 0, x_T.new_tensor(cfg.tau_pos), x_T.new_tensor(cfg.tau_neg))
     gate_T = torch.sigmoid(tau_T * (x_T - 1.0)) * (4.0 / tau_T)
-    no_flag_T = torch.zeros_like(adv_T, dtype=torch.bool)
-    return SurrogateOut(-adv_T * gate_T, x_T, no_flag_T, no_flag_T, no_flag_T)
+    return SurrogateOut(-adv_T * gate_T, x_T, None, None, None)
 
 
 def _cispo_gate(
@@ -186,13 +180,12 @@ def _cispo_gate(
             (adv_T < 0) & (x_T < 1.0 - cfg.eps_low)
         )
         loss_T = torch.where(outside_T, torch.zeros_like(loss_T), loss_T)
-    low_T = x_T < lower if lower is not None else torch.zeros_like(adv_T, dtype=torch.bool)
-    return SurrogateOut(loss_T, x_T, low_T, x_T > upper, torch.zeros_like(low_T))
+    low_T = x_T < lower if lower is not None else None
+    return SurrogateOut(loss_T, x_T, low_T, x_T > upper, None)
 
 
 def _no_gate(cfg: ObjectiveConfig, x_T: Tensor, adv_T: Tensor, logprobs_T: Tensor) -> SurrogateOut:
-    no_flag_T = torch.zeros_like(adv_T, dtype=torch.bool)
-    return SurrogateOut(-adv_T * x_T, x_T, no_flag_T, no_flag_T, no_flag_T)
+    return SurrogateOut(-adv_T * x_T, x_T, None, None, None)
 
 
 _GATES = {"clip": _clip_gate, "soft": _soft_gate, "cispo": _cispo_gate, "none": _no_gate}

@@ -1,39 +1,16 @@
 """Megatron-Core's distributed optimizer setup for a DDP-wrapped model stage.
 
-Owns: the optimizer section of the run config and building Megatron's optimizer from it
+Owns: building Megatron's optimizer from the run's ``OptimConfig``
 (a ``ChainedOptimizer`` over the dense and the expert parameters, gradient clipping over
 the right groups). On CPU it runs through the CPU platform layer.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """Optimizer hyperparameters."""
-
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Adam (AdamW-style decoupled weight decay) or SGD with momentum."""
-    lr: float = 1e-6
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    sgd_momentum: float = 0.0
-    """SGD momentum."""
-    clip_grad: float = 1.0
-    """Clip the global gradient norm to this (0 disables)."""
+from megatron_rl.config import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):

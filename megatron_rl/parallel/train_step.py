@@ -71,6 +71,30 @@ class TrainBatch:
     rollout_routes: list[torch.Tensor] | None = None
     """R3: per sample the rollout engine's experts ``[len_s - 1, L, K]`` (SGLang layout)."""
 
+    def select(self, indices: list[int]) -> "TrainBatch":
+        """The mini-batch made of the given samples (per-token tensors follow)."""
+        lengths = [int(self.sequences[i].numel()) - self.prompt_lengths[i] for i in range(len(self.sequences))]
+        starts = [0]
+        for n in lengths:
+            starts.append(starts[-1] + n)
+        rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in indices])
+
+        def tokens(t):
+            return None if t is None else t[rows]
+
+        return TrainBatch(
+            sequences=[self.sequences[i] for i in indices],
+            prompt_lengths=[self.prompt_lengths[i] for i in indices],
+            old_logprobs_T=self.old_logprobs_T[rows],
+            advantages_T=self.advantages_T[rows],
+            loss_mask_T=tokens(self.loss_mask_T),
+            rollout_logprobs_T=tokens(self.rollout_logprobs_T),
+            ref_logprobs_T=tokens(self.ref_logprobs_T),
+            truncated_S=None if self.truncated_S is None else self.truncated_S[indices],
+            old_record=None if self.old_record is None else self.old_record.select_samples(indices),
+            rollout_routes=None if self.rollout_routes is None else [self.rollout_routes[i] for i in indices],
+        )
+
 
 @dataclass
 class RoutingPlan:

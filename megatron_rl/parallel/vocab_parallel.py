@@ -6,7 +6,8 @@ log-probability of each token's target id and the entropy of each token's full n
 distribution, forward and backward. It never gathers the vocabulary and never holds an fp32
 copy of all logits: tokens go through in chunks of ``chunk_tokens``, and the only
 temporaries that scale with the vocabulary are fp32 ``[C, V_local]`` buffers, at most two at
-a time (one when the entropy is neither computed in forward nor differentiated in backward).
+a time (one when the entropy is neither computed in forward nor differentiated in backward),
+allocated once per call and reused by every chunk.
 The entropy needs ``exp(x)`` and ``x`` side by side; the one-buffer alternative,
 ``xlogy(e, e)`` in place, runs ~20x slower on CPU (no vectorized kernel), so it is not used.
 
@@ -100,7 +101,8 @@ class VocabParallelLogProbMath:
         max_C: torch.Tensor,
         local_ids_C: torch.Tensor,
         in_shard_C: torch.Tensor,
-        compute_entropy: bool,
+        scratch_CV: torch.Tensor,
+        entropy_scratch_CV: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This shard's share of the per-token statistics, packed for one SUM all-reduce.
 
@@ -109,21 +111,23 @@ class VocabParallelLogProbMath:
             max_C: global per-token max, shape [C], in the compute dtype.
             local_ids_C: targets as shard-local ids, shape [C] (see :meth:`local_targets`).
             in_shard_C: which targets this shard holds, shape [C] bool.
-            compute_entropy: whether to fill row 1 (otherwise it stays zero).
+            scratch_CV: buffer [C, V_local] in the compute dtype; overwritten.
+            entropy_scratch_CV: a second such buffer, or ``None`` to skip the entropy term
+                (row 1 is then zero).
 
         Returns:
             Shape [3, C] in ``max_C``'s dtype: row 0 ``sum_v exp(z_v - m)``, row 1
             ``sum_v exp(z_v - m) (z_v - m)``, row 2 the target's logit (0 where another
             shard holds the target). Summed over shards, each row is the full-vocabulary value.
         """
-        shifted_CV = logits_CV.to(max_C.dtype, copy=True).sub_(max_C[:, None])
-        if not compute_entropy:
+        shifted_CV = scratch_CV.copy_(logits_CV).sub_(max_C[:, None])
+        if entropy_scratch_CV is None:
             sum_exp_C = shifted_CV.exp_().sum(dim=-1)
             weighted_C = torch.zeros_like(sum_exp_C)
         else:
             # Keeps 0 * (z - m) at 0, not nan, for logits at -inf (masked vocabulary entries).
             shifted_CV.clamp_min_(_EXP_UNDERFLOW)
-            exp_CV = torch.exp(shifted_CV)  # the second [C, V_local] temporary
+            exp_CV = torch.exp(shifted_CV, out=entropy_scratch_CV)
             sum_exp_C = exp_CV.sum(dim=-1)
             weighted_C = exp_CV.mul_(shifted_CV).sum(dim=-1)
         target_logit_C = logits_CV.gather(1, local_ids_C[:, None]).squeeze(1).to(max_C.dtype)
@@ -157,8 +161,10 @@ class VocabParallelLogProbMath:
         local_ids_C: torch.Tensor,
         in_shard_C: torch.Tensor,
         grad_logprobs_C: torch.Tensor,
+        scratch_CV: torch.Tensor,
         entropy_C: torch.Tensor | None = None,
         grad_entropy_C: torch.Tensor | None = None,
+        entropy_scratch_CV: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Gradient of the chunk's logits: ``g_lp (onehot - p) - g_H p (log p + H)``.
 
@@ -168,20 +174,24 @@ class VocabParallelLogProbMath:
             local_ids_C: targets as shard-local ids, shape [C].
             in_shard_C: which targets this shard holds, shape [C] bool.
             grad_logprobs_C: upstream gradient of the log-probs, shape [C].
-            entropy_C: per-token entropy, shape [C]; needed only with ``grad_entropy_C``.
+            scratch_CV: buffer [C, V_local] in the compute dtype; overwritten (it may be the
+                gradient's own storage when the logits are in the compute dtype).
+            entropy_C: per-token entropy, shape [C]; only with ``grad_entropy_C``.
             grad_entropy_C: upstream gradient of the entropy, shape [C], or ``None`` to skip
-                the entropy term (and its second temporary).
+                the entropy term.
+            entropy_scratch_CV: a second buffer like ``scratch_CV``; only with
+                ``grad_entropy_C``.
 
         Returns:
-            Shape [C, V_local] in ``lse_C``'s dtype.
+            The gradient, shape [C, V_local] in the compute dtype, in one of the scratch buffers.
         """
-        log_probs_CV = logits_CV.to(lse_C.dtype, copy=True).sub_(lse_C[:, None])
+        log_probs_CV = scratch_CV.copy_(logits_CV).sub_(lse_C[:, None])
         if grad_entropy_C is None:
             grad_CV = log_probs_CV.exp_().mul_(-grad_logprobs_C[:, None])
         else:
             # -p (g_lp + g_H (log p + H)); the clamp keeps p * log p at 0, not nan, where p = 0.
             log_probs_CV.clamp_min_(_EXP_UNDERFLOW)
-            probs_CV = torch.exp(log_probs_CV)  # the second [C, V_local] temporary
+            probs_CV = torch.exp(log_probs_CV, out=entropy_scratch_CV)
             scale_C = grad_logprobs_C + grad_entropy_C * entropy_C
             factor_CV = log_probs_CV.mul_(-grad_entropy_C[:, None]).sub_(scale_C[:, None])
             grad_CV = probs_CV.mul_(factor_CV)
@@ -190,6 +200,15 @@ class VocabParallelLogProbMath:
             (rows, local_ids_C[rows]), grad_logprobs_C[rows].to(grad_CV.dtype), accumulate=True
         )
         return grad_CV
+
+
+def _scratch(
+    num_buffers: int, num_tokens: int, chunk_tokens: int, like_TV: torch.Tensor, dtype
+) -> list[torch.Tensor]:
+    """Chunk buffers [min(chunk, T), V_local], allocated once per call and reused by every
+    chunk: a fresh allocation per chunk costs page faults and zeroing on CPU."""
+    rows = min(chunk_tokens, num_tokens)
+    return [like_TV.new_empty((rows, like_TV.shape[1]), dtype=dtype) for _ in range(num_buffers)]
 
 
 def _group_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -219,6 +238,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logprobs_T = logits_TV.new_empty(num_tokens, dtype=dtype)
         lse_T = logits_TV.new_empty(num_tokens, dtype=dtype)
         entropy_T = logits_TV.new_empty(num_tokens if compute_entropy else 0, dtype=dtype)
+        num_buffers = 2 if compute_entropy else 1
+        scratch = _scratch(num_buffers, num_tokens, chunk_tokens, logits_TV, dtype)
         for start in range(0, num_tokens, chunk_tokens):
             chunk = slice(start, min(start + chunk_tokens, num_tokens))
             logits_CV = logits_TV[chunk]
@@ -226,8 +247,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             max_C = math.chunk_max(logits_CV, dtype)
             if tp_size > 1:
                 dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=tp_group)
+            buffers = [buf[: chunk.stop - start] for buf in scratch]
             stats_3C = math.chunk_partial_stats(
-                logits_CV, max_C, local_ids_C, in_shard_C, compute_entropy
+                logits_CV, max_C, local_ids_C, in_shard_C, *buffers
             )
             if tp_size > 1:
                 dist.all_reduce(stats_3C, op=dist.ReduceOp.SUM, group=tp_group)
@@ -236,6 +258,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             lse_T[chunk] = lse_C
             if compute_entropy:
                 entropy_T[chunk] = entropy_C
+        del scratch
 
         ctx.chunk_tokens = chunk_tokens
         ctx.vocab_start = vocab_start
@@ -253,26 +276,38 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         logits_TV, targets_T, lse_T, entropy_T = ctx.saved_tensors
         num_tokens, v_local = logits_TV.shape
         grad_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
+        dtype = lse_T.dtype
+        # Logits in the compute dtype (fp32, fp64): each chunk's own gradient rows serve as
+        # its first scratch buffer, which saves a buffer and a copy.
+        reuse_grad = grad_TV.dtype == dtype
+        num_buffers = int(not reuse_grad) + int(ctx.entropy_grad)
+        scratch = _scratch(num_buffers, num_tokens, ctx.chunk_tokens, logits_TV, dtype)
         for start in range(0, num_tokens, ctx.chunk_tokens):
             chunk = slice(start, min(start + ctx.chunk_tokens, num_tokens))
-            local_ids_C, in_shard_C = math.local_targets(
-                targets_T[chunk], ctx.vocab_start, v_local
-            )
+            grad_CV = grad_TV[chunk]
+            buffers = [grad_CV] if reuse_grad else []
+            buffers += [buf[: chunk.stop - start] for buf in scratch]
             entropy_terms = {}
             if ctx.entropy_grad:
                 entropy_terms = {
                     "entropy_C": entropy_T[chunk],
                     "grad_entropy_C": grad_entropy_T[chunk],
+                    "entropy_scratch_CV": buffers[1],
                 }
-            # copy_ casts the [C, V_local] compute-dtype gradient back to the logits' dtype.
-            grad_TV[chunk] = math.chunk_grad(
+            local_ids_C, in_shard_C = math.local_targets(
+                targets_T[chunk], ctx.vocab_start, v_local
+            )
+            result_CV = math.chunk_grad(
                 logits_TV[chunk],
                 lse_T[chunk],
                 local_ids_C,
                 in_shard_C,
                 grad_logprobs_T[chunk],
+                buffers[0],
                 **entropy_terms,
             )
+            if result_CV.data_ptr() != grad_CV.data_ptr():
+                grad_CV.copy_(result_CV)  # also casts back to the logits' dtype
         return grad_TV, None, None, None, None, None
 
 

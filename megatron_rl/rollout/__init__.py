@@ -1,0 +1,1 @@
+"""Rollout engines (embedded, SGLang), sampling, verifiable tasks and rewards."""

@@ -1,0 +1,149 @@
+"""The embedded rollout engine: generation with the training model, in-process.
+
+Shape legend: B prompts of this data-parallel rank, V vocabulary.
+
+Every rank of the world calls ``generate`` together (it runs the same Megatron schedules
+as training, so it works in every TP/EP/PP layout): each data-parallel rank generates for
+its own prompts. A decode step runs one forward-only pass over the packed sequences and
+takes the last position's vocab-sharded logits, gathering the vocabulary only for those B
+rows to sample. All ranks of a model-parallel group hold identical logits and the same
+counter-seeded generator, so they draw identical tokens with no extra communication; data
+parallel ranks keep stepping together until all of them are done, because expert dispatch
+is a collective across them.
+
+Decoding recomputes the whole prefix each step (no KV cache): right for the tiny CPU
+models this engine serves; GPU runs use SGLang. When generation ends, one more pass over
+the full sequences (the log-prob pass, with routing recorded) yields the response
+log-probs and the routed experts in SGLang's layout, so the trainer treats this engine
+and SGLang alike.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
+from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.schedule import run_schedule, unwrap
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.sampling import sample_next_tokens
+
+
+class EmbeddedEngine:
+    """Generate with the in-process Megatron policy.
+
+    Args:
+        model: this rank's model stage (the training model; its weights are served).
+        groups: this rank's parallel groups.
+        micro_batch_sequences: sequences per forward micro-batch.
+    """
+
+    def __init__(self, model: torch.nn.Module, groups: ParallelGroups, micro_batch_sequences: int = 32) -> None:
+        self.model = model
+        self.groups = groups
+        self.micro_batch_sequences = micro_batch_sequences
+        self.weight_version = 0
+
+    def update_weights(self, version: int) -> None:
+        """The engine shares the training model's parameters; only the version moves."""
+        self.weight_version = version
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        return_routed_experts: bool = True,
+        seed: int = 0,
+    ) -> list[RolloutSample]:
+        """One response per prompt, for this DP rank's prompts (a collective call).
+
+        Args:
+            prompts: token ids of each prompt.
+            params: sampling parameters.
+            return_routed_experts: also return SGLang-layout routes per sample.
+            seed: generator seed; combine the step and round into it for reproducibility.
+        """
+        gpt = unwrap(self.model)
+        longest = max(len(p) for p in prompts) + params.max_new_tokens
+        if longest > gpt.max_sequence_length:
+            raise ValueError(
+                f"prompt + max_new_tokens = {longest} exceeds the model's maximum sequence length "
+                f"{gpt.max_sequence_length} (rollout.max_new_tokens or model.max_position_embeddings)"
+            )
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + self.groups.dp_rank)
+        outputs: list[list[int]] = [[] for _ in prompts]
+        finished = [False] * len(prompts)
+        stops = set(params.stop_token_ids)
+        for _ in range(params.max_new_tokens):
+            if not self._any_active(finished):
+                break
+            sequences = [torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)]
+            logits_BV = self._last_logits(sequences)
+            tokens_B = sample_next_tokens(
+                logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+                generator=generator,
+            )
+            for i, token in enumerate(tokens_B.tolist()):
+                if not finished[i]:
+                    outputs[i].append(token)
+                    finished[i] = token in stops
+        return self._finish(prompts, outputs, finished, return_routed_experts)
+
+    def _any_active(self, finished: list[bool]) -> bool:
+        active = torch.tensor([0 if all(finished) else 1], dtype=torch.int64)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(active, op=dist.ReduceOp.MAX, group=self.groups.dp)
+        return bool(active.item())
+
+    def _last_logits(self, sequences: list[torch.Tensor]) -> torch.Tensor:
+        """Full-vocabulary logits ``[B, V]`` of each sequence's last position, on every rank."""
+        groups = self.groups
+        micro_batches = pack_for_rank(sequences, groups, self.micro_batch_sequences)
+
+        def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
+            last_rows = mb.cu_seqlens[1:] - 1
+            local_BV = logits_1TV[0, last_rows].float()
+            if groups.tp_size > 1:
+                parts = [torch.empty_like(local_BV) for _ in range(groups.tp_size)]
+                dist.all_gather(parts, local_BV.contiguous(), group=groups.tp)
+                local_BV = torch.cat(parts, dim=-1)
+            return logits_1TV.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logits": local_BV}
+
+        with torch.no_grad():
+            outputs = run_schedule(self.model, micro_batches, loss_fn, forward_only=True)
+        vocab = unwrap(self.model).vocab_size
+        logits_BV = torch.empty(len(sequences), vocab, dtype=torch.float32)
+        if groups.is_last_stage:
+            logits_BV.copy_(torch.cat([o["logits"] for o in outputs]))
+        if groups.pp_size > 1:
+            dist.broadcast(logits_BV, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+        return logits_BV
+
+    def _finish(self, prompts, outputs, finished, return_routed_experts) -> list[RolloutSample]:
+        """Log-probs (and routes) of the generated tokens from one pass over full sequences."""
+        # A response needs at least one token for the log-prob pass; max_new_tokens >= 1.
+        sequences = [torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)]
+        result = compute_logprobs(
+            self.model, self.groups, sequences, [len(p) for p in prompts],
+            micro_batch_sequences=self.micro_batch_sequences, record_routing=return_routed_experts,
+        )
+        samples = []
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            lo, hi = int(result.cu_seqlens_S1[i]), int(result.cu_seqlens_S1[i + 1])
+            routes = result.record.sample(i).expert_ids_TLK[:-1] if result.record is not None else None
+            samples.append(
+                RolloutSample(
+                    prompt_ids=list(prompt),
+                    output_ids=list(output),
+                    output_logprobs=result.logprobs_T[lo:hi].clone(),
+                    finish_reason="stop" if finished[i] else "length",
+                    weight_version=self.weight_version,
+                    routed_experts=routes,
+                )
+            )
+        return samples

@@ -1,0 +1,405 @@
+"""Built-in verifiable tasks for the CPU demo: a character tokenizer, problems, rewards.
+
+Owns the :class:`CharTokenizer`, the :class:`Problem` record, the task section of the run
+config (:class:`TaskConfig`), the task registry ``TASKS`` ("addition", "reverse"), the
+reward registry ``REWARDS`` ("exact_match", "exact_match_signed") and :func:`score`, which
+turns sampled responses into one reward per sequence.
+
+It does not own generation (the rollout engine), reward shaping such as overlong
+penalties (``algos.shaping``), group filtering, or the check that the tokenizer fits the
+model's vocabulary (the trainer validates ``tokenizer.vocab_size <= model.vocab_size``).
+Pure Python and torch: no ``torch.distributed``, no Megatron.
+
+Each task is a finite space of problems indexed ``0 .. space_size - 1``. Problems are
+drawn without replacement with a seeded ``random.Random``, the held-out set first and the
+training set after it. So the two sets never overlap, and the held-out set depends only
+on the seed, its own size and the task knobs, never on how many training problems a run
+asks for. A problem's id is its index in the space: unique and stable across runs.
+
+Shape legend: S sequences (one response per problem passed to :func:`score`).
+"""
+
+from __future__ import annotations
+
+import abc
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rl.config import ConfigError
+from megatron_rl.registry import Registry
+
+DEFAULT_ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
+"""Characters of the built-in tokenizer, in id order after the special tokens."""
+
+_NUM_SPECIAL = 3
+_UNKNOWN_CHAR = "\ufffd"
+
+
+class CharTokenizer:
+    """Character-level tokenizer: ids 0-2 are special, then one id per alphabet character.
+
+    :meth:`encode` adds no special tokens: a :class:`Problem` prepends ``bos_id`` to its
+    prompt and :meth:`Task.sft_example` appends ``eos_id`` to the answer.
+
+    Args:
+        alphabet: The characters, taking ids 3, 4, ... in order; no repeats.
+
+    Raises:
+        ValueError: the alphabet is empty or repeats a character.
+    """
+
+    pad_id: int = 0
+    """Padding; never produced by :meth:`encode`, skipped by :meth:`decode`."""
+    bos_id: int = 1
+    """Beginning of sequence; starts every prompt."""
+    eos_id: int = 2
+    """End of sequence; ends every answer, and a response without it is truncated."""
+
+    def __init__(self, alphabet: str = DEFAULT_ALPHABET) -> None:
+        if not alphabet:
+            raise ValueError("tokenizer alphabet must be non-empty")
+        repeated = sorted({char for char in alphabet if alphabet.count(char) > 1})
+        if repeated:
+            raise ValueError(f"tokenizer alphabet repeats {''.join(repeated)!r}")
+        self.alphabet = alphabet
+        self._id_of = {char: i for i, char in enumerate(alphabet, start=_NUM_SPECIAL)}
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids in use (specials plus alphabet); the model's vocab must be >= this."""
+        return _NUM_SPECIAL + len(self.alphabet)
+
+    def encode(self, text: str) -> list[int]:
+        """Returns one id per character of ``text``, without special tokens.
+
+        Raises:
+            ValueError: a character is not in the alphabet; names it and its position.
+        """
+        ids = []
+        for position, char in enumerate(text):
+            token_id = self._id_of.get(char)
+            if token_id is None:
+                raise ValueError(
+                    f"character {char!r} at position {position} of {text!r} is not in the "
+                    f"tokenizer alphabet {self.alphabet!r}"
+                )
+            ids.append(token_id)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Returns the text up to the first ``eos_id``, skipping pad and bos.
+
+        The model's vocabulary is usually larger than this tokenizer's, so a sampled id
+        may have no character; it decodes to U+FFFD instead of raising, because a bad
+        sample must cost a reward, not the run.
+
+        Args:
+            ids: Token ids; ints or 0-dim tensors (a 1-D tensor iterates as those).
+        """
+        chars = []
+        for token in ids:
+            token_id = int(token)
+            if token_id == self.eos_id:
+                break
+            if token_id in (self.pad_id, self.bos_id):
+                continue
+            index = token_id - _NUM_SPECIAL
+            chars.append(self.alphabet[index] if 0 <= index < len(self.alphabet) else _UNKNOWN_CHAR)
+        return "".join(chars)
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size}, alphabet={self.alphabet!r})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Problem:
+    """One question with its single accepted answer."""
+
+    problem_id: int
+    """Index in the task's problem space: unique within the task, stable across runs."""
+    prompt_text: str
+    """The question, e.g. ``"17+25="``."""
+    answer_text: str
+    """The accepted response without the end-of-sequence token, e.g. ``"42"``."""
+    prompt_ids: tuple[int, ...]
+    """``bos_id`` then the prompt's character ids: what the policy is conditioned on."""
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """Which built-in task to train and evaluate on, and how many problems of it."""
+
+    name: str = "addition"
+    """Registered task name (``TASKS``): "addition" or "reverse"."""
+    num_train_prompts: int = 2000
+    """Problems for the supervised warm start and for RL."""
+    num_eval_prompts: int = 256
+    """Held-out problems for accuracy; never among the training problems."""
+    seed: int = 0
+    """Seed of the problem draw; separate from the run seed so the held-out set stays put."""
+    max_operand: int = 49
+    """addition: both operands are drawn from [0, max_operand]."""
+    min_digits: int = 2
+    """reverse: length of the shortest digit string."""
+    max_digits: int = 5
+    """reverse: length of the longest digit string."""
+
+
+class Task(abc.ABC):
+    """A finite space of problems with exact answers, split into train and held-out sets.
+
+    A subclass defines the space (:attr:`space_size`, :meth:`problem_text`) and the length
+    bounds, validating its own knobs before calling ``super().__init__``; this class draws
+    the two disjoint sets and builds the token ids.
+
+    Args:
+        cfg: The task section of the run config.
+
+    Attributes:
+        name: The registered task name.
+        tokenizer: The :class:`CharTokenizer` every prompt and answer is encoded with.
+        eval_prompts: Held-out problems, in draw order.
+        train_prompts: Training problems, in draw order; disjoint from ``eval_prompts``.
+
+    Raises:
+        ConfigError: a problem count is below 1, or together they exceed the space.
+    """
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        for key in ("num_train_prompts", "num_eval_prompts"):
+            if getattr(cfg, key) < 1:
+                raise ConfigError(f"task.{key}: must be >= 1, got {getattr(cfg, key)}")
+        needed = cfg.num_train_prompts + cfg.num_eval_prompts
+        if needed > self.space_size:
+            raise ConfigError(
+                f"task.num_train_prompts + task.num_eval_prompts: {needed} exceeds the "
+                f"{self.space_size} distinct problems of task {cfg.name!r}"
+            )
+        self.name = cfg.name
+        self.tokenizer = CharTokenizer()
+        rng = random.Random(cfg.seed)
+        # Drawn in one sequence, held-out first: disjoint by construction, and the held-out
+        # set is the same whatever the training-set size.
+        indices = _draw_distinct(self.space_size, needed, rng)
+        self.eval_prompts = [self._problem(i) for i in indices[: cfg.num_eval_prompts]]
+        self.train_prompts = [self._problem(i) for i in indices[cfg.num_eval_prompts :]]
+        # Distinct indices give distinct prompts only if problem_text is injective; a
+        # subclass that breaks this would leak held-out answers into training.
+        prompts = {p.prompt_text for p in self.eval_prompts + self.train_prompts}
+        if len(prompts) != needed:
+            raise AssertionError(f"task {self.name!r} maps different indices to one prompt")
+
+    @property
+    @abc.abstractmethod
+    def space_size(self) -> int:
+        """Number of distinct problems."""
+
+    @abc.abstractmethod
+    def problem_text(self, index: int) -> tuple[str, str]:
+        """Returns ``(prompt_text, answer_text)`` of problem ``index`` in ``[0, space_size)``."""
+
+    @property
+    @abc.abstractmethod
+    def max_prompt_chars(self) -> int:
+        """Longest prompt over the whole space, in characters."""
+
+    @property
+    @abc.abstractmethod
+    def max_answer_chars(self) -> int:
+        """Longest answer over the whole space, in characters."""
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """Longest prompt in tokens, including ``bos``."""
+        return 1 + self.max_prompt_chars
+
+    @property
+    def max_answer_tokens(self) -> int:
+        """Longest correct response in tokens, including ``eos``: the generation budget."""
+        return self.max_answer_chars + 1
+
+    def sft_example(self, problem: Problem) -> tuple[list[int], list[int]]:
+        """Returns ``(prompt_ids, answer_ids)`` for the supervised warm start.
+
+        ``prompt_ids`` starts with ``bos``; ``answer_ids`` is the answer followed by
+        ``eos``, so the model also learns to stop.
+        """
+        return list(problem.prompt_ids), self.tokenizer.encode(problem.answer_text) + [
+            self.tokenizer.eos_id
+        ]
+
+    def _problem(self, index: int) -> Problem:
+        prompt_text, answer_text = self.problem_text(index)
+        return Problem(
+            problem_id=index,
+            prompt_text=prompt_text,
+            answer_text=answer_text,
+            prompt_ids=(self.tokenizer.bos_id, *self.tokenizer.encode(prompt_text)),
+        )
+
+
+def _draw_distinct(space_size: int, count: int, rng: random.Random) -> list[int]:
+    """``count`` distinct indices in ``[0, space_size)``, in draw order."""
+    # One draw at a time with rejection, not random.sample: sample's draw sequence depends
+    # on the requested count, which would move the held-out set when the train set grows.
+    seen: set[int] = set()
+    order: list[int] = []
+    while len(order) < count:
+        index = rng.randrange(space_size)
+        if index not in seen:
+            seen.add(index)
+            order.append(index)
+    return order
+
+
+TASKS: Registry[type[Task]] = Registry("task")
+"""Task classes by name; :func:`build_task` looks ``TaskConfig.name`` up here."""
+
+
+@TASKS.register("addition")
+class AdditionTask(Task):
+    """``"a+b="`` -> ``"c"`` in decimal, with ``a, b`` in ``[0, max_operand]``, ``c = a + b``.
+
+    Index ``i`` is the ordered pair ``divmod(i, max_operand + 1)``, so ``"3+4="`` and
+    ``"4+3="`` are different problems.
+    """
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        if cfg.max_operand < 1:
+            raise ConfigError(f"task.max_operand: must be >= 1, got {cfg.max_operand}")
+        self.max_operand = cfg.max_operand
+        super().__init__(cfg)
+
+    @property
+    def space_size(self) -> int:
+        return (self.max_operand + 1) ** 2
+
+    def problem_text(self, index: int) -> tuple[str, str]:
+        a, b = divmod(index, self.max_operand + 1)
+        return f"{a}+{b}=", str(a + b)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return 2 * len(str(self.max_operand)) + len("+=")
+
+    @property
+    def max_answer_chars(self) -> int:
+        return len(str(2 * self.max_operand))
+
+
+@TASKS.register("reverse")
+class ReverseTask(Task):
+    """``"0123="`` -> ``"3210"``: reverse a digit string of ``min_digits..max_digits`` digits.
+
+    Leading zeros are allowed. Indices enumerate the strings by length, then by value.
+    """
+
+    def __init__(self, cfg: TaskConfig) -> None:
+        if not 1 <= cfg.min_digits <= cfg.max_digits:
+            raise ConfigError(
+                f"task.min_digits, task.max_digits: need 1 <= min_digits <= max_digits, "
+                f"got {cfg.min_digits}, {cfg.max_digits}"
+            )
+        self.min_digits = cfg.min_digits
+        self.max_digits = cfg.max_digits
+        super().__init__(cfg)
+
+    @property
+    def space_size(self) -> int:
+        return sum(10**n for n in range(self.min_digits, self.max_digits + 1))
+
+    def problem_text(self, index: int) -> tuple[str, str]:
+        for length in range(self.min_digits, self.max_digits + 1):
+            if index < 10**length:
+                digits = f"{index:0{length}d}"
+                return f"{digits}=", digits[::-1]
+            index -= 10**length
+        raise IndexError(f"problem index out of range for task {self.name!r}")
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.max_digits + len("=")
+
+    @property
+    def max_answer_chars(self) -> int:
+        return self.max_digits
+
+
+def build_task(cfg: TaskConfig) -> Task:
+    """Builds the task named ``cfg.name``.
+
+    Raises:
+        UnknownNameError: no such task; the message lists the registered ones.
+        ConfigError: a knob of the task is out of range.
+    """
+    return TASKS.get(cfg.name)(cfg)
+
+
+RewardFn = Callable[[Problem, Sequence[int], CharTokenizer], float]
+"""``reward_fn(problem, response_ids, tokenizer) -> reward``."""
+
+REWARDS: Registry[RewardFn] = Registry("reward")
+"""Reward functions by name; :func:`score` looks them up here."""
+
+
+def response_finished(response_ids: Sequence[int], tokenizer: CharTokenizer) -> bool:
+    """True when the response contains ``eos``; False marks a sample cut at the length limit."""
+    return any(int(token) == tokenizer.eos_id for token in response_ids)
+
+
+def is_correct(problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer) -> bool:
+    """Exact match: the response is finished and its ids before the first ``eos`` spell the answer.
+
+    Ids are compared rather than decoded text, so a stray pad, bos or out-of-alphabet id
+    inside the answer counts as wrong even though :meth:`CharTokenizer.decode` would hide
+    or replace it.
+    """
+    ids = [int(token) for token in response_ids]
+    if tokenizer.eos_id not in ids:
+        return False
+    return ids[: ids.index(tokenizer.eos_id)] == tokenizer.encode(problem.answer_text)
+
+
+@REWARDS.register("exact_match")
+def exact_match(problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer) -> float:
+    """1.0 for an exactly correct, finished response, else 0.0."""
+    return 1.0 if is_correct(problem, response_ids, tokenizer) else 0.0
+
+
+@REWARDS.register("exact_match_signed")
+def exact_match_signed(
+    problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer
+) -> float:
+    """+1.0 for an exactly correct, finished response, else -1.0 (DAPO's rule reward)."""
+    return 1.0 if is_correct(problem, response_ids, tokenizer) else -1.0
+
+
+def score(
+    task: Task,
+    problems: Sequence[Problem],
+    responses: Sequence[Sequence[int]],
+    reward_name: str = "exact_match",
+) -> torch.Tensor:
+    """Rewards of sampled responses.
+
+    Args:
+        task: Supplies the tokenizer.
+        problems: The problem each response answers; repeat a problem for each sample.
+        responses: Response token ids (without the prompt), one per problem.
+        reward_name: Registered reward function (``REWARDS``).
+
+    Returns:
+        ``rewards_S``: [S] float32.
+
+    Raises:
+        ValueError: ``problems`` and ``responses`` differ in length.
+        UnknownNameError: no such reward; the message lists the registered ones.
+    """
+    if len(problems) != len(responses):
+        raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
+    reward_fn = REWARDS.get(reward_name)
+    rewards = [reward_fn(p, r, task.tokenizer) for p, r in zip(problems, responses)]
+    return torch.tensor(rewards, dtype=torch.float32)

@@ -1,0 +1,1 @@
+"""The RL loop: trainer, metrics, checkpoints."""

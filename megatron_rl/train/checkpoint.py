@@ -1,0 +1,102 @@
+"""Save and resume the whole training state in Megatron's distributed checkpoint format.
+
+Layout of ``<run_dir>/checkpoints``::
+
+    step_000010/            Megatron distributed checkpoint: model + optimizer (any layout)
+    step_000010/trainer_state.json   step, data position, engine weight version, config
+    step_000010/rng/rank_00003.pt    each rank's torch RNG state
+    latest                  the name of the newest *complete* checkpoint
+
+A checkpoint directory counts only once ``latest`` names it, and ``latest`` is replaced
+atomically after every rank has finished writing, so a run killed mid-save resumes from
+the previous checkpoint and nothing half-written is ever read. The RL loop draws all its
+randomness from generators seeded by (seed, step, round), so step, data position and
+weights are enough to continue exactly; the RNG states are saved for anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_rl.parallel.schedule import unwrap
+
+
+@dataclass
+class TrainerState:
+    """Progress of the RL loop (what a resumed run needs besides the weights)."""
+
+    step: int
+    """Steps completed (0: after the warm start, before any RL step)."""
+    data_position: int
+    """Prompts consumed from the training order."""
+    weight_version: int
+    """Version of the weights the rollout engine serves."""
+
+
+def _checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint of a run, or None."""
+    pointer = _checkpoint_root(run_dir) / "latest"
+    if not pointer.exists():
+        return None
+    path = _checkpoint_root(run_dir) / pointer.read_text().strip()
+    if not (path / "trainer_state.json").exists():
+        raise RuntimeError(f"{pointer} names {path.name}, which has no trainer_state.json")
+    return path
+
+
+def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+    model_sd = unwrap(model).sharded_state_dict()
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+    return state
+
+
+def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict) -> Path:
+    """Collectively save model, optimizer, RNG and trainer state; then publish it."""
+    root = _checkpoint_root(run_dir)
+    path = root / f"step_{state.step:06d}"
+    rank = dist.get_rank()
+    if rank == 0:
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*"):
+            if stale.is_file():
+                stale.unlink()
+    dist.barrier()
+    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(path))
+    (path / "rng").mkdir(exist_ok=True)
+    torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
+    dist.barrier()
+    if rank == 0:
+        body = {"step": state.step, "data_position": state.data_position,
+                "weight_version": state.weight_version, "config": config}
+        (path / "trainer_state.json").write_text(json.dumps(body, indent=1))
+        tmp = root / "latest.tmp"
+        tmp.write_text(path.name)
+        os.replace(tmp, root / "latest")  # atomic: readers see the old or the new name
+    dist.barrier()
+    return path
+
+
+def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
+    """Collectively load a checkpoint (written under any layout) into model and optimizer."""
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+    unwrap(model).load_state_dict(loaded["model"], strict=False)
+    if optimizer is not None:
+        optimizer.load_state_dict(loaded["optimizer"])
+    rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    if rng.exists():
+        torch.set_rng_state(torch.load(rng)["torch"])
+    body = json.loads((path / "trainer_state.json").read_text())
+    return TrainerState(step=body["step"], data_position=body["data_position"], weight_version=body["weight_version"])

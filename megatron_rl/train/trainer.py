@@ -1,0 +1,320 @@
+"""The RL loop: rollouts -> rewards -> dynamic sampling -> old-policy pass -> advantages
+-> updates under the routing plan -> engine refresh -> evaluation -> checkpoint.
+
+Runs on every rank of the world inside ``model_parallel`` (and the CPU platform when there
+is no GPU). Each data-parallel rank owns whole groups (all G responses of a prompt), so
+group advantages need no communication; losses are normalized over the global batch.
+Everything random is drawn from generators seeded by (seed, step, round), and the data
+order by (seed, epoch), so a resumed run continues exactly as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+
+from megatron_rl.algos import compute_advantages, dynamic_sampling_keep_S, kl_estimate_T, soft_overlong_penalty_S
+from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
+from megatron_rl.config import RunConfig, resolve_objective, resolve_task_config, to_dict
+from megatron_rl.parallel.checkpoint import load_model, save_model
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.parallel.logprobs import compute_logprobs
+from megatron_rl.parallel.model import build_model
+from megatron_rl.parallel.optim import build_optimizer, optimizer_step
+from megatron_rl.parallel.schedule import wrap_for_training
+from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.tasks import REWARDS, build_task, response_finished
+from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
+from megatron_rl.train.sft import run_warm_start
+
+
+@dataclass
+class Groups:
+    """This rank's rollout groups of one step."""
+
+    problems: list
+    """The task problem of each group."""
+    samples: list[list[RolloutSample]]
+    """G responses per group."""
+    rewards: list[torch.Tensor]
+    """``[G]`` rewards per group (shaping included)."""
+
+
+class Trainer:
+    """One RL run on this rank (construct and ``run()`` on every rank together)."""
+
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups) -> None:
+        self.cfg, self.groups = cfg, groups
+        self.objective = resolve_objective(cfg)
+        self.task = build_task(resolve_task_config(cfg))
+        self.tokenizer = self.task.tokenizer
+        if self.tokenizer.vocab_size > cfg.model.vocab_size:
+            raise ValueError(
+                f"model.vocab_size: the task's tokenizer uses {self.tokenizer.vocab_size} ids, "
+                f"more than the model's {cfg.model.vocab_size}"
+            )
+        per_rank, rem = divmod(cfg.rollout.prompts_per_step, groups.dp_size)
+        if rem or per_rank % cfg.train.mini_batches:
+            raise ValueError(
+                f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must split evenly over "
+                f"{groups.dp_size} data-parallel ranks and then into train.mini_batches "
+                f"({cfg.train.mini_batches})"
+            )
+        self.groups_per_rank = per_rank
+        self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True)
+        self.ddp = wrap_for_training(self.model)
+        self.optimizer = build_optimizer(self.ddp, cfg.optim)
+        self.engine = EmbeddedEngine(self.ddp, groups, cfg.train.micro_batch_sequences)
+        self.reference = None
+        self.rank0 = dist.get_rank() == 0
+        self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
+
+    # ------------------------------------------------------------------ data
+
+    def _train_problem(self, position: int):
+        problems = self.task.train_prompts
+        epoch, index = divmod(position, len(problems))
+        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
+        return problems[int(order[index])]
+
+    def _mine(self, items: list) -> list:
+        """This DP rank's share (item j goes to rank j mod DP)."""
+        return items[self.groups.dp_rank :: self.groups.dp_size]
+
+    # ------------------------------------------------------------------ phases
+
+    def _sampling(self, temperature: float) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tokenizer.eos_id,))
+
+    def _rewards(self, problem, samples: list[RolloutSample]) -> torch.Tensor:
+        reward_fn = REWARDS.get(self.cfg.reward)
+        rewards = torch.tensor([reward_fn(problem, s.output_ids, self.tokenizer) for s in samples], dtype=torch.float64)
+        if self.objective.overlong_penalty_max_len is not None:
+            lengths = torch.tensor([len(s.output_ids) for s in samples])
+            rewards = rewards + soft_overlong_penalty_S(
+                lengths, self.objective.overlong_penalty_max_len, self.objective.overlong_penalty_cache_len
+            )
+        return rewards
+
+    def _rollouts(self, step: int, state: TrainerState, metrics: dict) -> Groups:
+        """Sample groups until this rank holds enough with informative rewards (DAPO)."""
+        r, G = self.cfg.rollout, self.cfg.rollout.group_size
+        kept, dropped = Groups([], [], []), Groups([], [], [])
+        drawn_rewards, drawn_correct, lengths, rounds = [], [], [], 0
+        while True:
+            rounds += 1
+            start = state.data_position
+            state.data_position += r.prompts_per_step
+            problems = self._mine([self._train_problem(p) for p in range(start, state.data_position)])
+            prompts = [p.prompt_ids for p in problems for _ in range(G)]
+            samples = self.engine.generate(prompts, self._sampling(r.temperature),
+                                           return_routed_experts=r.return_routed_experts,
+                                           seed=self.cfg.seed * 7919 + step * 131 + rounds)
+            for g, problem in enumerate(problems):
+                group = samples[g * G : (g + 1) * G]
+                rewards = self._rewards(problem, group)
+                correct = [REWARDS.get("exact_match")(problem, s.output_ids, self.tokenizer) for s in group]
+                drawn_rewards.append(rewards)
+                drawn_correct.extend(correct)
+                lengths.extend(len(s.output_ids) for s in group)
+                informative = bool(dynamic_sampling_keep_S(rewards, torch.zeros(G, dtype=torch.int64), 1).any())
+                target = kept if informative or not self.objective.dynamic_sampling else dropped
+                target.problems.append(problem)
+                target.samples.append(group)
+                target.rewards.append(rewards)
+            enough = torch.tensor([1 if len(kept.problems) >= self.groups_per_rank else 0])
+            if self.groups.dp_size > 1:
+                dist.all_reduce(enough, op=dist.ReduceOp.MIN, group=self.groups.dp)
+            if bool(enough.item()) or rounds >= r.max_sampling_rounds:
+                break
+        # Every rank must train on the same number of groups (expert dispatch is collective):
+        # top up with uninformative groups, which carry zero advantage.
+        chosen = Groups(*(getattr(kept, f)[: self.groups_per_rank] for f in ("problems", "samples", "rewards")))
+        missing = self.groups_per_rank - len(chosen.problems)
+        for f in ("problems", "samples", "rewards"):
+            getattr(chosen, f).extend(getattr(dropped, f)[:missing])
+        metrics.update(self._global_means({
+            "reward/mean": torch.cat(drawn_rewards).mean(),
+            "rollout/accuracy": torch.tensor(drawn_correct, dtype=torch.float64).mean(),
+            "rollout/response_length": torch.tensor(lengths, dtype=torch.float64).mean(),
+            "sampling/rounds": torch.tensor(float(rounds)),
+            "sampling/groups_drawn": torch.tensor(float(len(drawn_rewards))),
+            "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn_rewards))),
+        }))
+        return chosen
+
+    def _global_means(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        names = sorted(values)
+        stacked = torch.stack([values[n].double().reshape(()) for n in names])
+        if self.groups.dp_size > 1:
+            dist.all_reduce(stacked, group=self.groups.dp)
+            stacked /= self.groups.dp_size
+        return {n: stacked[i].float() for i, n in enumerate(names)}
+
+    def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
+        """Old-policy pass, optional reference pass and advantages for the chosen groups."""
+        G = self.cfg.rollout.group_size
+        samples = [s for group in chosen.samples for s in group]
+        sequences = [s.tokens for s in samples]
+        prompt_lengths = [len(s.prompt_ids) for s in samples]
+        mb = self.cfg.train.micro_batch_sequences
+        with phase_timer(metrics, "old_logprobs"):
+            old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths,
+                                   micro_batch_sequences=mb, record_routing=True)
+        rollout_lp = torch.cat([s.output_logprobs for s in samples])
+        diff = (old.logprobs_T - rollout_lp)
+        metrics.update(self._global_means({
+            "mismatch/train_rollout_abs_diff": diff.abs().mean(),
+            "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T).mean(),
+        }))
+        ref_lp = None
+        if self.reference is not None:
+            with phase_timer(metrics, "ref_logprobs"):
+                ref_lp = compute_logprobs(self.reference, self.groups, sequences, prompt_lengths,
+                                          micro_batch_sequences=mb).logprobs_T
+        seq_ids_T = seq_ids_from_cu_seqlens(old.cu_seqlens_S1)
+        mask_T = torch.ones_like(old.logprobs_T, dtype=torch.bool)
+        advantages = compute_advantages(
+            self.objective, rewards_S=torch.cat(chosen.rewards).float(),
+            group_ids_S=torch.arange(len(chosen.rewards)).repeat_interleave(G),
+            seq_ids_T=seq_ids_T, loss_mask_T=mask_T, num_groups=len(chosen.rewards),
+            old_logprobs_T=old.logprobs_T, ref_logprobs_T=ref_lp,
+        )
+        routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
+        return TrainBatch(
+            sequences=sequences, prompt_lengths=prompt_lengths, old_logprobs_T=old.logprobs_T,
+            advantages_T=advantages.float(), loss_mask_T=mask_T, rollout_logprobs_T=rollout_lp,
+            ref_logprobs_T=ref_lp, truncated_S=torch.tensor([s.finish_reason == "length" for s in samples]),
+            old_record=old.record, rollout_routes=routes,
+        )
+
+    def _update(self, batch: TrainBatch, metrics: dict) -> None:
+        """Mini-batch / multi-epoch policy updates."""
+        G, t = self.cfg.rollout.group_size, self.cfg.train
+        groups_per_mb = self.groups_per_rank // t.mini_batches
+        collected: list[dict] = []
+        for _ in range(t.epochs):
+            for m in range(t.mini_batches):
+                indices = list(range(m * groups_per_mb * G, (m + 1) * groups_per_mb * G))
+                result = forward_backward(self.ddp, self.groups, batch.select(indices), self.objective,
+                                          self.plan, micro_batch_sequences=t.micro_batch_sequences)
+                collected.append({**result.metrics, **optimizer_step(self.optimizer)})
+        for name in collected[0]:
+            metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
+
+    def evaluate(self) -> dict[str, torch.Tensor]:
+        """Held-out accuracy at the evaluation temperature (exact match)."""
+        problems = self.task.eval_prompts
+        problems = problems[: len(problems) - len(problems) % self.groups.dp_size]
+        mine = self._mine(problems)
+        samples = self.engine.generate([p.prompt_ids for p in mine], self._sampling(self.cfg.rollout.eval_temperature),
+                                       return_routed_experts=False, seed=self.cfg.seed)
+        correct = torch.tensor([sum(REWARDS.get("exact_match")(p, s.output_ids, self.tokenizer)
+                                    for p, s in zip(mine, samples)), float(len(mine))], dtype=torch.float64)
+        if self.groups.dp_size > 1:
+            dist.all_reduce(correct, group=self.groups.dp)
+        return {"eval/accuracy": (correct[0] / correct[1]).float()}
+
+    # ------------------------------------------------------------------ the loop
+
+    def rl_step(self, step: int, state: TrainerState) -> dict[str, torch.Tensor]:
+        """One RL step; returns its metrics (identical on every rank)."""
+        metrics: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
+        with phase_timer(metrics, "rollout"):
+            chosen = self._rollouts(step, state, metrics)
+        batch = self._batch(chosen, metrics)
+        with phase_timer(metrics, "update"):
+            self._update(batch, metrics)
+        state.weight_version += 1
+        self.engine.update_weights(state.weight_version)
+        tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
+        if self.groups.dp_size > 1:
+            dist.all_reduce(tokens, group=self.groups.dp)
+        metrics["perf/tokens_per_s"] = tokens[0] / (time.perf_counter() - start)
+        return metrics
+
+    def _start(self, log) -> TrainerState:
+        """Resume from the latest checkpoint, or warm-start a fresh model and save step 0."""
+        t = self.cfg.train
+        path = latest_checkpoint(t.run_dir) if t.resume else None
+        if path is not None:
+            state = load_checkpoint(path, self.ddp, self.optimizer)
+            self.engine.update_weights(state.weight_version)
+            if self.rank0:
+                print(f"resumed from {path} (step {state.step})", flush=True)
+            return state
+        state = TrainerState(step=0, data_position=0, weight_version=0)
+        if t.sft_steps > 0:
+            sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
+            per_rank = t.sft_batch_size // self.groups.dp_size
+
+            def examples(step):
+                gen = torch.Generator().manual_seed(self.cfg.seed * 31 + step)
+                picks = torch.randint(len(self.task.train_prompts), (t.sft_batch_size,), generator=gen).tolist()
+                mine = self._mine(picks)[:per_rank]
+                return [self.task.sft_example(self.task.train_prompts[i]) for i in mine]
+
+            run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
+                           t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
+        save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+        return state
+
+    def _setup_reference(self, state: TrainerState) -> None:
+        """A frozen copy of the starting policy, when the objective uses KL to a reference.
+
+        Saved next to the checkpoints when the run starts, so a resumed run keeps the same
+        reference.
+        """
+        if self.objective.kl_coef <= 0 and self.objective.kl_in_reward_coef <= 0:
+            return
+        ref_dir = Path(self.cfg.train.run_dir) / "checkpoints" / "reference"
+        if state.step == 0 and not dist_checkpointing.check_is_distributed_checkpoint(str(ref_dir)):
+            save_model(self.model, ref_dir)
+        self.reference = build_model(self.cfg.model, self.cfg.parallel)
+        load_model(self.reference, ref_dir)
+
+    def _print_warm_start(self, step: int, metrics: dict) -> None:
+        if self.rank0:
+            values = ", ".join(f"{k}={float(v):.4f}" for k, v in metrics.items())
+            print(f"  warm start step {step}: {values}", flush=True)
+
+    def run(self) -> list[dict]:
+        """The whole run; returns the per-step metrics (as floats) logged by this run."""
+        t = self.cfg.train
+        history: list[dict] = []
+        existing = latest_checkpoint(t.run_dir) if t.resume else None
+        resume_step = None
+        if existing is not None:
+            resume_step = int(existing.name.split("_")[-1])
+        with MetricsLogger(t.run_dir, enabled=self.rank0, resume_from_step=resume_step) as logger:
+            def log(step, metrics):
+                row = {k: float(v) for k, v in metrics.items()}
+                history.append({"step": step, **row})
+                logger.log(step, row)
+
+            state = self._start(self._print_warm_start)
+            self._setup_reference(state)
+            if state.step == 0:
+                log(0, self.evaluate())
+            bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
+            for step in bar:
+                metrics = self.rl_step(step, state)
+                state.step = step
+                if step % t.eval_every == 0 or step == t.steps:
+                    metrics.update(self.evaluate())
+                log(step, metrics)
+                if step % t.save_every == 0 or step == t.steps:
+                    save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+        return history
