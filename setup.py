@@ -27,6 +27,8 @@ setup(
         "safetensors>=0.4",
         "transformers>=4.51",
         "nvidia-ml-py",
+        "tensorboard",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest>=8"],
@@ -36,6 +38,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
+            "megatron-rl-train = megatron_rl.train.main:main",
             "megatron-rl-smoke = megatron_rl.smoke:main",
         ],
     },

@@ -467,6 +467,12 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
     if annotation is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; the user meant a number.
+            try:
+                return float(value)
+            except ValueError:
+                pass
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if annotation is str:
         if isinstance(value, str):

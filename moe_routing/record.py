@@ -83,6 +83,8 @@ class RouterRecorder:
         model_chunks: this rank's model chunk(s) (any wrappers; routers are found inside).
         probs_dtype: dtype for recorded probabilities and gates.
         allow_empty: do not raise when this pipeline stage holds no MoE layer.
+        diagnostics: also compare each token's natural top-K with what was dispatched (and
+            with the query ids); off for plain recording, which then costs less.
 
     Raises:
         ValueError: no MoE layer in the model (unless ``allow_empty``).
@@ -93,11 +95,13 @@ class RouterRecorder:
         model_chunks: Iterable[torch.nn.Module],
         probs_dtype: torch.dtype = torch.float32,
         allow_empty: bool = False,
+        diagnostics: bool = False,
     ) -> None:
         routers = find_routers(model_chunks)
         if not routers and not allow_empty:
             raise ValueError("cannot record routing: the model has no MoE layers (no TopKRouter)")
         self.probs_dtype = probs_dtype
+        self.diagnostics = diagnostics
         self._entries = {
             number: _RouterEntry(
                 router=router,
@@ -165,7 +169,7 @@ class RouterRecorder:
             logits_NE = logits.reshape(-1, router.config.num_moe_experts)
             log_scores_NE = router_log_scores(logits_NE, router.score_function)
             ids_NK = dispatched_topk(log_scores_NE, routing_map_NE, router.topk)
-            natural_NK = log_scores_NE.topk(router.topk, dim=-1).indices
+            natural_NK = log_scores_NE.topk(router.topk, dim=-1).indices if self.diagnostics else None
             query = natural_equals_query = None
             if entry.queries:
                 query_ids_NK = entry.queries.pop(0).to(device=ids_NK.device, dtype=torch.int64)
@@ -175,12 +179,15 @@ class RouterRecorder:
                         f" but the router saw {tuple(ids_NK.shape)} (tokens x top-K)"
                     )
                 query = log_scores_NE.gather(1, query_ids_NK).exp().to(self.probs_dtype)
-                natural_equals_query = same_expert_set(natural_NK, query_ids_NK)
+                if natural_NK is not None:
+                    natural_equals_query = same_expert_set(natural_NK, query_ids_NK)
             return LayerCall(
                 expert_ids_NK=ids_NK.to(compact_id_dtype(router.config.num_moe_experts)),
                 probs_NK=log_scores_NE.gather(1, ids_NK).exp().to(self.probs_dtype),
                 gates_NK=probs_NE.detach().float().gather(1, ids_NK).to(self.probs_dtype),
-                natural_equals_dispatched_N=same_expert_set(natural_NK, ids_NK),
+                natural_equals_dispatched_N=(
+                    same_expert_set(natural_NK, ids_NK) if natural_NK is not None else None
+                ),
                 query_probs_NK=query,
                 natural_equals_query_N=natural_equals_query,
             )

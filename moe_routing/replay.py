@@ -54,11 +54,14 @@ class RoutingReplay:
             raise ValueError(f"replay ids are missing for local MoE layer(s) {missing}")
         self._ids = ids_per_call
         self._saved: dict[int, Callable] = {}
+        self.replayed_micro_batches = 0
+        """Micro-batches whose experts were handed to the routers (evidence replay ran)."""
 
     def before_forward(self, micro_batch: int) -> None:
         """Queue micro-batch ``micro_batch``'s ids for the next forward of every router."""
         for number, router in self._routers.items():
             router.router_replay.set_target_indices(self._ids[number][micro_batch])
+        self.replayed_micro_batches += 1
 
     def __enter__(self) -> "RoutingReplay":
         for number, router in self._routers.items():

@@ -91,3 +91,19 @@ class RouterRecord:
             cu_seqlens_S1=torch.tensor([0, end - start], dtype=torch.int64),
             num_experts=self.num_experts,
         )
+
+    def select_samples(self, indices: list[int]) -> "RouterRecord":
+        """The record of the given samples, in the given order."""
+        spans = [(int(self.cu_seqlens_S1[i]), int(self.cu_seqlens_S1[i + 1])) for i in indices]
+        rows = torch.cat([torch.arange(a, b) for a, b in spans])
+        lengths = torch.tensor([b - a for a, b in spans], dtype=torch.int64)
+        cu = torch.zeros(len(indices) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=cu[1:])
+        return RouterRecord(
+            expert_ids_TLK=self.expert_ids_TLK[rows],
+            probs_TLK=self.probs_TLK[rows],
+            gates_TLK=self.gates_TLK[rows],
+            layer_numbers=self.layer_numbers,
+            cu_seqlens_S1=cu,
+            num_experts=self.num_experts,
+        )

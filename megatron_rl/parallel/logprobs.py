@@ -180,11 +180,12 @@ def compute_logprobs(
         zero = logits_1TV.new_zeros(())
         return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
 
-    watch = record_routing or replay_ids_TLK is not None or old_record is not None
+    probing = replay_ids_TLK is not None or old_record is not None
+    watch = record_routing or probing
     if old_record is not None:
         # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
         probs_dtype = old_record.probs_TLK.dtype
-    recorder = RouterRecorder([model], probs_dtype=probs_dtype) if watch else None
+    recorder = RouterRecorder([model], probs_dtype=probs_dtype, diagnostics=probing) if watch else None
     if old_record is not None:
         _queue_queries(recorder, old_record, micro_batches, groups)
     replay = None
@@ -214,7 +215,8 @@ def compute_logprobs(
         record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
         if record_routing:
             result.record = record
-        _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
+        if probing:
+            _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
     return result
 
 

@@ -236,6 +236,9 @@ def forward_backward(
             model, micro_batches, loss_fn, forward_only=False,
             before_forward=replay.before_forward if replay is not None else None,
         )
+    metrics["routing/replayed_micro_batches"] = torch.tensor(
+        float(replay.replayed_micro_batches if replay is not None else 0)
+    )
     return StepResult(*_reduce_step(outputs, groups, metrics))
 
 

@@ -11,6 +11,7 @@ order by (seed, epoch), so a resumed run continues exactly as an uninterrupted o
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,10 @@ from megatron_rl.rollout.tasks import REWARDS, build_task, response_finished
 from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
 from megatron_rl.train.sft import run_warm_start
+
+
+FAULT_ENV = "MEGATRON_RL_FAIL_AFTER_STEP"
+"""Tests set this to a step number to make every rank fail right after that step."""
 
 
 @dataclass
@@ -214,17 +219,23 @@ class Trainer:
             metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
 
     def evaluate(self) -> dict[str, torch.Tensor]:
-        """Held-out accuracy at the evaluation temperature (exact match)."""
+        """Held-out exact-match accuracy: at the evaluation temperature, and greedy."""
         problems = self.task.eval_prompts
         problems = problems[: len(problems) - len(problems) % self.groups.dp_size]
         mine = self._mine(problems)
-        samples = self.engine.generate([p.prompt_ids for p in mine], self._sampling(self.cfg.rollout.eval_temperature),
-                                       return_routed_experts=False, seed=self.cfg.seed)
-        correct = torch.tensor([sum(REWARDS.get("exact_match")(p, s.output_ids, self.tokenizer)
-                                    for p, s in zip(mine, samples)), float(len(mine))], dtype=torch.float64)
+        temperatures = {"eval/accuracy": self.cfg.rollout.eval_temperature}
+        if self.cfg.rollout.eval_temperature > 0:
+            temperatures["eval/accuracy_greedy"] = 0.0
+        exact = REWARDS.get("exact_match")
+        counts = []
+        for temperature in temperatures.values():
+            samples = self.engine.generate([p.prompt_ids for p in mine], self._sampling(temperature),
+                                           return_routed_experts=False, seed=self.cfg.seed)
+            counts.append(sum(exact(p, s.output_ids, self.tokenizer) for p, s in zip(mine, samples)))
+        totals = torch.tensor([*counts, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
-            dist.all_reduce(correct, group=self.groups.dp)
-        return {"eval/accuracy": (correct[0] / correct[1]).float()}
+            dist.all_reduce(totals, group=self.groups.dp)
+        return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(temperatures)}
 
     # ------------------------------------------------------------------ the loop
 
@@ -317,4 +328,6 @@ class Trainer:
                 log(step, metrics)
                 if step % t.save_every == 0 or step == t.steps:
                     save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+                if os.environ.get(FAULT_ENV) == str(step):
+                    raise RuntimeError(f"{FAULT_ENV}={step}: injected failure after step {step}")
         return history

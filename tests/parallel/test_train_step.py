@@ -68,7 +68,8 @@ def _step_all_plans(model, ddp, groups, mine, old):
     the update itself (gradient norm, clipping, parameter change) is layout invariant.
     """
     from megatron_rl.algos.presets import get_preset
-    from megatron_rl.parallel.optim import OptimConfig, build_optimizer, optimizer_step
+    from megatron_rl.config import OptimConfig
+    from megatron_rl.parallel.optim import build_optimizer, optimizer_step
     from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 
     # SGD keeps the update linear in the gradient, so later steps stay comparable at 1e-5.

@@ -32,9 +32,10 @@ def test_overrides_parse_yaml_scalars():
     }
 
 
-def test_float_field_accepts_integer_literal():
-    cfg = load_config(None, ["model.rotary_base=10000"])
+def test_float_field_accepts_integer_and_exponent_literals():
+    cfg = load_config(None, ["model.rotary_base=10000", "optim.lr=1e-3"])
     assert cfg.model.rotary_base == 10000.0 and isinstance(cfg.model.rotary_base, float)
+    assert cfg.optim.lr == 1e-3
 
 
 INVALID = [
@@ -80,3 +81,32 @@ def test_world_size_from_launcher_is_checked():
 def test_malformed_override_is_rejected():
     with pytest.raises(ConfigError, match="expected key.path=value"):
         parse_overrides(["model.num_experts"])
+
+
+RUN_INVALID = [
+    (["objective.preset=ppo2"], "objective.preset", "unknown objective 'ppo2'"),
+    (["objective.eps_hgh=0.3"], "objective", "unknown ObjectiveConfig option"),
+    (["rollout.group_size=1"], "rollout.group_size", "group-relative"),
+    (["train.routing_replay=R3", "rollout.return_routed_experts=false"], "train.routing_replay", "R3 replays"),
+    (["task.name=sudoku"], "task.name", "unknown task 'sudoku'"),
+    (["task.max_opernd=3"], "task.max_opernd", "unknown key"),
+    (["reward=bleu"], "reward", "unknown reward 'bleu'"),
+    (["train.routing_replay=R4"], "train.routing_replay", "is not one of"),
+]
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+
+
+@pytest.mark.parametrize("overrides,key,rule", RUN_INVALID, ids=[c[1] + ":" + c[2] for c in RUN_INVALID])
+def test_invalid_run_config_is_rejected_before_any_model(overrides, key, rule):
+    with pytest.raises(ConfigError) as err:
+        load_config(DEMO, overrides, world_size=2)
+    message = str(err.value)
+    assert message.startswith(key + ":"), message
+    assert rule in message, message
+
+
+def test_demo_config_is_valid():
+    cfg = load_config(DEMO, world_size=2)
+    assert cfg.parallel.expert_model_parallel_size == 2
+    assert cfg.train.routing_replay == "R2" and cfg.objective["rspo_gamma_min"] > 0
