@@ -13,18 +13,17 @@ model and parallel-layout sections.
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin
+from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
 
+from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides, to_dict
 
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown, mistyped or breaks a rule."""
+__all__ = ["ConfigError", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
+
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
@@ -408,132 +407,6 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     return cfg
 
 
-# --------------------------------------------------------------------------- loading
-
-T = TypeVar("T")
-
-
-def _field_types(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _coerce(value: Any, annotation: Any, key: str) -> Any:
-    """Check ``value`` against a field annotation, converting only lossless cases."""
-    origin = get_origin(annotation)
-    if origin in (Union, types.UnionType):
-        options = get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        errors = []
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _coerce(value, option, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{key}: {value!r} does not match {annotation}")
-    if origin is Literal:
-        allowed = get_args(annotation)
-        if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {list(allowed)}")
-        return value
-    if dataclasses.is_dataclass(annotation):
-        if isinstance(value, annotation):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping for section {annotation.__name__}")
-        return from_dict(annotation, value, prefix=key)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
-        return dict(value)
-    if origin in (list, tuple, Sequence):
-        (item_type, *_) = get_args(annotation) or (Any,)
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
-        items = [_coerce(v, item_type, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if annotation is Any:
-        return value
-    if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected true/false, got {value!r}")
-    if annotation is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            # YAML 1.1 reads "1e-3" (no dot) as a string; the user meant a number.
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
-    if annotation is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key}: expected a string, got {value!r}")
-    if isinstance(annotation, type) and isinstance(value, annotation):
-        return value
-    raise ConfigError(f"{key}: cannot interpret {value!r} as {annotation}")
-
-
-def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
-    """Build dataclass ``cls`` from a nested mapping; unknown keys are errors."""
-    hints = _field_types(cls)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
-    for key, value in data.items():
-        dotted = f"{prefix}.{key}" if prefix else key
-        if key not in names:
-            raise ConfigError(
-                f"{dotted}: unknown key; {cls.__name__} accepts {sorted(names)}"
-            )
-        kwargs[key] = _coerce(value, hints[key], dotted)
-    return cls(**kwargs)
-
-
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """Nested plain-dict form of a config (for logging and checkpoints)."""
-    return dataclasses.asdict(cfg)
-
-
-def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
-    """Turn ``["a.b=1", "c=x"]`` into a nested dict, values parsed as YAML scalars."""
-    nested: dict[str, Any] = {}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected key.path=value")
-        key, raw = item.split("=", 1)
-        key = key.strip().lstrip("-")
-        if not key:
-            raise ConfigError(f"override {item!r}: empty key")
-        value = yaml.safe_load(raw) if raw.strip() else ""
-        node = nested
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {part} is not a section")
-        node[parts[-1]] = value
-    return nested
-
-
-def _merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in update.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
 def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
@@ -557,7 +430,7 @@ def load_config(
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: top level must be a mapping")
         data = loaded
-    data = _merge(data, parse_overrides(overrides))
+    data = merge(data, parse_overrides(overrides))
     cfg = from_dict(cls, data)
     check = validate_fn or (validate if cls is RunConfig else None)
     if check is not None:

@@ -18,6 +18,7 @@ run the same number of micro-batches (expert dispatch is a collective across the
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -114,7 +115,7 @@ def pack_for_rank(
     ]
 
 
-def _response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.Tensor:
+def response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.Tensor:
     """Row positions whose logits predict the response tokens of the micro-batch's samples."""
     rows = []
     for i, sample in enumerate(mb.sample_ids.tolist()):
@@ -173,7 +174,7 @@ def compute_logprobs(
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
         targets_T[:-1] = mb.tokens[0, 1:]
-        rows = _response_rows(mb, prompt_lengths)
+        rows = response_rows(mb, prompt_lengths)
         logprobs, entropy = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens
         )
@@ -194,7 +195,7 @@ def compute_logprobs(
             [model],
             local_ids_per_call(replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers, micro_batches, groups),
         )
-    with torch.no_grad(), _maybe(recorder), _maybe(replay):
+    with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
         outputs = run_schedule(
             model, micro_batches, loss_fn, forward_only=True,
             before_forward=replay.before_forward if replay is not None else None,
@@ -218,19 +219,6 @@ def compute_logprobs(
         if probing:
             _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
     return result
-
-
-class _maybe:
-    """``with _maybe(cm)``: enter ``cm`` unless it is None."""
-
-    def __init__(self, cm) -> None:
-        self.cm = cm
-
-    def __enter__(self):
-        return self.cm.__enter__() if self.cm is not None else None
-
-    def __exit__(self, *exc):
-        return self.cm.__exit__(*exc) if self.cm is not None else None
 
 
 def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:

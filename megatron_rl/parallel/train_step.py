@@ -20,6 +20,7 @@ only when RSPO or routing diagnostics are asked for.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
@@ -32,7 +33,7 @@ from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import _maybe, _response_rows, compute_logprobs, pack_for_rank
+from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank, response_rows
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -231,7 +232,7 @@ def forward_backward(
     if replay_ids is not None:
         local = local_ids_per_call(replay_ids, replay_columns, tuple(find_routers([model])), micro_batches, groups)
         replay = RoutingReplay([model], local)
-    with _maybe(replay):
+    with replay or nullcontext():
         outputs = run_schedule(
             model, micro_batches, loss_fn, forward_only=False,
             before_forward=replay.before_forward if replay is not None else None,
@@ -250,7 +251,7 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         samples = mb.sample_ids
         lo, hi = int(cu_S1[samples[0]]), int(cu_S1[samples[-1] + 1])
-        rows = _response_rows(mb, batch.prompt_lengths)
+        rows = response_rows(mb, batch.prompt_lengths)
         targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
         targets_T[:-1] = mb.tokens[0, 1:]
         logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(

@@ -40,7 +40,8 @@ def run_rank(cfg_dict: dict) -> list[dict]:
         run_dir = Path(cfg.train.run_dir)
         plots = plot_run(run_dir)
         rows = read_metrics(run_dir / "metrics.jsonl")
-        print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "routing/replay_agreement",
+        print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
+                                   "routing/replay_agreement",
                                    "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update"]))
         print("plots: " + ", ".join(str(p) for p in plots))
         print(f"metrics: {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import _response_rows, pack_for_rank
+from megatron_rl.parallel.logprobs import response_rows, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -39,7 +39,7 @@ def sft_step(
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows = _response_rows(mb, prompt_lengths)
+        rows = response_rows(mb, prompt_lengths)
         targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
         targets_T[:-1] = mb.tokens[0, 1:]
         logprobs_T, _ = vocab_parallel_logprobs_entropy(
