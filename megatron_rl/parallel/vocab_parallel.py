@@ -205,13 +205,17 @@ class VocabParallelLogProbMath:
 def _scratch(
     num_buffers: int, num_tokens: int, chunk_tokens: int, like_TV: torch.Tensor, dtype
 ) -> list[torch.Tensor]:
-    """Chunk buffers [min(chunk, T), V_local], allocated once per call and reused by every
-    chunk: a fresh allocation per chunk costs page faults and zeroing on CPU."""
+    """Scratch buffers [min(chunk, T), V_local] in ``dtype``, allocated once per call.
+
+    Every chunk reuses them (sliced to its rows): on CPU, a fresh allocation per chunk would
+    pay page faults and zeroing each time.
+    """
     rows = min(chunk_tokens, num_tokens)
     return [like_TV.new_empty((rows, like_TV.shape[1]), dtype=dtype) for _ in range(num_buffers)]
 
 
 def _group_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This rank's index in ``tp_group`` and the group's size; ``None`` is a group of one."""
     if tp_group is None:
         return 0, 1
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)

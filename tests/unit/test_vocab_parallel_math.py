@@ -9,7 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+from megatron_rl.parallel.vocab_parallel import (
+    VocabParallelLogProbMath,
+    vocab_parallel_logprobs_entropy,
+)
 
 
 def reference(logits_TV, targets_T):
@@ -215,6 +218,20 @@ def test_logits_at_minus_infinity_are_zero_probability_not_nan():
     assert torch.equal(logits.grad[:, 50:], torch.zeros(29, 3, dtype=torch.float64))
 
 
+def test_non_contiguous_logits_view():
+    """A column slice of a wider tensor (a shard view) works, and its gradient flows back."""
+    logits_TV, targets_T, weights_T = make_problem()
+    wide = torch.cat([logits_TV, torch.zeros(29, 4, dtype=torch.float64)], dim=1)
+    wide.requires_grad_(True)
+    view_TV = wide[:, :53]
+    assert not view_TV.is_contiguous()
+    logprobs_T, _ = vocab_parallel_logprobs_entropy(view_TV, targets_T, chunk_tokens=6)
+    (weights_T * logprobs_T).sum().backward()
+    expected = reference_grad(logits_TV, targets_T, weights_T)
+    assert (wide.grad[:, :53] - expected).abs().max() <= 1e-6
+    assert torch.equal(wide.grad[:, 53:], torch.zeros(29, 4, dtype=torch.float64))
+
+
 def test_integer_targets_of_any_width_are_accepted():
     logits_TV, targets_T, _ = make_problem()
     as_int64, _ = vocab_parallel_logprobs_entropy(logits_TV, targets_T)
@@ -227,6 +244,34 @@ def test_empty_token_axis():
         torch.zeros(0, 11), torch.zeros(0, dtype=torch.long)
     )
     assert logprobs_T.shape == entropy_T.shape == (0,)
+
+
+def test_static_math_composes_over_three_shards_without_collectives():
+    """The local math alone, combined by hand (max, then sum) over 3 shards, is exact."""
+    math = VocabParallelLogProbMath
+    logits_TV, targets_T, weights_T = make_problem(vocab=54)
+    entropy_weights_T = torch.linspace(-1.0, 1.0, logits_TV.shape[0], dtype=torch.float64)
+    shards = logits_TV.chunk(3, dim=1)
+    targets = [math.local_targets(targets_T, rank * 18, 18) for rank in range(3)]
+    max_C = torch.stack([math.chunk_max(shard, torch.float64) for shard in shards]).amax(dim=0)
+    stats_3C = sum(
+        math.chunk_partial_stats(shard, max_C, *ids, shard.clone(), shard.clone())
+        for shard, ids in zip(shards, targets)
+    )
+    logprobs_C, entropy_C, lse_C = math.finalize(max_C, stats_3C)
+    ref_logprobs_T, ref_entropy_T = reference(logits_TV, targets_T)
+    assert (logprobs_C - ref_logprobs_T).abs().max() <= 1e-12
+    assert (entropy_C - ref_entropy_T).abs().max() <= 1e-12
+    assert (lse_C - torch.logsumexp(logits_TV, dim=-1)).abs().max() <= 1e-12
+    grads = [
+        math.chunk_grad(
+            shard, lse_C, *ids, weights_T, shard.clone(),
+            entropy_C, entropy_weights_T, shard.clone(),
+        )
+        for shard, ids in zip(shards, targets)
+    ]
+    expected = reference_grad(logits_TV, targets_T, weights_T, entropy_weights_T)
+    assert (torch.cat(grads, dim=1) - expected).abs().max() <= 1e-6
 
 
 class _FloatOutputSizes(TorchDispatchMode):
@@ -281,7 +326,8 @@ def test_saved_for_backward_is_the_input_and_two_token_vectors():
 @pytest.mark.parametrize(
     "logits, targets, kwargs, error, match",
     [
-        (torch.zeros(4, 5, 6), torch.zeros(4, dtype=torch.long), {}, ValueError, r"logits_TV .*2-D"),
+        (torch.zeros(4, 5, 6), torch.zeros(4, dtype=torch.long), {}, ValueError,
+         r"logits_TV .*2-D"),
         (torch.zeros(4), torch.zeros(4, dtype=torch.long), {}, ValueError, r"logits_TV .*2-D"),
         (torch.zeros(4, 5, dtype=torch.long), torch.zeros(4, dtype=torch.long), {}, TypeError,
          r"logits_TV must be floating point"),
