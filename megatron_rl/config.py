@@ -407,6 +407,26 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     return cfg
 
 
+def read_preset(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """A YAML preset as a nested dict, with its ``base:`` chain merged in first.
+
+    ``base: other.yaml`` (relative to the file) makes a preset a small diff of another,
+    e.g. one file per objective preset on top of the demo config.
+    """
+    path = Path(path).resolve()
+    if path in _seen:
+        raise ConfigError(f"{path}: base chain loops back to itself")
+    loaded = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    base = loaded.pop("base", None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: expected a file name, got {base!r}")
+    return merge(read_preset(path.parent / base, (*_seen, path)), loaded)
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
@@ -423,13 +443,7 @@ def load_config(
         world_size: number of processes, when known, for layout validation.
         validate_fn: validation hook; defaults to :func:`validate` for RunConfig.
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        text = Path(path).read_text()
-        loaded = yaml.safe_load(text) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-        data = loaded
+    data = read_preset(path) if path is not None else {}
     data = merge(data, parse_overrides(overrides))
     cfg = from_dict(cls, data)
     check = validate_fn or (validate if cls is RunConfig else None)

@@ -110,3 +110,24 @@ def test_demo_config_is_valid():
     cfg = load_config(DEMO, world_size=2)
     assert cfg.parallel.expert_model_parallel_size == 2
     assert cfg.train.routing_replay == "R2" and cfg.objective["rspo_gamma_min"] > 0
+
+
+def test_objective_preset_configs_resolve_to_their_presets():
+    import dataclasses
+
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.config import resolve_objective
+
+    files = sorted((DEMO.parent / "objectives").glob("*.yaml"))
+    assert len(files) == 14
+    for path in files:
+        cfg = load_config(path, world_size=2)
+        assert resolve_objective(cfg) == get_preset(cfg.objective["preset"]), path
+        assert cfg.train.run_dir.endswith(path.stem) and cfg.model.num_experts == 8
+
+
+def test_base_chain_loops_are_rejected(tmp_path):
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\n")
+    with pytest.raises(ConfigError, match="base chain loops back"):
+        load_config(tmp_path / "a.yaml")
