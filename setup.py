@@ -39,6 +39,7 @@ setup(
     entry_points={
         "console_scripts": [
             "megatron-rl-train = megatron_rl.train.main:main",
+            "megatron-rl-launch = megatron_rl.launcher:main",
             "megatron-rl-smoke = megatron_rl.smoke:main",
         ],
     },

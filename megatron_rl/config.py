@@ -20,6 +20,7 @@ from typing import Any, Literal, Sequence, TypeVar
 import yaml
 
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides, to_dict
+from megatron_rl.fp8 import FP8Config, check_fp8
 
 __all__ = ["ConfigError", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
 
@@ -204,6 +205,8 @@ class RunConfig:
     """Model architecture."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     """Parallel layout."""
+    fp8: FP8Config = field(default_factory=FP8Config)
+    """FP8 training through Transformer Engine (megatron_rl.fp8)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -403,6 +406,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Validate a whole run config; returns it for chaining."""
     validate_model(cfg.model)
     validate_layout(cfg.model, cfg.parallel, world_size)
+    check_fp8(cfg.fp8)
     validate_run(cfg)
     return cfg
 

@@ -59,15 +59,16 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 def build_transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, **overrides
+    model: ModelConfig, parallel: ParallelConfig, use_te: bool = False, **overrides
 ) -> TransformerConfig:
     """Megatron ``TransformerConfig`` for the model under the given layout.
 
     Args:
         model: architecture.
         parallel: layout.
+        use_te: the Transformer Engine spec will be used (its experts are grouped GEMMs).
         **overrides: extra ``TransformerConfig`` fields (e.g. ``moe_enable_routing_replay``,
-            ``recompute_granularity``), applied last.
+            ``recompute_granularity``, the FP8 fields of ``megatron_rl.fp8``), applied last.
     """
     dtype = _DTYPES[model.params_dtype]
     on_gpu = torch.cuda.is_available()
@@ -88,7 +89,8 @@ def build_transformer_config(
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_router_dtype="fp32",
         moe_token_dispatcher_type=parallel.moe_token_dispatcher_type,
-        moe_grouped_gemm=False,
+        # TE's spec builds grouped experts; the flag also makes them pad tokens for FP8 GEMMs.
+        moe_grouped_gemm=use_te,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
         qk_layernorm=True,
@@ -146,7 +148,8 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
         )
     local = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
+        # TE's spec builds grouped experts; the flag also makes them pad tokens for FP8 GEMMs.
+        moe_grouped_gemm=use_te,
         qk_layernorm=True,
         normalization="RMSNorm",
     )
@@ -171,7 +174,11 @@ def build_model(
         use_te: force the TE (True) or local (False) spec; None picks automatically.
         **config_overrides: forwarded to :func:`build_transformer_config`.
     """
-    config = build_transformer_config(model, parallel, **config_overrides)
+    if use_te is None:
+        use_te = transformer_engine_available()
+    config = build_transformer_config(model, parallel, use_te=use_te, **config_overrides)
+    if config.fp8 and not use_te:
+        raise ValueError("fp8.enabled: FP8 training needs the Transformer Engine layer spec (TE + CUDA)")
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(config, use_te),

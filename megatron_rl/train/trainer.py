@@ -23,6 +23,7 @@ from megatron.core import dist_checkpointing
 from megatron_rl.algos import compute_advantages, dynamic_sampling_keep_S, kl_estimate_T, soft_overlong_penalty_S
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.config import RunConfig, resolve_objective, resolve_task_config, to_dict
+from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
@@ -35,6 +36,7 @@ from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.rollout.tasks import REWARDS, build_task, response_finished
 from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
+from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.sft import run_warm_start
 
 
@@ -75,12 +77,15 @@ class Trainer:
                 f"({cfg.train.mini_batches})"
             )
         self.groups_per_rank = per_rank
-        self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True)
+        self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
+                                 **transformer_config_fields(cfg.fp8))
         self.ddp = wrap_for_training(self.model)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = EmbeddedEngine(self.ddp, groups, cfg.train.micro_batch_sequences)
         self.reference = None
         self.rank0 = dist.get_rank() == 0
+        # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
+        self.telemetry = GpuTelemetry() if self.rank0 else None
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
 
     # ------------------------------------------------------------------ data
@@ -293,7 +298,7 @@ class Trainer:
         ref_dir = Path(self.cfg.train.run_dir) / "checkpoints" / "reference"
         if state.step == 0 and not dist_checkpointing.check_is_distributed_checkpoint(str(ref_dir)):
             save_model(self.model, ref_dir)
-        self.reference = build_model(self.cfg.model, self.cfg.parallel)
+        self.reference = build_model(self.cfg.model, self.cfg.parallel, **transformer_config_fields(self.cfg.fp8))
         load_model(self.reference, ref_dir)
 
     def _print_warm_start(self, step: int, metrics: dict) -> None:
@@ -325,9 +330,13 @@ class Trainer:
                 state.step = step
                 if step % t.eval_every == 0 or step == t.steps:
                     metrics.update(self.evaluate())
+                if self.telemetry is not None:
+                    metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
                 log(step, metrics)
                 if step % t.save_every == 0 or step == t.steps:
                     save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
                 if os.environ.get(FAULT_ENV) == str(step):
                     raise RuntimeError(f"{FAULT_ENV}={step}: injected failure after step {step}")
+        if self.telemetry is not None:
+            self.telemetry.close()
         return history

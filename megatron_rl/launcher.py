@@ -1,0 +1,371 @@
+"""Start a run under torchrun on one node or many: validate, then one torchrun agent per node.
+
+    python -m megatron_rl.launcher --config configs/qwen3_30b_a3b.yaml --nnodes 2 \\
+        --rdzv-endpoint node001:29500 [--nproc-per-node 8] [key=value ...] [-- entry args]
+
+Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, see
+``launch/slurm/``). It owns, in order:
+
+1. the launch plan: node count, processes per node, rendezvous endpoint and id, and the
+   node's log file, from the command line, else from Slurm's environment
+   (``SLURM_NNODES``/``SLURM_NODEID``/``SLURM_JOB_ID``, rendezvous on the first node of the
+   allocation), else single-node defaults;
+2. validation of the run config against that plan before any worker exists
+   (:func:`validate_launch`): world size = nodes x processes per node must fit the
+   TP/PP/EP layout and ``parallel.world_size``, the node count must divide the
+   processes, TP groups must stay inside a node, a node cannot run more processes than
+   it has GPUs, and FP8 must be runnable here (Transformer Engine, CUDA, GPU generation);
+3. the torchrun command (c10d rendezvous, no restarts by default: a failed run resumes
+   from its last checkpoint when resubmitted) and the worker environment (threads per
+   process);
+4. running it: the agent's output goes to this process's stdout and to the per-node log,
+   SIGTERM/SIGINT (Slurm's time limit, ``scancel``) are forwarded, and the exit status is
+   passed on: 0 only when every local worker succeeded, 2 for a rejected config.
+
+It does not own the training itself (the entry module, ``megatron_rl.train.main`` by
+default, reads the same config under torchrun's environment) nor NCCL settings, which
+live in ``launch/env.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence, TextIO
+
+from megatron_rl.config import ConfigError, RunConfig, load_config, validate_layout
+from megatron_rl.fp8 import Fp8Environment, check_fp8
+
+DEFAULT_ENTRY = "megatron_rl.train.main"
+"""Module every worker runs unless ``--entry`` names another."""
+SLURM_PORT_BASE = 20000
+"""Under Slurm the rendezvous port is ``SLURM_PORT_BASE + job id % 10000``: distinct for
+concurrent jobs, and below Linux's ephemeral range (32768+) so no client socket holds it."""
+CONFIG_ERROR_EXIT = 2
+"""Exit status for a config or launch plan rejected before any worker started."""
+
+
+@dataclass(kw_only=True)
+class LaunchPlan:
+    """Everything one node's torchrun agent is started with."""
+
+    config: str
+    """Run config (YAML) handed to every worker."""
+    overrides: list[str] = field(default_factory=list)
+    """``key.path=value`` overrides, applied by the launcher and by every worker."""
+    nnodes: int
+    """Nodes taking part; one torchrun agent each."""
+    nproc_per_node: int
+    """Workers each agent starts (one per GPU on GPU nodes)."""
+    rdzv_endpoint: str
+    """``host:port`` of the c10d rendezvous store (hosted by the agent on that host)."""
+    rdzv_id: str
+    """Rendezvous id shared by every agent of this run."""
+    node_name: str
+    """This node in log names: ``node<rank>`` when the rank is known, else the hostname."""
+    log_file: Path
+    """This node's log: the agent's and its workers' output."""
+    max_restarts: int = 0
+    """Worker-group restarts torchrun attempts before failing."""
+    entry: str = DEFAULT_ENTRY
+    """Module (or ``.py`` script) every worker runs."""
+    entry_args: list[str] = field(default_factory=list)
+    """Extra arguments for the entry after the config and overrides."""
+    threads_per_process: int = 1
+    """OMP_NUM_THREADS for each worker unless the environment sets it."""
+
+    @property
+    def world_size(self) -> int:
+        """Workers over all nodes."""
+        return self.nnodes * self.nproc_per_node
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _require(ok: bool, key: str, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {rule}")
+
+
+def default_nproc_per_node(cfg: RunConfig, nnodes: int, gpus_per_node: int) -> int:
+    """Workers per node when not given: one per GPU, else ``parallel.world_size / nnodes``.
+
+    Raises:
+        ConfigError: the node count does not divide ``parallel.world_size``.
+    """
+    if gpus_per_node > 0:
+        return gpus_per_node
+    world = cfg.parallel.world_size
+    if world is None:
+        return 1
+    _require(
+        world % nnodes == 0,
+        "parallel.world_size",
+        f"{world} processes cannot be spread evenly over {nnodes} nodes; "
+        "choose a node count that divides the world size",
+    )
+    return world // nnodes
+
+
+def validate_launch(
+    cfg: RunConfig,
+    nnodes: int,
+    nproc_per_node: int,
+    *,
+    gpus_per_node: int = 0,
+    fp8_env: Fp8Environment | None = None,
+) -> None:
+    """Check a run config against a launch plan; nothing is started here.
+
+    Args:
+        cfg: the loaded run config.
+        nnodes: nodes taking part.
+        nproc_per_node: workers per node.
+        gpus_per_node: GPUs this node has (0 on a CPU node).
+        fp8_env: the machine FP8 is checked against; None probes this one when FP8 is on.
+
+    Raises:
+        ConfigError: naming the key and the rule that the plan breaks.
+    """
+    _require(nnodes >= 1, "launch.nnodes", f"must be >= 1, got {nnodes}")
+    _require(nproc_per_node >= 1, "launch.nproc_per_node", f"must be >= 1, got {nproc_per_node}")
+    world = nnodes * nproc_per_node
+    p = cfg.parallel
+    if p.world_size is not None:
+        _require(
+            p.world_size % nnodes == 0,
+            "parallel.world_size",
+            f"{p.world_size} processes cannot be spread evenly over {nnodes} nodes",
+        )
+        _require(
+            p.world_size == world,
+            "parallel.world_size",
+            f"config expects {p.world_size} processes, but {nnodes} nodes x {nproc_per_node} "
+            f"processes per node start {world}",
+        )
+    _require(
+        gpus_per_node == 0 or nproc_per_node <= gpus_per_node,
+        "launch.nproc_per_node",
+        f"{nproc_per_node} processes per node but only {gpus_per_node} GPUs are visible",
+    )
+    validate_layout(cfg.model, p, world_size=world)
+    tp = p.tensor_model_parallel_size
+    _require(
+        nproc_per_node % tp == 0,
+        "parallel.tensor_model_parallel_size",
+        f"TP ({tp}) must divide the processes per node ({nproc_per_node}) so that each "
+        "tensor-parallel group stays inside one node",
+    )
+    check_fp8(cfg.fp8, fp8_env)
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def slurm_head_node(env: Mapping[str, str]) -> str | None:
+    """First host of this Slurm step's (or job's) node list, expanded by ``scontrol``."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        return None
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError) as err:
+        raise ConfigError(f"launch.rdzv_endpoint: cannot expand SLURM node list {nodelist!r}: {err}") from err
+    return out[0] if out else None
+
+
+def _cpus_on_node(env: Mapping[str, str]) -> int:
+    if env.get("SLURM_CPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_CPUS_ON_NODE"])
+    return len(os.sched_getaffinity(0))
+
+
+def resolve_plan(
+    args: argparse.Namespace,
+    cfg: RunConfig,
+    env: Mapping[str, str],
+    gpus_per_node: int,
+) -> LaunchPlan:
+    """The launch plan from the command line, then Slurm's environment, then defaults."""
+    in_slurm = "SLURM_JOB_ID" in env
+    nnodes = args.nnodes
+    if nnodes is None:
+        nnodes = int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or 1) if in_slurm else 1
+    node_rank = args.node_rank
+    if node_rank is None and env.get("SLURM_NODEID", "").isdigit():
+        node_rank = int(env["SLURM_NODEID"])
+    if node_rank is None and nnodes == 1:
+        node_rank = 0
+    nproc = args.nproc_per_node or default_nproc_per_node(cfg, nnodes, gpus_per_node)
+    endpoint = args.rdzv_endpoint
+    if endpoint is None and in_slurm:
+        port = env.get("MEGATRON_RL_RDZV_PORT") or str(SLURM_PORT_BASE + int(env["SLURM_JOB_ID"]) % 10000)
+        endpoint = f"{slurm_head_node(env) or socket.gethostname()}:{port}"
+    if endpoint is None:
+        _require(
+            nnodes == 1,
+            "launch.rdzv_endpoint",
+            f"{nnodes} nodes need --rdzv-endpoint HOST:PORT on the first node (or run under Slurm)",
+        )
+        # Port 0: the single agent hosts the store on a free port (torchrun --standalone).
+        endpoint = "127.0.0.1:0"
+    rdzv_id = args.rdzv_id or env.get("SLURM_JOB_ID") or "megatron-rl"
+    node_name = f"node{node_rank}" if node_rank is not None else f"node-{socket.gethostname()}"
+    log_dir = Path(args.log_dir) if args.log_dir else Path(cfg.train.run_dir) / "logs"
+    return LaunchPlan(
+        config=args.config,
+        overrides=list(args.overrides),
+        nnodes=nnodes,
+        nproc_per_node=nproc,
+        rdzv_endpoint=endpoint,
+        rdzv_id=rdzv_id,
+        node_name=node_name,
+        log_file=log_dir / f"{node_name}.log",
+        max_restarts=args.max_restarts,
+        entry=args.entry,
+        entry_args=list(args.entry_args),
+        threads_per_process=max(1, _cpus_on_node(env) // nproc),
+    )
+
+
+def torchrun_command(plan: LaunchPlan, python: str = sys.executable) -> list[str]:
+    """The torchrun (``python -m torch.distributed.run``) command line of one node."""
+    cmd = [
+        python, "-m", "torch.distributed.run",
+        f"--nnodes={plan.nnodes}",
+        f"--nproc-per-node={plan.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={plan.rdzv_endpoint}",
+        f"--rdzv-id={plan.rdzv_id}",
+        f"--max-restarts={plan.max_restarts}",
+    ]
+    cmd += [plan.entry] if plan.entry.endswith(".py") else ["-m", plan.entry]
+    return cmd + ["--config", plan.config, *plan.overrides, *plan.entry_args]
+
+
+def worker_environment(plan: LaunchPlan, env: Mapping[str, str]) -> dict[str, str]:
+    """The agent's environment: ``env`` plus per-process threads, unbuffered output and the
+    warning filter of a plain run; values already in ``env`` win."""
+    out = dict(env)
+    # Without this, torchrun sets 1 thread per worker; a CPU run wants its share of cores.
+    out.setdefault("OMP_NUM_THREADS", str(plan.threads_per_process))
+    out["PYTHONUNBUFFERED"] = "1"
+    # The same filter as a plain megatron-rl-train world: Megatron's deprecation noise
+    # would otherwise bury the progress lines in every node log.
+    out.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+def run_agent(cmd: Sequence[str], env: Mapping[str, str], log_file: Path, stdout: TextIO | None = None) -> int:
+    """Run the torchrun agent, teeing its output to ``stdout`` and ``log_file``.
+
+    SIGTERM and SIGINT are forwarded to the agent, which stops its workers. Returns the
+    agent's exit status, ``128 + signal`` when a signal ended it.
+    """
+    stdout = sys.stdout if stdout is None else stdout
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with log_file.open("ab") as log:
+            assert proc.stdout is not None
+            for line in iter(proc.stdout.readline, b""):
+                log.write(line)
+                log.flush()
+                stdout.write(line.decode(errors="replace"))
+                stdout.flush()
+        rc = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_rl.launcher",
+        description="Validate a run config against the node layout, then start torchrun on this node.",
+    )
+    parser.add_argument("--config", required=True, help="run config (YAML); every worker gets the same path")
+    parser.add_argument("--nnodes", type=int, help="nodes (default: SLURM_NNODES, else 1)")
+    parser.add_argument("--nproc-per-node", type=int, help="workers per node (default: GPUs, else world_size / nnodes)")
+    parser.add_argument("--rdzv-endpoint", help="HOST:PORT of the rendezvous (default: first Slurm node, else local)")
+    parser.add_argument("--rdzv-id", help="rendezvous id shared by all nodes (default: SLURM_JOB_ID)")
+    parser.add_argument("--node-rank", type=int, help="this node's index, for its log name (default: SLURM_NODEID)")
+    parser.add_argument("--log-dir", help="per-node logs go here (default: <train.run_dir>/logs)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts before failing")
+    parser.add_argument("--entry", default=DEFAULT_ENTRY, help="module or .py script each worker runs")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the command; start nothing")
+    parser.add_argument("overrides", nargs="*", help="key.path=value overrides; arguments after -- go to the entry")
+    return parser
+
+
+def _gpus_on_node() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Validate, then run this node's torchrun agent; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    entry_args: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, entry_args = argv[:cut], argv[cut + 1 :]
+    args = _parser().parse_intermixed_args(argv)
+    args.entry_args = entry_args
+    env = dict(os.environ)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        gpus = _gpus_on_node()
+        plan = resolve_plan(args, cfg, env, gpus)
+        validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
+    except ConfigError as err:
+        print(f"launch: rejected before starting any worker: {err}", file=sys.stderr, flush=True)
+        return CONFIG_ERROR_EXIT
+    cmd = torchrun_command(plan)
+    worker_env = worker_environment(plan, env)
+    summary = (
+        f"launch: {plan.node_name} on {socket.gethostname()}: {plan.nnodes} node(s) x "
+        f"{plan.nproc_per_node} process(es) = world {plan.world_size}, c10d rendezvous "
+        f"{plan.rdzv_endpoint} id {plan.rdzv_id}, OMP_NUM_THREADS={worker_env['OMP_NUM_THREADS']}, "
+        f"log {plan.log_file}"
+    )
+    if args.dry_run:
+        print(f"{summary}\nlaunch: {shlex.join(cmd)}", flush=True)
+        return 0
+    _announce(plan.log_file, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')}\n{summary}\nlaunch: {shlex.join(cmd)}")
+    rc = run_agent(cmd, worker_env, plan.log_file)
+    _announce(plan.log_file, f"launch: {plan.node_name} finished with exit code {rc}")
+    return rc
+
+
+def _announce(log_file: Path, message: str) -> None:
+    """Print a launcher line and append it to the node log (the log keeps every attempt)."""
+    print(message, flush=True)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with log_file.open("a") as log:
+        log.write(message + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Two torchrun "nodes" on loopback: two launchers, one agent each, a c10d rendezvous.
+
+The first test trains the tiny CPU config for two RL steps through the launcher exactly as
+two cluster nodes would run it (world 2 = 2 nodes x 1 process, EP2); the second makes one
+worker fail and checks that both nodes' launchers exit non-zero.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.parallel.world import free_port
+
+pytestmark = pytest.mark.parallel
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "demo_cpu.yaml"
+SMALL = [
+    "train.steps=2", "train.sft_steps=1", "train.eval_every=2", "train.save_every=2", "train.progress=false",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
+    "task.num_train_prompts=64", "task.num_eval_prompts=16", "task.max_operand=9",
+]
+FAILING_ENTRY = """
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    raise RuntimeError("injected failure on rank 1")
+dist.barrier()  # rank 0 waits here for a peer that is gone
+"""
+
+
+def _two_nodes(tmp_path, *extra, timeout=300):
+    """Start two launchers (node ranks 0 and 1) against one rendezvous; returns their exit codes."""
+    port = free_port()
+    # Two "nodes" share this machine's cores: one thread per worker, as on a 1-core node.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl.launcher", "--config", str(CONFIG), "--nnodes", "2",
+             "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"loopback-{port}",
+             "--node-rank", str(node), *extra],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [p.returncode for p in procs], outputs
+
+
+def test_two_loopback_nodes_train_the_tiny_config(tmp_path):
+    run_dir = tmp_path / "run"
+    codes, outputs = _two_nodes(tmp_path, *SMALL, f"train.run_dir={run_dir}")
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[-1] and "reward/mean" in rows[-1]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    for node, output in enumerate(outputs):
+        log = (run_dir / "logs" / f"node{node}.log").read_text()
+        assert "2 node(s) x 1 process(es) = world 2, c10d rendezvous 127.0.0.1:" in log
+        assert log.rstrip().endswith(f"launch: node{node} finished with exit code 0")
+        assert output.rstrip().endswith(f"launch: node{node} finished with exit code 0")
+    # Whichever node the rendezvous made global rank 0 prints the run summary.
+    summaries = [o for o in outputs if f"metrics: {run_dir / 'metrics.jsonl'}" in o]
+    assert len(summaries) == 1
+
+
+def test_a_failing_worker_fails_both_nodes(tmp_path):
+    entry = tmp_path / "failing_entry.py"
+    entry.write_text(FAILING_ENTRY)
+    logs = tmp_path / "logs"
+    codes, outputs = _two_nodes(tmp_path, "--entry", str(entry), "--log-dir", str(logs), timeout=180)
+    assert all(code != 0 for code in codes), (codes, outputs)
+    texts = [(logs / f"node{node}.log").read_text() for node in (0, 1)]
+    assert sum("injected failure on rank 1" in t for t in texts) == 1
+    for node, text in enumerate(texts):
+        assert f"launch: node{node} finished with exit code {codes[node]}" in text
