@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl.parallel.comm import all_gather_cat
 from moe_routing.record import LayerCall, RouterRecorder
 from moe_routing.types import RouterRecord
 
@@ -37,19 +37,11 @@ def _call_per_micro_batch(recorder: RouterRecorder, num_micro_batches: int) -> d
 
 
 def _gather_tokens(local_NLK: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
-    if tp_size == 1:
-        return local_NLK
-    parts = [torch.empty_like(local_NLK) for _ in range(tp_size)]
-    dist.all_gather(parts, local_NLK.contiguous(), group=tp_group)
-    return torch.cat(parts, dim=0)
+    return local_NLK if tp_size == 1 else all_gather_cat(local_NLK, tp_group, dim=0)
 
 
 def _gather_layers(local_TLK: torch.Tensor, pp_group, pp_size: int) -> torch.Tensor:
-    if pp_size == 1:
-        return local_TLK
-    parts = [torch.empty_like(local_TLK) for _ in range(pp_size)]
-    dist.all_gather(parts, local_TLK.contiguous(), group=pp_group)
-    return torch.cat(parts, dim=1)
+    return local_TLK if pp_size == 1 else all_gather_cat(local_TLK, pp_group, dim=1)
 
 
 def gather_call_field(
@@ -68,13 +60,10 @@ def gather_call_field(
         values = [getattr(calls[n][m], field) for n in numbers]
         if any(v is None for v in values):
             raise RuntimeError(f"router calls of micro-batch {m} did not record {field}")
-        local_NL = torch.stack(values, dim=1)
-        is_bool = local_NL.dtype == torch.bool
-        if is_bool:  # collectives move bytes; gloo has no bool reduction type
-            local_NL = local_NL.to(torch.uint8)
+        # Records live in host memory: move each call's rows off the accelerator once.
+        local_NL = torch.stack(values, dim=1).cpu()
         rows.append(_gather_tokens(local_NL, groups.tp, tp_size)[: mb.num_tokens])
-    gathered = _gather_layers(torch.cat(rows, dim=0), groups.pp, groups.pp_size)
-    return gathered.bool() if is_bool else gathered
+    return _gather_layers(torch.cat(rows, dim=0), groups.pp, groups.pp_size)
 
 
 def gathered_layer_numbers(recorder: RouterRecorder, groups) -> tuple[int, ...]:

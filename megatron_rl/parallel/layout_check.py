@@ -21,6 +21,7 @@ from megatron.core import tensor_parallel
 
 from megatron_rl.config import ModelConfig, ParallelConfig, validate_layout, validate_model
 from megatron_rl.parallel.checkpoint import load_model, save_model
+from megatron_rl.parallel.comm import all_gather_cat
 from megatron_rl.parallel.cpu_platform import cpu_platform
 from megatron_rl.parallel.groups import ParallelGroups, model_parallel
 from megatron_rl.parallel.logprobs import compute_logprobs
@@ -118,10 +119,7 @@ def _gathered_grads(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
         router = layer.mlp.router
         grads[f"router.{layer.layer_number}"] = router.weight.main_grad.detach().clone()
     if groups.is_last_stage:
-        shard = gpt.output_layer.weight.main_grad.detach()
-        parts = [torch.empty_like(shard) for _ in range(groups.tp_size)]
-        dist.all_gather(parts, shard.contiguous(), group=groups.tp)
-        grads["output_layer"] = torch.cat(parts, dim=0)
+        grads["output_layer"] = all_gather_cat(gpt.output_layer.weight.main_grad.detach(), groups.tp, dim=0)
     return grads
 
 

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences
 from megatron_rl.parallel.schedule import run_schedule, unwrap
@@ -98,7 +99,7 @@ def pack_for_rank(
     longest = max(sum(int(sequences[j].numel()) for j in chunk) for chunk in chunks)
     stats = torch.tensor([longest, len(chunks), -len(chunks)], dtype=torch.int64)
     if groups.dp_size > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=groups.dp)
+        all_reduce(stats, groups.dp, op=dist.ReduceOp.MAX)
     if int(stats[1]) != -int(stats[2]):
         raise ValueError(
             f"data-parallel ranks hold different micro-batch counts ({-int(stats[2])}..{int(stats[1])}); "
@@ -172,9 +173,9 @@ def compute_logprobs(
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
+        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=logits_1TV.device)
         targets_T[:-1] = mb.tokens[0, 1:]
-        rows = response_rows(mb, prompt_lengths)
+        rows = response_rows(mb, prompt_lengths).to(logits_1TV.device)
         logprobs, entropy = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens
         )
@@ -207,8 +208,7 @@ def compute_logprobs(
         packed[0] = torch.cat([o["lp"] for o in outputs])
         packed[1] = torch.cat([o["ent"] for o in outputs])
     if groups.pp_size > 1:
-        last = dist.get_global_rank(groups.pp, groups.pp_size - 1)
-        dist.broadcast(packed, src=last, group=groups.pp)
+        broadcast(packed, groups.pp_size - 1, groups.pp)
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     torch.cumsum(response_lengths, 0, out=cu[1:])
     result = LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)

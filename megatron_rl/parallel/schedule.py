@@ -75,10 +75,11 @@ def run_schedule(
         index, mb = next(data_iterator)
         if before_forward is not None:
             before_forward(index)
+        device = next(stage.parameters()).device
         output = stage(
-            input_ids=mb.tokens,
-            position_ids=mb.position_ids,
-            attention_mask=mb.attention_mask,
+            input_ids=mb.tokens.to(device),
+            position_ids=mb.position_ids.to(device),
+            attention_mask=mb.attention_mask.to(device),
         )
 
         def loss_func(output_tensor: torch.Tensor):

@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.algos.aggregation import kept_counts
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
+from megatron_rl.parallel.comm import all_reduce, broadcast, broadcast_object
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank, response_rows
 from megatron_rl.parallel.packing import PackedMicroBatch
@@ -222,7 +222,7 @@ def forward_backward(
     num_tokens, num_kept_seqs = kept_counts(kept_T, seq_ids_T, num_seqs)
     counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
     if groups.dp_size > 1:
-        dist.all_reduce(counts, group=groups.dp)
+        all_reduce(counts, groups.dp)
 
     micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences)
     loss_fn = _objective_loss_fn(
@@ -251,8 +251,9 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         samples = mb.sample_ids
         lo, hi = int(cu_S1[samples[0]]), int(cu_S1[samples[-1] + 1])
-        rows = response_rows(mb, batch.prompt_lengths)
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
+        device = logits_1TV.device
+        rows = response_rows(mb, batch.prompt_lengths).to(device)
+        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=device)
         targets_T[:-1] = mb.tokens[0, 1:]
         logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens,
@@ -261,23 +262,23 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
         local_cu = cu_S1[samples[0] : samples[-1] + 2] - lo
 
         def part(t):
-            return None if t is None else t[lo:hi]
+            return None if t is None else t[lo:hi].to(device)
 
         loss, metrics = policy_loss(
             objective,
             logprobs_T=logprobs_T,
-            old_logprobs_T=batch.old_logprobs_T[lo:hi],
-            advantages_T=batch.advantages_T[lo:hi],
-            loss_mask_T=kept_T[lo:hi],
-            seq_ids_T=seq_ids_from_cu_seqlens(local_cu),
+            old_logprobs_T=part(batch.old_logprobs_T),
+            advantages_T=part(batch.advantages_T),
+            loss_mask_T=part(kept_T),
+            seq_ids_T=seq_ids_from_cu_seqlens(local_cu).to(device),
             num_seqs=len(samples),
             rollout_logprobs_T=part(batch.rollout_logprobs_T),
             ref_logprobs_T=part(batch.ref_logprobs_T),
             entropy_T=entropy_T,
             rspo_gamma_T=part(gamma_T),
-            truncated_S=None if batch.truncated_S is None else batch.truncated_S[samples],
-            global_num_tokens=counts[0],
-            global_num_seqs=counts[1],
+            truncated_S=None if batch.truncated_S is None else batch.truncated_S[samples].to(device),
+            global_num_tokens=counts[0].to(device),
+            global_num_seqs=counts[1].to(device),
             apply_filters=False,
         )
         metrics = {**metrics, "loss": loss.detach(), "micro_batch": torch.tensor(by_first[int(samples[0])])}
@@ -296,10 +297,7 @@ def _reduce_step(outputs: list[dict], groups: ParallelGroups, metrics: dict) -> 
     names = sorted({k for o in outputs for k in o if k not in ("loss", "micro_batch")})
     if groups.pp_size > 1:
         # Only the last stage ran the loss; the others learn the metric names from it.
-        last = dist.get_global_rank(groups.pp, groups.pp_size - 1)
-        box = [names]
-        dist.broadcast_object_list(box, src=last, group=groups.pp)
-        names = box[0]
+        names = broadcast_object(names, groups.pp_size - 1, groups.pp)
     local = torch.zeros(2 + len(names), dtype=torch.float64)
     if groups.is_last_stage and outputs:
         local[0] = sum(o["loss"].double() for o in outputs)
@@ -307,9 +305,9 @@ def _reduce_step(outputs: list[dict], groups: ParallelGroups, metrics: dict) -> 
         for i, name in enumerate(names):
             local[2 + i] = sum(o[name].double() for o in outputs if name in o)
     if groups.pp_size > 1:
-        dist.broadcast(local, src=last, group=groups.pp)
+        broadcast(local, groups.pp_size - 1, groups.pp)
     if groups.dp_size > 1:
-        dist.all_reduce(local, group=groups.dp)
+        all_reduce(local, groups.dp)
     count = local[1].clamp_min(1)
     step_metrics = {f"objective/{n}": (local[2 + i] / count).float() for i, n in enumerate(names)}
     step_metrics.update(metrics)

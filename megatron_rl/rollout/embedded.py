@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.comm import all_gather_cat, all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch
@@ -97,7 +98,7 @@ class EmbeddedEngine:
     def _any_active(self, finished: list[bool]) -> bool:
         active = torch.tensor([0 if all(finished) else 1], dtype=torch.int64)
         if self.groups.dp_size > 1:
-            dist.all_reduce(active, op=dist.ReduceOp.MAX, group=self.groups.dp)
+            all_reduce(active, self.groups.dp, op=dist.ReduceOp.MAX)
         return bool(active.item())
 
     def _last_logits(self, sequences: list[torch.Tensor]) -> torch.Tensor:
@@ -106,12 +107,11 @@ class EmbeddedEngine:
         micro_batches = pack_for_rank(sequences, groups, self.micro_batch_sequences)
 
         def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-            last_rows = mb.cu_seqlens[1:] - 1
+            last_rows = (mb.cu_seqlens[1:] - 1).to(logits_1TV.device)
             local_BV = logits_1TV[0, last_rows].float()
             if groups.tp_size > 1:
-                parts = [torch.empty_like(local_BV) for _ in range(groups.tp_size)]
-                dist.all_gather(parts, local_BV.contiguous(), group=groups.tp)
-                local_BV = torch.cat(parts, dim=-1)
+                # Only B rows: the vocabulary is gathered for sampling, never for the loss.
+                local_BV = all_gather_cat(local_BV, groups.tp, dim=-1)
             return logits_1TV.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logits": local_BV}
 
         with torch.no_grad():
@@ -121,7 +121,7 @@ class EmbeddedEngine:
         if groups.is_last_stage:
             logits_BV.copy_(torch.cat([o["logits"] for o in outputs]))
         if groups.pp_size > 1:
-            dist.broadcast(logits_BV, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+            broadcast(logits_BV, groups.pp_size - 1, groups.pp)
         return logits_BV
 
     def _finish(self, prompts, outputs, finished, return_routed_experts) -> list[RolloutSample]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import response_rows, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch
@@ -35,25 +35,25 @@ def sft_step(
     prompt_lengths = [len(p) for p, _ in examples]
     count = torch.tensor([float(sum(len(a) for _, a in examples))], dtype=torch.float64)
     if groups.dp_size > 1:
-        dist.all_reduce(count, group=groups.dp)
+        all_reduce(count, groups.dp)
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows = response_rows(mb, prompt_lengths)
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64)
+        rows = response_rows(mb, prompt_lengths).to(logits_1TV.device)
+        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=logits_1TV.device)
         targets_T[:-1] = mb.tokens[0, 1:]
         logprobs_T, _ = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets_T[rows], groups.tp, compute_entropy=False
         )
-        loss = -logprobs_T.sum() / count[0].float()
+        loss = -logprobs_T.sum() / float(count[0])
         return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}
 
     outputs = run_schedule(model, micro_batches, loss_fn, forward_only=False)
     total = torch.tensor([float(sum(o["loss"] for o in outputs)) if groups.is_last_stage else 0.0])
     if groups.pp_size > 1:
-        dist.broadcast(total, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+        broadcast(total, groups.pp_size - 1, groups.pp)
     if groups.dp_size > 1:
-        dist.all_reduce(total, group=groups.dp)
+        all_reduce(total, groups.dp)
     ok, grad_norm, _ = optimizer.step()
     return {"sft/loss": total[0], "optim/grad_norm": torch.tensor(float(grad_norm or 0.0))}
 

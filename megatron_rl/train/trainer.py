@@ -25,6 +25,7 @@ from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.config import RunConfig, resolve_objective, resolve_task_config, to_dict
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
+from megatron_rl.parallel.comm import all_reduce
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
@@ -145,7 +146,7 @@ class Trainer:
                 target.rewards.append(rewards)
             enough = torch.tensor([1 if len(kept.problems) >= self.groups_per_rank else 0])
             if self.groups.dp_size > 1:
-                dist.all_reduce(enough, op=dist.ReduceOp.MIN, group=self.groups.dp)
+                all_reduce(enough, self.groups.dp, op=dist.ReduceOp.MIN)
             if bool(enough.item()) or rounds >= r.max_sampling_rounds:
                 break
         # Every rank must train on the same number of groups (expert dispatch is collective):
@@ -168,7 +169,7 @@ class Trainer:
         names = sorted(values)
         stacked = torch.stack([values[n].double().reshape(()) for n in names])
         if self.groups.dp_size > 1:
-            dist.all_reduce(stacked, group=self.groups.dp)
+            all_reduce(stacked, self.groups.dp)
             stacked /= self.groups.dp_size
         return {n: stacked[i].float() for i, n in enumerate(names)}
 
@@ -239,7 +240,7 @@ class Trainer:
             counts.append(sum(exact(p, s.output_ids, self.tokenizer) for p, s in zip(mine, samples)))
         totals = torch.tensor([*counts, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
-            dist.all_reduce(totals, group=self.groups.dp)
+            all_reduce(totals, self.groups.dp)
         return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(temperatures)}
 
     # ------------------------------------------------------------------ the loop
@@ -257,7 +258,7 @@ class Trainer:
         self.engine.update_weights(state.weight_version)
         tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
         if self.groups.dp_size > 1:
-            dist.all_reduce(tokens, group=self.groups.dp)
+            all_reduce(tokens, self.groups.dp)
         metrics["perf/tokens_per_s"] = tokens[0] / (time.perf_counter() - start)
         return metrics
 

@@ -1,0 +1,60 @@
+"""Collectives on host-side bookkeeping tensors, whatever the group's backend.
+
+Counts, metrics, routing records and broadcast results live on the host, but NCCL groups
+only move CUDA tensors. These helpers move a tensor to the group's device for the
+collective and hand the result back on the tensor's own device, so the same code runs
+on gloo (CPU, tests) and NCCL (GPU clusters). The process group is always passed in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def group_device(group: dist.ProcessGroup) -> torch.device:
+    """The device a collective on ``group`` needs its tensors on."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group``; returns it."""
+    device = group_device(group)
+    work = tensor.to(device)
+    dist.all_reduce(work, op=op, group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def all_gather_cat(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape on all ranks), concatenated along ``dim``."""
+    device = group_device(group)
+    # Collectives move bytes; bool has no reduction type in gloo, so travel as uint8.
+    is_bool = tensor.dtype == torch.bool
+    work = (tensor.to(torch.uint8) if is_bool else tensor).to(device).contiguous()
+    parts = [torch.empty_like(work) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, work, group=group)
+    out = torch.cat(parts, dim=dim).to(tensor.device)
+    return out.bool() if is_bool else out
+
+
+def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place broadcast from the group-local rank ``src_group_rank``; returns ``tensor``."""
+    device = group_device(group)
+    work = tensor.to(device)
+    dist.broadcast(work, src=dist.get_global_rank(group, src_group_rank), group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def broadcast_object(obj, src_group_rank: int, group: dist.ProcessGroup):
+    """A picklable object from the group-local rank ``src_group_rank`` to every rank."""
+    box = [obj]
+    dist.broadcast_object_list(
+        box, src=dist.get_global_rank(group, src_group_rank), group=group, device=group_device(group)
+    )
+    return box[0]
