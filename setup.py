@@ -40,6 +40,10 @@ setup(
         "console_scripts": [
             "megatron-rl-train = megatron_rl.train.main:main",
             "megatron-rl-launch = megatron_rl.launcher:main",
+            "megatron-rl-convert-hf-to-megatron = megatron_rl.checkpoint.cli:hf_to_megatron_main",
+            "megatron-rl-convert-megatron-to-hf = megatron_rl.checkpoint.cli:megatron_to_hf_main",
+            "megatron-rl-logprob-parity = megatron_rl.checkpoint.cli:parity_main",
+            "megatron-rl-export-fp8 = megatron_rl.checkpoint.cli:export_fp8_main",
             "megatron-rl-smoke = megatron_rl.smoke:main",
         ],
     },

@@ -67,6 +67,8 @@ class ModelConfig:
     """Parameter dtype."""
     untie_embeddings_and_output_weights: bool = True
     """Separate output layer (Qwen3-MoE) instead of reusing the input embedding."""
+    qk_layernorm: bool = True
+    """Per-head RMSNorm on queries and keys before RoPE (Qwen3-MoE: true; Mixtral: false)."""
 
 
 @dataclass(kw_only=True)

@@ -20,6 +20,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -93,7 +94,7 @@ def build_transformer_config(
         moe_grouped_gemm=use_te,
         normalization="RMSNorm",
         layernorm_epsilon=model.norm_epsilon,
-        qk_layernorm=True,
+        qk_layernorm=model.qk_layernorm,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -126,11 +127,12 @@ def build_transformer_config(
     return TransformerConfig(**fields)
 
 
-def _with_norm(spec: ModuleSpec, norm: type) -> ModuleSpec:
-    """Copy of a local layer spec whose four norms are ``norm``."""
+def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
+    """Copy of a local layer spec whose norms are ``norm`` (q/k norms only if ``qk_norm``)."""
     layer = spec.submodules
     attn = layer.self_attention.submodules
-    attn = dataclasses.replace(attn, q_layernorm=norm, k_layernorm=norm)
+    qk = norm if qk_norm else IdentityOp
+    attn = dataclasses.replace(attn, q_layernorm=qk, k_layernorm=qk)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     layer = dataclasses.replace(
         layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention
@@ -144,16 +146,15 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
         use_te = transformer_engine_available()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=True
+            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=config.qk_layernorm
         )
     local = get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts,
-        # TE's spec builds grouped experts; the flag also makes them pad tokens for FP8 GEMMs.
-        moe_grouped_gemm=use_te,
-        qk_layernorm=True,
+        moe_grouped_gemm=False,
+        qk_layernorm=config.qk_layernorm,
         normalization="RMSNorm",
     )
-    layer = _with_norm(local, SequenceParallelRMSNorm)
+    layer = _with_norm(local, SequenceParallelRMSNorm, config.qk_layernorm)
     num_local_layers = config.num_layers // config.pipeline_model_parallel_size
     return TransformerBlockSubmodules(
         layer_specs=[layer] * num_local_layers, layer_norm=SequenceParallelRMSNorm

@@ -1,0 +1,438 @@
+"""HF <-> Megatron checkpoint conversion: validation, orchestration and the conversion record.
+
+Owns: checking an HF checkpoint against its config and the architecture's table before
+anything is written (every tensor mapped, every expected tensor present, every shape and
+the expert count as the config says, one dtype); running the conversion on the ranks of
+a world (a local gloo world it starts, or the caller's); the ``conversion.json`` record
+and the copied HF side files that let a Megatron checkpoint be exported back to the very
+same HF layout; and the all-or-nothing output directory.
+
+A Megatron distributed checkpoint stores every tensor by its global offsets, so the
+layout a conversion runs under only decides how the work and memory are split: the
+result loads into any TP/EP/PP layout. Does not own the name tables (``mapping``), file
+formats (``hf_io``) or Megatron internals (``megatron_io``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.hf_config import architecture_of, experts_key, model_config_from_hf, read_config
+from megatron_rl.checkpoint.hf_io import (
+    HFCheckpoint,
+    ShardPlan,
+    ShardWriter,
+    atomic_output_dir,
+    copy_files,
+    staging_dir,
+    tensor_bytes,
+)
+from megatron_rl.checkpoint.mapping import (
+    ARCHITECTURES,
+    Architecture,
+    all_weights,
+    hf_tensor_shapes,
+    template_regex,
+)
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, validate_layout
+from megatron_rl.parallel.world import free_port, run_world
+
+RECORD_NAME = "conversion.json"
+HF_FILES_DIR = "hf_files"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(kw_only=True)
+class HFSource:
+    """What a Megatron checkpoint was (or will be) converted from or exported to."""
+
+    architecture: str
+    """HF model_type (key of ``mapping.ARCHITECTURES``)."""
+    model: ModelConfig
+    """The Megatron model the HF config describes."""
+    index: dict | None
+    """The HF index (None: a single ``model.safetensors``)."""
+    files: list[str]
+    """Paths of the non-weight HF files (config, tokenizer, ...) to carry along."""
+
+    @property
+    def arch(self) -> Architecture:
+        """The mapping table."""
+        return ARCHITECTURES.get(self.architecture)
+
+
+def inspect_hf_checkpoint(hf_dir: str | Path) -> HFSource:
+    """Validate an HF checkpoint against its config and the mapping table, reading headers only.
+
+    Raises:
+        CheckpointMismatchError: unsupported config, expert count that disagrees with the
+            tensors, missing / unknown / misshapen tensors, or mixed dtypes (all named).
+    """
+    config = read_config(hf_dir)
+    arch = architecture_of(config)
+    checkpoint = HFCheckpoint(hf_dir)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name in checkpoint.names():
+        by_dtype.setdefault(checkpoint.dtype(name), []).append(name)
+    if len(by_dtype) != 1 or next(iter(by_dtype)) not in _DTYPE_NAMES:
+        found = {str(d): format_names(n, 3) for d, n in by_dtype.items()}
+        raise CheckpointMismatchError(
+            f"{hf_dir}: tensors must share one dtype of {list(_DTYPE_NAMES.values())}; found {found}"
+        )
+    model = model_config_from_hf(config, _DTYPE_NAMES[next(iter(by_dtype))])
+    _check_expert_count(arch, config, model, checkpoint)
+    _check_tensors(arch, model, checkpoint)
+    return HFSource(
+        architecture=arch.name,
+        model=model,
+        index=checkpoint.index,
+        files=[str(p) for p in checkpoint.extra_files()],
+    )
+
+
+def _check_expert_count(
+    arch: Architecture, config: dict, model: ModelConfig, checkpoint: HFCheckpoint
+) -> None:
+    """Name the config key when every layer holds other experts than 0..E-1."""
+    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf]
+    found: dict[int, set[int]] = {}
+    for name in checkpoint.names():
+        for pattern in patterns:
+            match = pattern.match(name)
+            if match:
+                found.setdefault(int(match["layer"]), set()).add(int(match["expert"]))
+    # Every layer holding the same wrong set means the config is wrong; a gap in some
+    # layers is a missing tensor, which _check_tensors names.
+    sets = {frozenset(ids) for ids in found.values()}
+    uniform = len(sets) == 1 and len(found) == model.num_layers
+    if uniform and set(next(iter(sets))) != set(range(model.num_experts)):
+        ids = sorted(next(iter(sets)))
+        raise CheckpointMismatchError(
+            f"config.json {experts_key(arch, config)}={model.num_experts} disagrees with the checkpoint, "
+            f"whose layers all hold {len(ids)} experts ({ids[0]}..{ids[-1]})"
+        )
+
+
+def _check_tensors(arch: Architecture, model: ModelConfig, checkpoint: HFCheckpoint) -> None:
+    """Name every missing, unknown and misshapen tensor in one error."""
+    expected = hf_tensor_shapes(arch, model)
+    present = set(checkpoint.names())
+    problems = []
+    missing = [n for n in expected if n not in present]
+    unknown = sorted(present - set(expected))
+    if missing:
+        problems.append(f"missing tensors: {format_names(missing)}")
+    if unknown:
+        problems.append(f"unknown tensors (no {arch.name} mapping): {format_names(unknown)}")
+    for name, shape in expected.items():
+        if name in present and checkpoint.shape(name) != shape:
+            problems.append(f"tensor {name} has shape {checkpoint.shape(name)}, the config implies {shape}")
+    if problems:
+        raise CheckpointMismatchError(f"{checkpoint.directory}: " + "; ".join(problems))
+
+
+def minimal_world_size(parallel: ParallelConfig) -> int:
+    """Fewest processes that hold the layout (TP x PP dense, ETP x EP x PP experts)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    experts = parallel.expert_tensor_parallel_size * parallel.expert_model_parallel_size * pp
+    return math.lcm(tp * pp * parallel.context_parallel_size, experts)
+
+
+def _check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
+    if parallel.expert_tensor_parallel_size != 1:
+        raise ConfigError(
+            "parallel.expert_tensor_parallel_size: conversion splits experts over EP only (ETP=1); "
+            "the checkpoint it writes loads into any ETP"
+        )
+    validate_layout(model, parallel, world_size)
+
+
+# ------------------------------------------------------------------ the conversion record
+
+
+def write_record(directory: str | Path, source: HFSource) -> None:
+    """Store ``conversion.json`` and copies of the HF side files in a Megatron checkpoint."""
+    files_dir = Path(directory) / HF_FILES_DIR
+    files_dir.mkdir()
+    names = copy_files([Path(f) for f in source.files], files_dir)
+    record = {
+        "architecture": source.architecture,
+        "model": asdict(source.model),
+        "hf_index": source.index,
+        "hf_files": names,
+    }
+    (Path(directory) / RECORD_NAME).write_text(json.dumps(record, indent=1))
+
+
+def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = None) -> HFSource:
+    """Where an export takes its architecture, HF config, side files and shard plan from.
+
+    Args:
+        megatron_dir: distributed checkpoint; its ``conversion.json`` is used by default.
+        hf_config: another converted Megatron checkpoint, or an HF checkpoint directory
+            (its config.json, side files and index; the dtype is the Megatron checkpoint's).
+
+    Raises:
+        CheckpointMismatchError: neither source has a record or an HF config.
+    """
+    source = Path(hf_config) if hf_config is not None else Path(megatron_dir)
+    record_path = source / RECORD_NAME
+    if record_path.exists():
+        record = json.loads(record_path.read_text())
+        return HFSource(
+            architecture=record["architecture"],
+            model=from_dict(ModelConfig, record["model"], prefix=f"{RECORD_NAME}.model"),
+            index=record["hf_index"],
+            files=[str(source / HF_FILES_DIR / name) for name in record["hf_files"]],
+        )
+    if not (source / "config.json").exists():
+        raise CheckpointMismatchError(
+            f"{source} has neither {RECORD_NAME} (written by convert_hf_to_megatron) nor an HF config.json; "
+            "pass the HF checkpoint the model came from"
+        )
+    config = read_config(source)
+    model = model_config_from_hf(config, _DTYPE_NAMES[stored_dtype(megatron_dir)])
+    checkpoint = HFCheckpoint(source) if any(source.glob("*.safetensors")) else None
+    extra = checkpoint.extra_files() if checkpoint else sorted(p for p in source.iterdir() if p.is_file())
+    return HFSource(
+        architecture=architecture_of(config).name,
+        model=model,
+        index=checkpoint.index if checkpoint else None,
+        files=[str(p) for p in extra],
+    )
+
+
+def stored_dtype(megatron_dir: str | Path) -> torch.dtype:
+    """The one dtype of a distributed checkpoint's tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(megatron_dir)).read_metadata().state_dict_metadata
+    dtypes = {m.properties.dtype for m in metadata.values() if hasattr(m, "properties")}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+        raise CheckpointMismatchError(
+            f"{megatron_dir}: tensors must share one float dtype, found {sorted(map(str, dtypes))}"
+        )
+    return next(iter(dtypes))
+
+
+def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPlan:
+    """The carried HF shard layout when it names exactly the expected tensors, else shards by size."""
+    weights = all_weights(source.arch, source.model)
+    names = [n for w in weights for n in w.hf]
+    if max_shard_bytes is None:
+        carried = ShardPlan.from_index(source.index, names)
+        if set(carried.weight_map) == set(names):
+            return carried
+        max_shard_bytes = 5 * 2**30
+    dtype = getattr(torch, source.model.params_dtype)
+    sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
+    return ShardPlan.by_size(sizes, max_shard_bytes)
+
+
+# ------------------------------------------------------------------ running the conversions
+
+
+@contextlib.contextmanager
+def collective_output_dir(final: str | Path) -> Iterator[Path]:
+    """:func:`~megatron_rl.checkpoint.hf_io.atomic_output_dir` owned by rank 0 of the world.
+
+    Every rank gets the staging path; it is renamed into place after all ranks leave the
+    block, and deleted by rank 0 when the block raises there.
+    """
+    rank0 = dist.get_rank() == 0
+    owner = atomic_output_dir(final) if rank0 else contextlib.nullcontext()
+    error = None
+    try:
+        owner.__enter__()
+    except Exception as err:  # noqa: BLE001 - every rank must learn of it below
+        error = err
+    _raise_if_any_rank_failed(error, "creating the output directory")
+    try:
+        yield staging_dir(final)
+        dist.barrier()
+    except BaseException as exc:
+        owner.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    owner.__exit__(None, None, None)
+    dist.barrier()
+
+
+def _raise_if_any_rank_failed(error: BaseException | None, step: str) -> None:
+    messages: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {rank: m for rank, m in enumerate(messages) if m is not None}
+    if failed:
+        raise RuntimeError(f"{step} failed on other ranks: {failed}")
+
+
+def hf_to_megatron_collective(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    parallel: ParallelConfig,
+    tp_rank: int,
+    tp_size: int,
+    progress: bool = False,
+) -> None:
+    """Every rank of a world whose Megatron parallel state is ``parallel`` calls this.
+
+    Validates the HF checkpoint, then writes the distributed checkpoint (plus the
+    conversion record) to ``out_dir`` all-or-nothing.
+    """
+    from megatron_rl.checkpoint.megatron_io import hf_to_megatron_rank
+
+    source = inspect_hf_checkpoint(hf_dir)
+    _check_layout(source.model, parallel, dist.get_world_size())
+    rank0 = dist.get_rank() == 0
+    with collective_output_dir(out_dir) as staging:
+        if rank0:
+            write_record(staging, source)
+        hf_to_megatron_rank(
+            source.arch, source.model, parallel, tp_rank, tp_size, hf_dir, staging, progress and rank0
+        )
+
+
+def megatron_to_hf_collective(
+    megatron_dir: str | Path,
+    out_dir: str | Path,
+    hf_config: str | Path | None = None,
+    max_shard_bytes: int | None = None,
+    progress: bool = False,
+) -> None:
+    """Export in a world of one process whose Megatron parallel state is TP1/EP1/PP1."""
+    from megatron_rl.checkpoint.megatron_io import megatron_to_hf_rank
+
+    if dist.get_world_size() != 1:
+        raise RuntimeError(f"export runs in a world of 1 process, not {dist.get_world_size()}")
+    source = read_export_source(megatron_dir, hf_config)
+    with atomic_output_dir(out_dir) as staging:
+        copy_files([Path(f) for f in source.files], staging)
+        writer = ShardWriter(staging, export_plan(source, max_shard_bytes), progress)
+        megatron_to_hf_rank(source.arch, source.model, megatron_dir, writer, progress)
+        writer.finish()
+
+
+def hf_to_megatron_world_entry(hf_dir: str, out_dir: str, parallel: ParallelConfig, progress: bool) -> None:
+    """Per-rank body of a conversion world: CPU platform, parallel state, then the conversion."""
+    from megatron_rl.parallel.cpu_platform import cpu_platform
+    from megatron_rl.parallel.groups import model_parallel
+
+    enable = parallel.use_cpu_platform is not False
+    with cpu_platform(enable=enable), model_parallel(parallel, seed=0) as groups:
+        hf_to_megatron_collective(hf_dir, out_dir, parallel, groups.tp_rank, groups.tp_size, progress)
+
+
+def megatron_to_hf_world_entry(
+    megatron_dir: str, out_dir: str, hf_config: str | None, max_shard_bytes: int | None, progress: bool
+) -> None:
+    """Body of an export world of one process: CPU platform, TP1 parallel state, then the export."""
+    from megatron_rl.parallel.cpu_platform import cpu_platform
+    from megatron_rl.parallel.groups import model_parallel
+
+    with cpu_platform(), model_parallel(ParallelConfig(), seed=0):
+        megatron_to_hf_collective(megatron_dir, out_dir, hf_config, max_shard_bytes, progress)
+
+
+def _refuse_existing(out_dir: str | Path) -> None:
+    for path in (Path(out_dir), staging_dir(out_dir)):
+        if path.exists():
+            raise FileExistsError(f"{path} already exists; choose a new output directory")
+
+
+def run_local(entry, world_size: int, *args, timeout_s: float) -> list:
+    """``entry(*args)`` on every rank of a new local gloo world; results by rank.
+
+    A world of one runs in this process (no spawn: Megatron is imported once, and a
+    failure raises its own exception); larger worlds are spawned by ``run_world``.
+    """
+    if world_size > 1:
+        return run_world(entry, world_size, *args, timeout_s=timeout_s)
+    if dist.is_initialized():
+        raise RuntimeError("a local world of one needs torch.distributed uninitialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return [entry(*args)]
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_into(out_dir: str | Path, entry, world_size: int, *args, timeout_s: float) -> Path:
+    _refuse_existing(out_dir)
+    try:
+        run_local(entry, world_size, *args, timeout_s=timeout_s)
+    except BaseException:
+        # A rank killed mid-write cannot clean up; the staging directory is this run's.
+        shutil.rmtree(staging_dir(out_dir), ignore_errors=True)
+        raise
+    return Path(out_dir)
+
+
+def convert_hf_to_megatron(
+    hf_dir: str | Path,
+    out_dir: str | Path,
+    parallel: ParallelConfig | None = None,
+    *,
+    world_size: int | None = None,
+    progress: bool = True,
+    timeout_s: float = 24 * 3600.0,
+) -> Path:
+    """Convert an HF checkpoint into a Megatron distributed checkpoint, in a local gloo world.
+
+    One process converts in this process; a larger layout spawns one process per rank.
+
+    Args:
+        hf_dir: HF checkpoint (safetensors, single file or sharded with an index).
+        out_dir: new directory for the distributed checkpoint.
+        parallel: layout the conversion runs under (memory per process shrinks with it).
+        world_size: processes to start; defaults to the fewest the layout needs.
+        progress: show progress bars.
+        timeout_s: wall-clock limit for the world.
+
+    Raises:
+        CheckpointMismatchError: the HF checkpoint does not fit its config or the table.
+        FileExistsError: ``out_dir`` (or its staging directory) exists.
+    """
+    parallel = parallel or ParallelConfig()
+    source = inspect_hf_checkpoint(hf_dir)
+    world_size = world_size or minimal_world_size(parallel)
+    _check_layout(source.model, parallel, world_size)
+    args = (str(hf_dir), str(out_dir), parallel, progress)
+    return _run_into(out_dir, hf_to_megatron_world_entry, world_size, *args, timeout_s=timeout_s)
+
+
+def convert_megatron_to_hf(
+    megatron_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    hf_config: str | Path | None = None,
+    max_shard_bytes: int | None = None,
+    progress: bool = True,
+    timeout_s: float = 24 * 3600.0,
+) -> Path:
+    """Export a Megatron distributed checkpoint (any layout) as an HF checkpoint.
+
+    Args:
+        megatron_dir: distributed checkpoint written by :func:`convert_hf_to_megatron`,
+            or any model checkpoint of a supported architecture with ``hf_config``.
+        out_dir: new directory for the HF checkpoint.
+        hf_config: where the HF config, side files and shard layout come from (see
+            :func:`read_export_source`); default: the checkpoint's own record.
+        max_shard_bytes: re-shard by size instead of reproducing the recorded layout.
+        progress: show progress bars.
+        timeout_s: wall-clock limit.
+    """
+    read_export_source(megatron_dir, hf_config)
+    template = None if hf_config is None else str(hf_config)
+    args = (str(megatron_dir), str(out_dir), template, max_shard_bytes, progress)
+    return _run_into(out_dir, megatron_to_hf_world_entry, 1, *args, timeout_s=timeout_s)

@@ -1,0 +1,135 @@
+"""HF ``config.json`` -> :class:`~megatron_rl.config.ModelConfig`, refusing what it cannot honour.
+
+Owns: reading an HF model config as a plain dict (no transformers import, so conversion
+workers stay light) and translating it with the architecture's table in
+:mod:`megatron_rl.checkpoint.mapping`. Every config key that changes the math is either
+translated or checked against the one value the Megatron model implements; anything else
+(dense layers between MoE layers, sliding-window attention, attention biases, tied
+embeddings, RoPE scaling) stops with a :class:`CheckpointMismatchError` naming the key.
+Keys that only matter to training or generation (aux-loss coefficient, token ids, cache
+flags) are not read. Does not own tensor names or shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, Architecture
+from megatron_rl.config import ConfigError, ModelConfig, validate_model
+from megatron_rl.registry import UnknownNameError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of an HF checkpoint directory as a dict."""
+    path = Path(directory) / "config.json"
+    if not path.exists():
+        raise CheckpointMismatchError(f"{path}: no config.json in the HF checkpoint")
+    return json.loads(path.read_text())
+
+
+def architecture_of(config: dict[str, Any]) -> Architecture:
+    """The mapping table for ``config['model_type']``."""
+    try:
+        return ARCHITECTURES.get(config.get("model_type"))
+    except UnknownNameError as err:
+        raise CheckpointMismatchError(f"config.json model_type: {err}") from None
+
+
+def _require(config: dict[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise CheckpointMismatchError(f"config.json: key {key!r} is missing")
+    return config[key]
+
+
+def _num_experts(arch: Architecture, config: dict[str, Any]) -> int:
+    present = {key: config[key] for key in arch.experts_keys if config.get(key) is not None}
+    if not present:
+        raise CheckpointMismatchError(
+            f"config.json: none of the expert-count keys {list(arch.experts_keys)} is set"
+        )
+    if len(set(present.values())) > 1:
+        raise CheckpointMismatchError(f"config.json: expert-count keys disagree: {present}")
+    return next(iter(present.values()))
+
+
+def experts_key(arch: Architecture, config: dict[str, Any]) -> str:
+    """The config key that holds E in this config (for error messages)."""
+    return next((k for k in arch.experts_keys if config.get(k) is not None), arch.experts_keys[0])
+
+
+def _rope_theta(config: dict[str, Any]) -> float:
+    # transformers 5 writes rope_parameters; 4.x wrote rope_theta (+ rope_scaling).
+    rope = config.get("rope_parameters")
+    if rope is not None:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise CheckpointMismatchError(
+                f"config.json rope_parameters.rope_type={kind!r}: only the default RoPE is implemented"
+            )
+        if rope.get("rope_theta") is None:
+            raise CheckpointMismatchError("config.json: key 'rope_parameters.rope_theta' is missing")
+        return float(rope["rope_theta"])
+    if config.get("rope_scaling") is not None:
+        raise CheckpointMismatchError(
+            f"config.json rope_scaling={config['rope_scaling']!r}: only the default RoPE is implemented"
+        )
+    return float(_require(config, "rope_theta"))
+
+
+def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConfig:
+    """The Megatron model that computes what the HF config describes.
+
+    Args:
+        config: ``config.json`` contents.
+        params_dtype: dtype of the checkpoint's tensors (the conversion keeps it).
+
+    Raises:
+        CheckpointMismatchError: a key is missing or holds a value the model cannot honour.
+    """
+    arch = architecture_of(config)
+    for key, wanted in arch.supported_values.items():
+        if key in config and config[key] != wanted:
+            raise CheckpointMismatchError(
+                f"config.json {key}={config[key]!r}: the {arch.name} conversion supports only {wanted!r}"
+            )
+    if params_dtype not in _DTYPES:
+        raise CheckpointMismatchError(f"checkpoint dtype {params_dtype} is not one of {_DTYPES}")
+    heads = _require(config, "num_attention_heads")
+    hidden = _require(config, "hidden_size")
+    normalized = bool(config.get(arch.norm_topk_key, False)) if arch.norm_topk_key else True
+    model = ModelConfig(
+        vocab_size=_require(config, "vocab_size"),
+        hidden_size=hidden,
+        num_layers=_require(config, "num_hidden_layers"),
+        num_attention_heads=heads,
+        num_query_groups=_require(config, "num_key_value_heads"),
+        # Mixtral configs may leave head_dim out; transformers then uses hidden / heads.
+        head_dim=config.get("head_dim") or hidden // heads,
+        num_experts=_num_experts(arch, config),
+        moe_router_topk=_require(config, "num_experts_per_tok"),
+        moe_ffn_hidden_size=_require(config, arch.expert_ffn_key),
+        moe_router_score_function="softmax",
+        qk_layernorm=arch.qk_layernorm,
+        # HF renormalizes the top-K softmax weights when norm_topk_prob is set; Megatron
+        # does that unless pre-softmax routing (softmax over all E, top-K kept as is).
+        moe_router_pre_softmax=not normalized,
+        max_position_embeddings=_require(config, "max_position_embeddings"),
+        rotary_base=_rope_theta(config),
+        norm_epsilon=float(_require(config, "rms_norm_eps")),
+        init_method_std=float(config.get("initializer_range", 0.02)),
+        params_dtype=params_dtype,
+        untie_embeddings_and_output_weights=True,
+    )
+    if model.rotary_base != int(model.rotary_base):
+        # build_model passes int(rotary_base) to Megatron's RotaryEmbedding.
+        raise CheckpointMismatchError(f"config.json rope theta {model.rotary_base} is not an integer")
+    try:
+        validate_model(model, prefix="config.json")
+    except ConfigError as err:
+        raise CheckpointMismatchError(str(err)) from None
+    return model

@@ -1,0 +1,260 @@
+"""Hugging Face safetensors checkpoints: streaming reads, planned shard writes, atomic output.
+
+Owns: :class:`HFCheckpoint` (names, shapes and dtypes from the safetensors headers without
+reading data; one tensor at a time on request), :class:`ShardPlan` / :class:`ShardWriter`
+(which tensor goes to which file; a file is written as soon as its last tensor arrives,
+so memory holds at most the shards still being filled), and :func:`atomic_output_dir`
+(a conversion writes into a hidden sibling directory marked ``INCOMPLETE`` that is
+renamed into place only after the last byte, and removed on failure). Does not own the
+HF <-> Megatron mapping or any Megatron state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+INCOMPLETE_MARKER = "INCOMPLETE"
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+}
+
+
+class HFCheckpoint:
+    """Read-only view of an HF safetensors checkpoint (one file, or shards with an index).
+
+    Args:
+        directory: the checkpoint directory.
+
+    Raises:
+        CheckpointMismatchError: no weights, a shard named by the index is missing, or
+            the index and the shard files disagree about which tensors exist.
+    """
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        index_path = self.directory / INDEX_NAME
+        if index_path.exists():
+            self.index: dict | None = json.loads(index_path.read_text())
+            self.weight_map: dict[str, str] = dict(self.index["weight_map"])
+        elif (self.directory / SINGLE_NAME).exists():
+            self.index = None
+            with safe_open(self.directory / SINGLE_NAME, framework="pt") as f:
+                self.weight_map = {name: SINGLE_NAME for name in f.keys()}
+        else:
+            raise CheckpointMismatchError(f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} exists")
+        self._headers: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        self._handles: dict[str, object] = {}
+        for file in sorted(set(self.weight_map.values())):
+            self._read_header(file)
+        unlisted = set(self._headers) - set(self.weight_map)
+        absent = set(self.weight_map) - set(self._headers)
+        if unlisted or absent:
+            raise CheckpointMismatchError(
+                f"{self.directory}: index and shards disagree; in shards but not the index: "
+                f"[{format_names(unlisted)}]; in the index but not in its shard: [{format_names(absent)}]"
+            )
+
+    def _read_header(self, file: str) -> None:
+        path = self.directory / file
+        if not path.exists():
+            named = [n for n, f in self.weight_map.items() if f == file]
+            raise CheckpointMismatchError(f"{path} is missing (it holds {format_names(named, 3)})")
+        handle = safe_open(path, framework="pt")
+        self._handles[file] = handle
+        for name in handle.keys():
+            view = handle.get_slice(name)
+            kind = view.get_dtype()
+            if kind not in _SAFETENSORS_DTYPES:
+                raise CheckpointMismatchError(f"tensor {name} in {file} has unsupported dtype {kind}")
+            if self.weight_map.get(name, file) == file:
+                self._headers[name] = (tuple(view.get_shape()), _SAFETENSORS_DTYPES[kind])
+
+    def names(self) -> list[str]:
+        """Every tensor name, in index order."""
+        return list(self.weight_map)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape from the header (no data read)."""
+        return self._headers[name][0]
+
+    def dtype(self, name: str) -> torch.dtype:
+        """dtype from the header (no data read)."""
+        return self._headers[name][1]
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor, read from its shard."""
+        if name not in self.weight_map:
+            raise CheckpointMismatchError(f"tensor {name} is not in {self.directory}")
+        return self._handles[self.weight_map[name]].get_tensor(name)
+
+    def extra_files(self) -> list[Path]:
+        """Non-weight files beside the weights (config, generation config, tokenizer)."""
+        weights = set(self.weight_map.values()) | {INDEX_NAME}
+        return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name not in weights)
+
+
+@dataclass(kw_only=True)
+class ShardPlan:
+    """Where each tensor of an HF checkpoint goes."""
+
+    weight_map: dict[str, str]
+    """Tensor name -> shard file name, in write order."""
+    sharded: bool
+    """Write an index file (False: a single ``model.safetensors`` and no index)."""
+    metadata: dict | None = None
+    """Index ``metadata`` to reproduce; sizes are recomputed and must agree with it."""
+
+    @classmethod
+    def from_index(cls, index: dict | None, names: list[str]) -> "ShardPlan":
+        """The plan of an existing checkpoint (``index`` None: its single file)."""
+        if index is None:
+            return cls(weight_map={n: SINGLE_NAME for n in names}, sharded=False)
+        metadata = dict(index.get("metadata", {}))
+        return cls(weight_map=dict(index["weight_map"]), sharded=True, metadata=metadata)
+
+    @classmethod
+    def by_size(cls, sizes: dict[str, int], max_shard_bytes: int) -> "ShardPlan":
+        """Fill shards in order up to ``max_shard_bytes`` each (HF file naming)."""
+        shards: list[list[str]] = [[]]
+        filled = 0
+        for name, size in sizes.items():
+            if shards[-1] and filled + size > max_shard_bytes:
+                shards.append([])
+                filled = 0
+            shards[-1].append(name)
+            filled += size
+        if len(shards) == 1:
+            return cls(weight_map={n: SINGLE_NAME for n in shards[0]}, sharded=False)
+        files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        return cls(weight_map={n: file for file, s in zip(files, shards) for n in s}, sharded=True)
+
+
+def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes a tensor of ``shape`` and ``dtype`` takes on disk."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class ShardWriter:
+    """Writes the tensors of a :class:`ShardPlan` as they arrive, in any order.
+
+    Args:
+        directory: output directory (exists).
+        plan: which tensor goes to which file.
+        progress: show a progress bar over the tensors.
+    """
+
+    def __init__(self, directory: str | Path, plan: ShardPlan, progress: bool = False) -> None:
+        self.directory = Path(directory)
+        self.plan = plan
+        self._pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._remaining: dict[str, set[str]] = {}
+        for name, file in plan.weight_map.items():
+            self._remaining.setdefault(file, set()).add(name)
+        self._written: set[str] = set()
+        self._total_bytes = 0
+        self._total_params = 0
+        self._bar = tqdm(
+            total=len(plan.weight_map), desc="writing HF tensors", unit="tensor", disable=not progress
+        )
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue one tensor; its shard is written once complete.
+
+        Raises:
+            CheckpointMismatchError: ``name`` is not in the plan or was added before.
+        """
+        file = self.plan.weight_map.get(name)
+        if file is None:
+            raise CheckpointMismatchError(f"tensor {name} is not part of the output checkpoint's plan")
+        if name in self._written or name in self._pending.get(file, {}):
+            raise CheckpointMismatchError(f"tensor {name} was produced twice")
+        self._pending.setdefault(file, {})[name] = tensor.contiguous()
+        self._total_bytes += tensor.numel() * tensor.element_size()
+        self._total_params += tensor.numel()
+        self._remaining[file].discard(name)
+        if not self._remaining[file]:
+            tensors = self._pending.pop(file)
+            save_file(tensors, str(self.directory / file), metadata={"format": "pt"})
+            self._written.update(tensors)
+        self._bar.update(1)
+
+    def finish(self) -> None:
+        """Check that every planned tensor was written; write the index.
+
+        Raises:
+            CheckpointMismatchError: planned tensors were never produced (named).
+        """
+        self._bar.close()
+        missing = [n for names in self._remaining.values() for n in names]
+        if missing:
+            raise CheckpointMismatchError(f"output tensors never produced: {format_names(missing)}")
+        if not self.plan.sharded:
+            return
+        metadata = dict(self.plan.metadata or {})
+        if metadata.get("total_size") != self._total_bytes:
+            # The carried plan came from a checkpoint of another dtype: sizes are recomputed.
+            metadata.update(total_size=self._total_bytes, total_parameters=self._total_params)
+        index = {"metadata": metadata, "weight_map": self.plan.weight_map}
+        # transformers' own formatting, so an unchanged checkpoint round-trips byte for byte.
+        (self.directory / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+@contextlib.contextmanager
+def atomic_output_dir(final: str | Path) -> Iterator[Path]:
+    """A staging directory that becomes ``final`` only if the block succeeds.
+
+    The staging directory is a hidden sibling holding an ``INCOMPLETE`` marker; on an
+    exception it is deleted, so ``final`` is either complete or absent. A process killed
+    mid-write leaves only the marked staging directory behind.
+
+    Raises:
+        FileExistsError: ``final`` exists, or a staging directory from an earlier,
+            interrupted run is still there (remove it after checking nothing writes to it).
+    """
+    final = Path(final)
+    if final.exists():
+        raise FileExistsError(f"{final} already exists; choose a new output directory")
+    staging = staging_dir(final)
+    if staging.exists():
+        raise FileExistsError(f"{staging} exists: another conversion is writing there or one was interrupted")
+    staging.mkdir(parents=True)
+    (staging / INCOMPLETE_MARKER).write_text("written by an unfinished or failed conversion; do not use\n")
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    (staging / INCOMPLETE_MARKER).unlink()
+    os.replace(staging, final)
+
+
+def staging_dir(final: str | Path) -> Path:
+    """The hidden sibling that :func:`atomic_output_dir` writes ``final`` into."""
+    final = Path(final)
+    return final.parent / f".{final.name}.incomplete"
+
+
+def copy_files(files: list[Path], directory: str | Path) -> list[str]:
+    """Copy files into ``directory`` keeping their names; returns the names."""
+    for path in files:
+        shutil.copyfile(path, Path(directory) / path.name)
+    return [p.name for p in files]

@@ -1,0 +1,367 @@
+"""HF <-> Megatron weight names, shapes and layouts: one table per architecture.
+
+Shape legend: V vocabulary, H hidden size, Q query width (heads x head_dim), G key/value
+width (query groups x head_dim), D head_dim, E experts per layer, F one expert's FFN width.
+
+Owns: the per-architecture tables (Qwen3-MoE, Mixtral) saying which HF tensors make each
+Megatron parameter and how (copied; Q, K, V interleaved per query group; SwiGLU gate and
+up stacked), which HF config keys describe the model, the shapes both sides must have for
+a :class:`~megatron_rl.config.ModelConfig`, and the pure tensor functions that fuse, split
+and tensor-parallel-shard those layouts. Megatron names are those of a TP1/EP1/PP1 model
+(global 0-based layer and expert indices), so any rank can map its local parameters after
+offsetting its layer and expert indices. Used by the converters, the FP8 export and
+weight sync. Does not own files, process groups or Megatron modules.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal
+
+import torch
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.config import ModelConfig
+from megatron_rl.registry import Registry
+
+Fuse = Literal["copy", "qkv", "gate_up"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WeightRule:
+    """One Megatron parameter and the HF tensors it is made of."""
+
+    megatron: str
+    """Megatron name template; ``{layer}`` and ``{expert}`` are global 0-based indices."""
+    hf: tuple[str, ...]
+    """HF name templates of the tensors that make it, in fuse order."""
+    hf_dims: tuple[tuple[str, ...], ...]
+    """Symbolic shape of each HF tensor (keys of :func:`dimensions`)."""
+    fuse: Fuse = "copy"
+    """copy: one tensor as is; qkv: Q, K, V interleaved per query group; gate_up: [gate; up]."""
+    tp_axis: int | None = None
+    """Axis of the Megatron tensor split over tensor parallelism (None: replicated)."""
+    fp8: bool = False
+    """A linear weight the FP8 export quantizes; router, norms, embeddings, output stay high precision."""
+
+    @property
+    def scope(self) -> Literal["model", "layer", "expert"]:
+        """Whether the rule exists once, once per layer, or once per layer and expert."""
+        if "{expert}" in self.megatron:
+            return "expert"
+        return "layer" if "{layer}" in self.megatron else "model"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Architecture:
+    """Everything about one HF model family that conversion needs."""
+
+    name: str
+    """HF ``model_type`` (the registry key)."""
+    experts_keys: tuple[str, ...]
+    """config.json keys that may hold E (the first present one is used)."""
+    expert_ffn_key: str
+    """config.json key that holds F."""
+    norm_topk_key: str | None
+    """config.json key saying whether top-K gates are renormalized (None: always)."""
+    qk_layernorm: bool
+    """Per-head RMSNorm on queries and keys before RoPE."""
+    supported_values: dict[str, Any] = field(default_factory=dict)
+    """config.json keys that must hold these values (when present) for the mapping to hold."""
+    rules: tuple[WeightRule, ...]
+    """The name and layout table."""
+
+
+def _rule(megatron: str, hf: str | tuple[str, ...], dims, **kw) -> WeightRule:
+    hf = (hf,) if isinstance(hf, str) else hf
+    dims = (dims,) * len(hf) if isinstance(dims[0], str) else dims
+    return WeightRule(megatron=megatron, hf=hf, hf_dims=tuple(dims), **kw)
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+_MIXTRAL_EXPERT = _H + "block_sparse_moe.experts.{expert}."
+_QKV_DIMS = (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden"))
+_VH = ("vocab", "hidden")
+_HQ = ("hidden", "q")
+
+QWEN3_MOE = Architecture(
+    name="qwen3_moe",
+    # transformers 5 writes num_local_experts; Hub checkpoints carry num_experts.
+    experts_keys=("num_experts", "num_local_experts"),
+    expert_ffn_key="moe_intermediate_size",
+    norm_topk_key="norm_topk_prob",
+    qk_layernorm=True,
+    supported_values={
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    rules=(
+        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0),
+        _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
+        _rule(
+            _L + "self_attention.linear_qkv.weight",
+            (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+            _QKV_DIMS, fuse="qkv", tp_axis=0, fp8=True,
+        ),
+        _rule(
+            _L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight", _HQ, tp_axis=1, fp8=True
+        ),
+        _rule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",)),
+        _rule(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",)),
+        _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
+        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
+        _rule(
+            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+            (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+            ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True,
+        ),
+        _rule(
+            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+            _H + "mlp.experts.{expert}.down_proj.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
+        ),
+        _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0),
+    ),
+)
+
+MIXTRAL = Architecture(
+    name="mixtral",
+    experts_keys=("num_local_experts",),
+    expert_ffn_key="intermediate_size",
+    # Mixtral always renormalizes its top-K softmax weights.
+    norm_topk_key=None,
+    qk_layernorm=False,
+    supported_values={
+        "sliding_window": None,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+    },
+    rules=(
+        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0),
+        _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
+        _rule(
+            _L + "self_attention.linear_qkv.weight",
+            (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+            _QKV_DIMS, fuse="qkv", tp_axis=0, fp8=True,
+        ),
+        _rule(
+            _L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight", _HQ, tp_axis=1, fp8=True
+        ),
+        _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
+        _rule(_L + "mlp.router.weight", _H + "block_sparse_moe.gate.weight", ("experts", "hidden")),
+        # w1 is the gate projection, w3 the up projection, w2 the down projection.
+        _rule(
+            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+            (_MIXTRAL_EXPERT + "w1.weight", _MIXTRAL_EXPERT + "w3.weight"),
+            ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True,
+        ),
+        _rule(
+            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
+            _MIXTRAL_EXPERT + "w2.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
+        ),
+        _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0),
+    ),
+)
+
+ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
+for _arch in (QWEN3_MOE, MIXTRAL):
+    ARCHITECTURES.register(_arch.name)(_arch)
+
+
+@dataclass(frozen=True)
+class BoundWeight:
+    """A rule instantiated for one layer and expert of a concrete model."""
+
+    rule: WeightRule
+    """The table row."""
+    layer: int | None
+    """Global 0-based layer index (None outside the layers)."""
+    expert: int | None
+    """Global expert index (None for non-expert weights)."""
+    megatron: str
+    """Megatron parameter name in a TP1/EP1/PP1 model."""
+    hf: tuple[str, ...]
+    """HF tensor names, in fuse order."""
+    hf_shapes: tuple[tuple[int, ...], ...]
+    """Shape each HF tensor must have."""
+    megatron_shape: tuple[int, ...]
+    """Shape of the full (unsharded) Megatron parameter."""
+
+
+def dimensions(cfg: ModelConfig) -> dict[str, int]:
+    """Sizes of the symbolic dimensions used in the tables."""
+    return {
+        "vocab": cfg.vocab_size,
+        "hidden": cfg.hidden_size,
+        "q": cfg.num_attention_heads * cfg.head_dim,
+        "kv": cfg.num_query_groups * cfg.head_dim,
+        "head_dim": cfg.head_dim,
+        "experts": cfg.num_experts,
+        "expert_ffn": cfg.moe_ffn_hidden_size,
+    }
+
+
+def bind(
+    rule: WeightRule, cfg: ModelConfig, layer: int | None = None, expert: int | None = None
+) -> BoundWeight:
+    """Instantiate ``rule`` at one layer (and expert) with the shapes ``cfg`` implies."""
+    dims = dimensions(cfg)
+    hf_shapes = tuple(tuple(dims[d] for d in shape) for shape in rule.hf_dims)
+    if rule.fuse == "copy":
+        megatron_shape = hf_shapes[0]
+    else:  # qkv and gate_up stack their parts along the output dimension
+        megatron_shape = (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
+    names = {"layer": layer, "expert": expert}
+    return BoundWeight(
+        rule=rule,
+        layer=layer,
+        expert=expert,
+        megatron=rule.megatron.format(**names),
+        hf=tuple(t.format(**names) for t in rule.hf),
+        hf_shapes=hf_shapes,
+        megatron_shape=megatron_shape,
+    )
+
+
+def weight_groups(arch: Architecture, cfg: ModelConfig) -> dict[int | None, list[BoundWeight]]:
+    """Every weight of the model, grouped by layer (key None: outside the layers).
+
+    Each group is what converters hold in memory at once, so a layer's experts travel
+    together and nothing larger does.
+    """
+    groups: dict[int | None, list[BoundWeight]] = {None: []}
+    for layer in range(cfg.num_layers):
+        groups[layer] = []
+        for rule in arch.rules:
+            if rule.scope == "layer":
+                groups[layer].append(bind(rule, cfg, layer))
+        for expert in range(cfg.num_experts):
+            for rule in arch.rules:
+                if rule.scope == "expert":
+                    groups[layer].append(bind(rule, cfg, layer, expert))
+    groups[None] = [bind(rule, cfg) for rule in arch.rules if rule.scope == "model"]
+    return groups
+
+
+def all_weights(arch: Architecture, cfg: ModelConfig) -> list[BoundWeight]:
+    """Every weight of the model, in group order."""
+    return [w for group in weight_groups(arch, cfg).values() for w in group]
+
+
+def hf_tensor_shapes(arch: Architecture, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the model must have, with its shape."""
+    return {name: shape for w in all_weights(arch, cfg) for name, shape in zip(w.hf, w.hf_shapes)}
+
+
+def template_regex(template: str) -> re.Pattern:
+    """Regex matching a name template, capturing ``layer`` and ``expert`` indices."""
+    pattern = re.escape(template)
+    pattern = pattern.replace(re.escape("{layer}"), r"(?P<layer>\d+)")
+    pattern = pattern.replace(re.escape("{expert}"), r"(?P<expert>\d+)")
+    return re.compile(f"^{pattern}$")
+
+
+def bound_for_megatron_name(arch: Architecture, cfg: ModelConfig, name: str) -> BoundWeight:
+    """The bound weight of a TP1/EP1/PP1 Megatron parameter name.
+
+    Raises:
+        CheckpointMismatchError: no rule makes ``name``, or its indices are out of range.
+    """
+    for rule in arch.rules:
+        match = template_regex(rule.megatron).match(name)
+        if match is None:
+            continue
+        found = match.groupdict()
+        layer = int(found["layer"]) if "layer" in found else None
+        expert = int(found["expert"]) if "expert" in found else None
+        if layer is not None and not layer < cfg.num_layers:
+            raise CheckpointMismatchError(
+                f"Megatron parameter {name}: layer {layer} >= num_layers {cfg.num_layers}"
+            )
+        if expert is not None and not expert < cfg.num_experts:
+            raise CheckpointMismatchError(
+                f"Megatron parameter {name}: expert {expert} >= num_experts {cfg.num_experts}"
+            )
+        return bind(rule, cfg, layer, expert)
+    raise CheckpointMismatchError(f"Megatron parameter {name} has no entry in the {arch.name} mapping table")
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def fuse(weight: BoundWeight, tensors: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
+    """The full Megatron tensor made of ``weight``'s HF tensors (exact copies, no arithmetic)."""
+    if weight.rule.fuse == "copy":
+        return tensors[0]
+    if weight.rule.fuse == "gate_up":
+        return torch.cat(tensors, dim=0)
+    # Megatron's fused QKV holds, per query group, that group's query heads, then its key
+    # head, then its value head; TP then hands each rank a contiguous run of groups.
+    groups = cfg.num_query_groups
+    per_group = [t.reshape(groups, -1, t.shape[-1]) for t in tensors]
+    return torch.cat(per_group, dim=1).reshape(-1, tensors[0].shape[-1])
+
+
+def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse`: the HF tensors, each its own contiguous copy."""
+    if weight.rule.fuse == "copy":
+        return [tensor.clone()]
+    rows = [shape[0] for shape in weight.hf_shapes]
+    if weight.rule.fuse == "gate_up":
+        return [part.clone() for part in tensor.split(rows, dim=0)]
+    groups = cfg.num_query_groups
+    per_group = tensor.reshape(groups, -1, tensor.shape[-1]).split([r // groups for r in rows], dim=1)
+    return [part.reshape(r, tensor.shape[-1]).clone() for part, r in zip(per_group, rows)]
+
+
+def to_hf(weight: BoundWeight, full: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """HF ``(name, tensor)`` pairs of one full Megatron parameter.
+
+    Raises:
+        CheckpointMismatchError: ``full`` does not have the shape the config implies.
+    """
+    if tuple(full.shape) != weight.megatron_shape:
+        raise CheckpointMismatchError(
+            f"Megatron parameter {weight.megatron} is {tuple(full.shape)}, "
+            f"the config implies {weight.megatron_shape}"
+        )
+    return list(zip(weight.hf, split(weight, full, cfg)))
+
+
+NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
+
+
+def hf_name_map(arch: Architecture, cfg: ModelConfig) -> NameMap:
+    """``(megatron_name, full_tensor) -> [(hf_name, tensor), ...]``: weight sync to HF-named servers."""
+
+    def name_map(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return to_hf(bound_for_megatron_name(arch, cfg, name), full, cfg)
+
+    return name_map
+
+
+def tp_shard(weight: BoundWeight, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The part of a full Megatron tensor that tensor-parallel rank ``rank`` of ``size`` holds.
+
+    Column-parallel SwiGLU weights split gate and up separately (each rank keeps
+    ``[gate_r; up_r]``); every other split is a contiguous chunk along ``tp_axis``.
+    """
+    axis = weight.rule.tp_axis
+    if axis is None or size == 1:
+        return full
+    if full.shape[axis] % size:
+        raise CheckpointMismatchError(
+            f"{weight.megatron}: dimension {axis} of size {full.shape[axis]} does not split over TP={size}"
+        )
+    if weight.rule.fuse == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
+    return full.chunk(size, dim=axis)[rank]

@@ -1,0 +1,316 @@
+"""Megatron side of the converters: fill a model of any layout from HF tensors, and read a
+distributed checkpoint back one layer at a time.
+
+Owns: building the Megatron model an architecture needs (local spec, on the meta device
+when only its structure is wanted), the local -> global (TP1/EP1/PP1) parameter naming,
+filling every local parameter of a rank from the HF tensors through the mapping table,
+and reading boxes of a distributed checkpoint without a process group (torch DCP with a
+planner that asks for exactly the slices one layer needs). Runs on the ranks of a world
+(``megatron_rl.checkpoint.convert`` starts and finishes the work); does not own output
+directories, HF config translation or the name tables.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
+from megatron.core.models.gpt import GPTModel
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from tqdm import tqdm
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardWriter
+from megatron_rl.checkpoint.mapping import (
+    Architecture,
+    bound_for_megatron_name,
+    fuse,
+    to_hf,
+    tp_shard,
+    weight_groups,
+)
+from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.parallel.checkpoint import load_model, save_model
+from megatron_rl.parallel.model import build_model
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+_LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+
+
+def build_model_for(
+    arch: Architecture, model: ModelConfig, parallel: ParallelConfig, meta: bool = False
+) -> GPTModel:
+    """This rank's model stage for ``arch`` (local spec: its parameter names are the table's).
+
+    Args:
+        arch: architecture (decides the QK norms).
+        model: sizes.
+        parallel: layout (parallel state must be initialized to match).
+        meta: build on the meta device (structure and names only, no memory).
+    """
+    if model.qk_layernorm != arch.qk_layernorm:
+        raise CheckpointMismatchError(
+            f"model.qk_layernorm={model.qk_layernorm} does not match the architecture "
+            f"(qk_layernorm={arch.qk_layernorm})"
+        )
+    if meta:
+        with torch.device("meta"):
+            return build_model(model, parallel, use_te=False)
+    return build_model(model, parallel, use_te=False)
+
+
+def global_parameter_names(gpt: GPTModel) -> dict[str, str]:
+    """Local parameter name -> its name in a TP1/EP1/PP1 model (global layer and expert)."""
+    names = {}
+    for name, _ in gpt.named_parameters():
+        match = _LAYER.match(name)
+        if match is None:
+            names[name] = name
+            continue
+        layer = gpt.decoder.layers[int(match.group(1))]
+        rest = match.group(2)
+        expert = _LOCAL_EXPERT.match(rest)
+        if expert is not None:
+            index = layer.mlp.local_expert_indices[int(expert.group(2))]
+            rest = f"{expert.group(1)}{index}{expert.group(3)}"
+        names[name] = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+    return names
+
+
+def fill_from_hf(
+    gpt: GPTModel,
+    arch: Architecture,
+    model: ModelConfig,
+    checkpoint: HFCheckpoint,
+    tp_rank: int,
+    tp_size: int,
+    progress: bool = False,
+) -> set[str]:
+    """Copy every local parameter from its HF tensors; returns the HF names used.
+
+    Experts are not split over tensor parallelism (expert-TP 1); every other weight takes
+    its ``tp_axis`` shard.
+
+    Raises:
+        CheckpointMismatchError: a parameter has no table entry, or the mapped tensor's
+            shape or dtype differs from the parameter's (both named).
+    """
+    params = dict(gpt.named_parameters())
+    used: set[str] = set()
+    names = global_parameter_names(gpt)
+    for local, name in tqdm(names.items(), desc="filling Megatron parameters", disable=not progress):
+        weight = bound_for_megatron_name(arch, model, name)
+        full = fuse(weight, [checkpoint.get(n) for n in weight.hf], model)
+        rank, size = (0, 1) if weight.rule.scope == "expert" else (tp_rank, tp_size)
+        shard = tp_shard(weight, full, rank, size)
+        param = params[local]
+        if tuple(shard.shape) != tuple(param.shape) or shard.dtype != param.dtype:
+            raise CheckpointMismatchError(
+                f"Megatron parameter {local} ({name}) is {tuple(param.shape)} {param.dtype}, but "
+                f"{', '.join(weight.hf)} give {tuple(shard.shape)} {shard.dtype}"
+            )
+        with torch.no_grad():
+            param.copy_(shard)
+        used.update(weight.hf)
+    return used
+
+
+def hf_to_megatron_rank(
+    arch: Architecture,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    tp_rank: int,
+    tp_size: int,
+    hf_dir: str | Path,
+    output_dir: str | Path,
+    progress: bool = False,
+) -> None:
+    """Collective: build this rank's stage, fill it from the HF checkpoint, save it.
+
+    Parameters are allocated uninitialized (meta build, then ``to_empty``): each is
+    overwritten from the checkpoint, which :func:`fill_from_hf` guarantees, and random
+    initialization of a large model would cost minutes.
+
+    Raises:
+        CheckpointMismatchError: a parameter cannot be filled, the model has buffers that
+            no checkpoint tensor fills, or HF tensors were left unused by every rank.
+    """
+    gpt = build_model_for(arch, model, parallel, meta=True)
+    buffers = [name for name, _ in gpt.named_buffers()]
+    if buffers:
+        raise CheckpointMismatchError(f"model buffers would stay uninitialized: {format_names(buffers)}")
+    on_gpu = torch.cuda.is_available()
+    gpt.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
+    checkpoint = HFCheckpoint(hf_dir)
+    used = fill_from_hf(gpt, arch, model, checkpoint, tp_rank, tp_size, progress)
+    everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
+    dist.all_gather_object(everyone, used)
+    unused = set(checkpoint.names()) - set().union(*everyone)
+    if unused:
+        raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")
+    # The staging directory already holds the INCOMPLETE marker and the conversion record,
+    # which Megatron's save would report as an "old incomplete / corrupted checkpoint".
+    quiet = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        save_model(gpt, output_dir)
+    finally:
+        quiet.setLevel(level)
+
+
+# ------------------------------------------------------------------ reading a dist checkpoint
+
+
+@dataclass(frozen=True)
+class _Box:
+    """One box of a stored tensor: ``key`` at ``offsets`` with ``shape`` (prepended axes included)."""
+
+    key: str
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class _BoxPlanner(DefaultLoadPlanner):
+    """Reads boxes of stored tensors into plain tensors.
+
+    Megatron's loader needs every box of a tensor to belong to some rank of the world;
+    torch DCP's planner interface can read any box directly, without a process group.
+    """
+
+    def __init__(self, boxes: list[tuple[_Box, torch.Tensor]]) -> None:
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self._boxes = boxes
+        self._targets = {(box.key, box.offsets): tensor for box, tensor in boxes}
+
+    def create_local_plan(self) -> LoadPlan:
+        items = []
+        for box, _ in self._boxes:
+            chunk = ChunkStorageMetadata(offsets=torch.Size(box.offsets), sizes=torch.Size(box.shape))
+            stored = self.metadata.state_dict_metadata[box.key]
+            items += create_read_items_for_chunk_list(box.key, stored, [chunk])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        return self._targets[(index.fqn, tuple(index.offset))]
+
+
+def _boxes_of(entry) -> tuple[list[_Box], Callable[[list[torch.Tensor]], torch.Tensor]]:
+    """The stored boxes that make one parameter and how to merge them back."""
+    if isinstance(entry, ShardedTensorFactory):
+        parts = entry.build()
+        parts = parts if isinstance(parts, list) else [parts]
+        boxes = [_boxes_of(p)[0][0] for p in parts]
+
+        def merge(tensors, parts=parts):
+            return entry.merge_fn([t.reshape(p.local_shape) for t, p in zip(tensors, parts)])
+
+        return boxes, merge
+    shape = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
+    box = _Box(entry.key, tuple(entry.global_offset), shape, entry.dtype)
+    return [box], lambda tensors: tensors[0].reshape(entry.local_shape)
+
+
+class DistCheckpointReader:
+    """Reads the full (TP1/EP1/PP1) parameters of a Megatron distributed checkpoint by name.
+
+    Args:
+        directory: the distributed checkpoint.
+        template: a TP1/EP1/PP1 model of the checkpoint's architecture (meta is enough);
+            its sharded state dict says where each parameter lives in the checkpoint.
+
+    Raises:
+        CheckpointMismatchError: the checkpoint holds tensors the model does not have,
+            lacks some it has, or stores one with another global shape (all named).
+    """
+
+    def __init__(self, directory: str | Path, template: GPTModel) -> None:
+        self.directory = str(directory)
+        sharded = template.sharded_state_dict()
+        self._entries = {name: _boxes_of(sharded[name]) for name, _ in template.named_parameters()}
+        objects = {e.key for e in sharded.values() if isinstance(e, ShardedObject)}
+        stored = dcp.FileSystemReader(self.directory).read_metadata().state_dict_metadata
+        expected: dict[str, tuple[int, ...]] = {}
+        for name, entry in sharded.items():
+            parts = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
+            for part in parts if isinstance(parts, list) else [parts]:
+                if isinstance(part, ShardedTensor):
+                    expected[part.key] = tuple(part.global_shape)
+        problems = []
+        for key, meta in stored.items():
+            if isinstance(meta, BytesStorageMetadata):
+                if key.split("/shard_")[0] not in objects:
+                    problems.append(f"unknown object {key}")
+            elif key not in expected:
+                problems.append(f"unknown tensor {key} {tuple(meta.size)}")
+            elif tuple(meta.size) != expected[key]:
+                problems.append(f"tensor {key} is {tuple(meta.size)}, the model needs {expected[key]}")
+        problems += [f"missing tensor {key} {shape}" for key, shape in expected.items() if key not in stored]
+        if problems:
+            raise CheckpointMismatchError(
+                f"Megatron checkpoint {directory} does not match the model: " + "; ".join(problems)
+            )
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The named parameters, full size, in one pass over the checkpoint files."""
+        requests = []
+        for name in names:
+            boxes, _ = self._entries[name]
+            requests += [(box, torch.empty(box.shape, dtype=box.dtype)) for box in boxes]
+        reader = dcp.FileSystemReader(self.directory)
+        dcp.load({}, storage_reader=reader, planner=_BoxPlanner(requests), no_dist=True)
+        loaded = iter(t for _, t in requests)
+        out = {}
+        for name in names:
+            boxes, merge = self._entries[name]
+            out[name] = merge([next(loaded) for _ in boxes])
+        return out
+
+
+def load_megatron_model(
+    arch: Architecture, model: ModelConfig, parallel: ParallelConfig, directory: str | Path
+) -> GPTModel:
+    """This rank's stage of ``parallel``, loaded (resharded) from a distributed checkpoint."""
+    gpt = build_model_for(arch, model, parallel)
+    load_model(gpt, directory)
+    return gpt
+
+
+def megatron_to_hf_rank(
+    arch: Architecture,
+    model: ModelConfig,
+    megatron_dir: str | Path,
+    writer: ShardWriter,
+    progress: bool = False,
+) -> None:
+    """Stream a distributed checkpoint into HF tensors, one layer group at a time.
+
+    Needs initialized TP1/EP1/PP1 parallel state (for the meta template model).
+    """
+    template = build_model_for(arch, model, ParallelConfig(), meta=True)
+    groups = weight_groups(arch, model)
+    table = {w.megatron for group in groups.values() for w in group}
+    params = {name for name, _ in template.named_parameters()}
+    if table != params:
+        raise CheckpointMismatchError(
+            f"the {arch.name} table and the Megatron model disagree: only in the table "
+            f"[{format_names(table - params)}], only in the model [{format_names(params - table)}]"
+        )
+    reader = DistCheckpointReader(megatron_dir, template)
+    for group in tqdm(groups.values(), desc="exporting layers", disable=not progress):
+        tensors = reader.read([w.megatron for w in group])
+        for weight in group:
+            for name, tensor in to_hf(weight, tensors[weight.megatron], model):
+                writer.add(name, tensor)
+
