@@ -81,15 +81,17 @@ def main() -> None:
         head_dim=64, num_experts=16, moe_router_topk=4, moe_ffn_hidden_size=512,
         max_position_embeddings=4096,
     )
+    # One thread: the process CPU time of a single-threaded run barely moves when other
+    # jobs share the machine, so the on/off comparison stays meaningful there.
     res = run_world(_worker, 1, model_cfg, args.samples, args.length, args.repeats,
-                    threads_per_rank=torch.get_num_threads(), timeout_s=3600)[0]
+                    threads_per_rank=1, timeout_s=3600)[0]
     overhead = res["on"] / res["off"] - 1
     cpu_overhead = res["cpu_on"] / res["cpu_off"] - 1
     l, k = model_cfg.num_layers, model_cfg.moe_router_topk
     lines = [
         f"Model: {l} MoE layers, E={model_cfg.num_experts}, top-{k}, hidden {model_cfg.hidden_size}, "
         f"vocab {model_cfg.vocab_size}; {args.samples} samples x {args.length} tokens "
-        f"({res['tokens']} tokens), 1 CPU process, median of {args.repeats} interleaved runs.",
+        f"({res['tokens']} tokens), 1 CPU process with 1 thread, median of {args.repeats} interleaved runs.",
         "",
         "Process CPU time is the figure to trust on a shared machine (wall time also counts",
         "time the process waited for a core).",
