@@ -12,6 +12,9 @@ pass yields replay agreement, flip rate and router shift; it also gives the curr
 log-probs and entropies the 80/20 and STAPO filters select on), and then runs forward and
 backward through Megatron's schedule with the objective from ``megatron_rl.algos``.
 
+The 80/20 and STAPO filters select over each data-parallel rank's mini-batch (not the
+global batch): their top-rho / quantile statistics are not all-reduced yet.
+
 Losses are normalized by the global kept-token (or sequence) count of the whole mini-batch
 across data-parallel ranks, and Megatron's DDP sums gradients over DP, so micro-batching
 and the layout do not change the gradient. The probe costs one extra forward; it runs
