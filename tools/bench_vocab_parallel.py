@@ -12,18 +12,25 @@ as by default; ``--entropy-grad`` backpropagates ``sum(entropy)`` too):
   fp32, gather the targets, entropy ``-sum(exp(logp) * logp)``, backward. Buffers are
   released as soon as autograd no longer needs them, so the baseline is not inflated.
 
-Memory method: every (approach, V, T) runs in a fresh 2-process gloo world. Once its inputs
-exist, each rank resets its peak resident set size (writing ``5`` to
-``/proc/self/clear_refs`` sets ``VmHWM`` to the current RSS) and notes the RSS; after the
-runs it reads ``VmHWM``. Peak extra memory = ``VmHWM`` - RSS after the inputs: every page
-touched meanwhile, whoever allocated it (torch tensors, autograd buffers, gloo), including
-the gradient of the shard. Torch's CPU allocator does not cache, and glibc returns blocks
-this large to the OS on free, so a reused buffer cannot hide a peak. Each world first
-calibrates the method on a 1 GiB tensor; the output reports what it measured. Reported
-memory is the larger of the two ranks.
+Memory method: every (approach, V, T) runs in a fresh 2-process gloo world. After the timed
+runs, each rank runs the step once more while a thread samples the process's anonymous
+resident memory (``RssAnon`` in ``/proc/self/status``, every millisecond); peak extra memory
+= the largest sample - the value just before the step, with the inputs already allocated.
+Anonymous memory is where every CPU tensor lives (torch's CPU allocator does not cache, and
+glibc returns blocks this large to the OS on free, so a reused buffer cannot hide a peak); it
+includes autograd's saved tensors, gloo's buffers and the shard's gradient. Unlike total RSS
+(``VmHWM``) it does not move when the kernel evicts or faults in pages of the shared
+libraries, which happens on a machine shared with other jobs. The peaks measured here last
+far longer than a millisecond (they are GiB-sized buffers that are filled and read). Each
+world first calibrates the method on a 1 GiB tensor that is allocated, filled and freed
+while sampling; the output reports what it measured. Reported memory is the larger of the
+two ranks.
 
-Time: wall time of one forward + backward, the slower rank, median of ``--repeats`` runs
-after one warm-up (``--large-repeats`` for sizes with ``T * V`` of at least 1e9).
+Time: wall time and CPU time (``time.process_time``, all threads of the rank's process) of
+one forward + backward, the slower rank, median of ``--repeats`` runs after one warm-up
+(``--large-repeats`` for sizes with ``T * V`` of at least 1e9). On a machine shared with
+other jobs the wall time includes waiting for a core (and for the other rank in each
+collective); the CPU time is the work done and is the steadier comparison there.
 
 The gather approach is skipped (and marked so) where its peak would not fit in the available
 memory: extrapolated from the first measured size's bytes per logit of the full ``[T, V]``,
@@ -42,6 +49,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,30 +83,48 @@ class Job:
     entropy_grad: bool
 
 
-def _status_kib(field: str) -> int:
+def rss_anon() -> int:
+    """This process's anonymous resident memory in bytes."""
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
+        if line.startswith("RssAnon:"):
+            return 1024 * int(line.split()[1])
+    raise RuntimeError("RssAnon not in /proc/self/status")
 
 
-def reset_peak_rss() -> int:
-    """Resets this process's peak RSS to its current RSS; returns that RSS in bytes."""
-    Path("/proc/self/clear_refs").write_text("5")
-    return 1024 * _status_kib("VmRSS")
+class AnonPeak:
+    """Context manager: peak ``RssAnon`` above its value on entry, sampled by a thread."""
 
+    def __init__(self, interval_s: float = 0.001):
+        self.interval_s = interval_s
+        self.baseline = self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
 
-def peak_rss() -> int:
-    return 1024 * _status_kib("VmHWM")
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.peak = max(self.peak, rss_anon())
+
+    def __enter__(self) -> "AnonPeak":
+        self.baseline = self.peak = rss_anon()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_anon())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.baseline
 
 
 def calibrate() -> int:
-    """Measured peak extra memory of allocating and filling a 1 GiB tensor."""
-    baseline = reset_peak_rss()
-    block = torch.ones(CALIBRATION_BYTES // 4, dtype=torch.float32)
-    measured = peak_rss() - baseline
-    del block
-    return measured
+    """Measured peak extra memory of a 1 GiB tensor allocated, filled and freed."""
+    with AnonPeak() as peak:
+        block = torch.ones(CALIBRATION_BYTES // 4, dtype=torch.float32)
+        del block  # freed before the sampler stops: only the sampling can see it
+    return peak.extra
 
 
 def make_inputs(job: Job, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,28 +176,32 @@ def gather_step(shard_TV, targets_T, weights_T, group, job: Job) -> None:
 
 
 def bench_worker(job: Job) -> dict:
-    """Runs on every rank: calibration, inputs, warm-up + timed runs, peak extra memory."""
+    """Runs on every rank: calibration, inputs, warm-up + timed runs, one sampled run."""
     rank, group = dist.get_rank(), dist.group.WORLD
     calibration = calibrate()
     shard_TV, targets_T, weights_T = make_inputs(job, rank)
     step = vocab_parallel_step if job.approach == "vocab_parallel" else gather_step
-    baseline = reset_peak_rss()
-    times = []
+    wall, cpu = [], []
     for _ in range(job.repeats + 1):
         dist.barrier(group)
-        start = time.perf_counter()
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
         step(shard_TV, targets_T, weights_T, group, job)
-        times.append(time.perf_counter() - start)
+        wall.append(time.perf_counter() - wall_start)
+        cpu.append(time.process_time() - cpu_start)
         shard_TV.grad = None
-    return {"times": times, "peak_extra": peak_rss() - baseline, "calibration": calibration}
+    dist.barrier(group)
+    with AnonPeak() as peak:
+        step(shard_TV, targets_T, weights_T, group, job)
+    return {"wall": wall, "cpu": cpu, "peak_extra": peak.extra, "calibration": calibration}
 
 
 def measure(job: Job) -> dict:
-    """One fresh world; the slower rank's time per run and the larger rank's peak."""
+    """One fresh world; the slower rank's times per run (median) and the larger rank's peak."""
     ranks = run_world(bench_worker, TP, job, timeout_s=1800)
-    per_run = [max(r["times"][i] for r in ranks) for i in range(1, job.repeats + 1)]
+    timed = range(1, job.repeats + 1)  # run 0 is the warm-up
     return {
-        "time": statistics.median(per_run),
+        "wall": statistics.median(max(r["wall"][i] for r in ranks) for i in timed),
+        "cpu": statistics.median(max(r["cpu"][i] for r in ranks) for i in timed),
         "peak_extra": max(r["peak_extra"] for r in ranks),
         "calibration": min(r["calibration"] for r in ranks),
     }
@@ -267,10 +297,12 @@ def chunk_bytes(vocab: int, chunk_tokens: int, tokens: int) -> int:
 def format_row(row: tuple, chunk_tokens: int) -> str:
     vocab, tokens, repeats, vp, gather, predicted = row
     one_chunk = chunk_bytes(vocab, chunk_tokens, tokens)
-    cells = [f"{vocab:,}", f"{tokens:,}", str(repeats), f"{vp['time']:.2f}"]
+    cells = [f"{vocab:,}", f"{tokens:,}", str(repeats)]
     if gather is None:
         cells += [
-            "not run",
+            f"{vp['wall']:.2f} / not run",
+            "n/a",
+            f"{vp['cpu']:.2f} / not run",
             "n/a",
             f"{vp['peak_extra'] / GIB:.2f}",
             f"~{predicted / GIB:.1f} (extrapolated)",
@@ -281,8 +313,10 @@ def format_row(row: tuple, chunk_tokens: int) -> str:
     else:
         bound = gather["peak_extra"] / TP + one_chunk
         cells += [
-            f"{gather['time']:.2f}",
-            f"{gather['time'] / vp['time']:.2f}x",
+            f"{vp['wall']:.2f} / {gather['wall']:.2f}",
+            f"{gather['wall'] / vp['wall']:.1f}x",
+            f"{vp['cpu']:.2f} / {gather['cpu']:.2f}",
+            f"{gather['cpu'] / vp['cpu']:.1f}x",
             f"{vp['peak_extra'] / GIB:.2f}",
             f"{gather['peak_extra'] / GIB:.2f}",
             f"{gather['peak_extra'] / vp['peak_extra']:.1f}x",
@@ -301,15 +335,17 @@ def write_table(args, rows: list, calibrations: list, load: str, elapsed: float)
         "",
         f"TP={TP} on CPU (2-process gloo world). Input: each rank's **bf16** vocabulary shard "
         f"[T, V/{TP}]. One step = per-token target log-prob and full entropy, then backward of "
-        f"{grad} into the shard. vocab-parallel: `vocab_parallel_logprobs_entropy` with "
+        f"{grad} into the shard. vocab-parallel (VP): `vocab_parallel_logprobs_entropy` with "
         f"chunk_tokens={args.chunk_tokens}; gather: all-gather to [T, V] bf16, fp32 "
         "`log_softmax`, gather targets, entropy from the softmax, backward.",
         "",
-        "Time: the slower rank's wall time of one step, median of the stated number of runs "
-        "after one warm-up. Memory: peak extra RSS above the inputs (shard, targets), the "
-        "larger of the two ranks, each measurement in a fresh world (`VmHWM` reset through "
-        "`/proc/self/clear_refs`); it includes the shard's bf16 gradient. Calibration: a "
-        f"1 GiB tensor measured {cal_lo:.3f}-{cal_hi:.3f} GiB in every world.",
+        "Time: the slower rank's wall and CPU time of one step (vocab-parallel / gather), "
+        "median of the stated number of runs after one warm-up; speed-up = gather / "
+        "vocab-parallel. Memory: peak extra anonymous resident memory (`RssAnon`, sampled "
+        "every ms during one more step) above the inputs (shard, targets), the larger of the "
+        "two ranks, each size and approach in a fresh world; it includes the shard's bf16 "
+        f"gradient. Calibration: a 1 GiB tensor measured {cal_lo:.3f}-{cal_hi:.3f} GiB in "
+        "every world.",
         "",
         "Target: vocab-parallel peak <= gather peak / TP + one fp32 [chunk, V/TP] temporary "
         "(`bound` column); time no worse (speed-up >= 1).",
@@ -317,11 +353,13 @@ def write_table(args, rows: list, calibrations: list, load: str, elapsed: float)
         f"Machine: {machine_info()}. 1-minute load average {load} the run (other jobs share "
         f"the machine); total {elapsed / 60:.1f} min.",
         "",
-        "| V | T | runs | vocab-parallel (s) | gather (s) | speed-up | vocab-parallel peak "
-        "(GiB) | gather peak (GiB) | memory ratio | bound (GiB) | within bound |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| V | T | runs | wall s (VP / gather) | wall speed-up | CPU s (VP / gather) "
+        "| CPU speed-up | VP peak (GiB) | gather peak (GiB) | memory ratio | bound (GiB) "
+        "| within bound |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    lines += [format_row(row, args.chunk_tokens) for row in rows]
+    table = [format_row(row, args.chunk_tokens) for row in rows]
+    lines += table
     skipped = [row for row in rows if row[4] is None]
     if skipped:
         lines += [
@@ -332,7 +370,7 @@ def write_table(args, rows: list, calibrations: list, load: str, elapsed: float)
             "at every size.",
         ]
     args.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines[-len(rows) - 2 :]))
+    print("\n".join(table))
     print(f"wrote {args.out}")
 
 
