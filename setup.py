@@ -29,6 +29,9 @@ setup(
         "nvidia-ml-py",
         "tensorboard",
         "matplotlib",
+        # The SGLang rollout client (and the SGLang-protocol server the tests run) speak HTTP
+        # through aiohttp; SGLang itself stays an optional extra for GPU nodes.
+        "aiohttp>=3.9",
     ],
     extras_require={
         "test": ["pytest>=8"],

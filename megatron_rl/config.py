@@ -137,6 +137,42 @@ class OptimConfig:
 
 
 @dataclass(kw_only=True)
+class SGLangConfig:
+    """SGLang servers as the rollout engine (``rollout.engine: sglang``)."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of running servers, e.g. ``http://node3:30000``; requests are load-balanced."""
+    url_dir: str | None = None
+    """Instead of ``urls``: a directory where each server's launcher writes its URL once
+    healthy (``megatron_rl.rollout.sglang_server --url-file``; the SLURM path)."""
+    num_servers: int = 1
+    """With ``url_dir``: wait for this many URL files."""
+    server_wait_s: float = 1800.0
+    """With ``url_dir``: how long to wait for the servers to come up."""
+    server_tp_size: int = 1
+    """TP size each server was launched with (weight-sync payload layout)."""
+    request_timeout_s: float = 300.0
+    """Limit for one ``/generate`` attempt."""
+    max_concurrency: int = 256
+    """Requests in flight at once per model-parallel group (bounds client memory)."""
+    max_retries: int = 4
+    """Retries per sample after its first attempt."""
+    retry_backoff_s: float = 0.5
+    """First retry delay; doubles per retry, with jitter."""
+    weight_sync: Literal["tensor", "distributed", "none"] = "tensor"
+    """tensor: /update_weights_from_tensor (colocated); distributed: NCCL broadcast group
+    (disaggregated); none: the servers' weights are managed elsewhere (no version check)."""
+    weight_sync_bucket_mb: int = 512
+    """Largest weight-sync bucket in MiB."""
+    weight_sync_backend: Literal["nccl", "gloo"] = "nccl"
+    """Backend of the distributed weight-sync group."""
+    weight_sync_master_address: str | None = None
+    """Address the servers reach trainer rank 0 at for the distributed group (None: its host name)."""
+    hf_architecture: str = "qwen3_moe"
+    """HF architecture whose parameter names the servers load (megatron_rl.checkpoint.mapping)."""
+
+
+@dataclass(kw_only=True)
 class RolloutConfig:
     """How responses are sampled each step."""
 
@@ -160,6 +196,8 @@ class RolloutConfig:
     """Dynamic sampling: draw at most this many rounds of prompts per step."""
     eval_temperature: float = 0.0
     """Held-out evaluation temperature (0: greedy)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers and weight sync (used when ``engine`` is sglang)."""
 
 
 @dataclass(kw_only=True)
@@ -395,6 +433,8 @@ def validate_run(cfg: RunConfig) -> None:
         "train.routing_replay",
         "R3 replays the rollout engine's routes, but rollout.return_routed_experts is false",
     )
+    if r.engine == "sglang":
+        validate_sglang(r.sglang)
     _require(t.steps >= 0, "train.steps", "must be >= 0")
     _require(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     _require(t.epochs >= 1, "train.epochs", "must be >= 1")
@@ -402,6 +442,31 @@ def validate_run(cfg: RunConfig) -> None:
     _require(t.save_every >= 1, "train.save_every", "must be >= 1")
     _require(t.micro_batch_sequences >= 1, "train.micro_batch_sequences", "must be >= 1")
     _require(cfg.optim.lr > 0, "optim.lr", "must be > 0")
+
+
+def validate_sglang(s: SGLangConfig, prefix: str = "rollout.sglang") -> None:
+    """Rules for the SGLang engine section (checked only when it is the engine)."""
+    from megatron_rl.checkpoint.mapping import ARCHITECTURES
+
+    _require(bool(s.urls) != (s.url_dir is not None), f"{prefix}.urls",
+             "rollout.engine is sglang: give either server URLs or url_dir (exactly one)")
+    _require(s.num_servers >= 1, f"{prefix}.num_servers", "must be >= 1")
+    _require(s.server_wait_s > 0, f"{prefix}.server_wait_s", "must be > 0")
+    for i, url in enumerate(s.urls):
+        _require(
+            isinstance(url, str) and url.startswith(("http://", "https://")) and len(url.split("://", 1)[1]) > 0,
+            f"{prefix}.urls[{i}]", f"{url!r} is not an http(s) base URL",
+        )
+    _require(len(set(s.urls)) == len(s.urls), f"{prefix}.urls", "lists a server twice")
+    for key in ("server_tp_size", "max_concurrency", "weight_sync_bucket_mb"):
+        _require(getattr(s, key) >= 1, f"{prefix}.{key}", "must be >= 1")
+    _require(s.max_retries >= 0, f"{prefix}.max_retries", "must be >= 0")
+    _require(s.request_timeout_s > 0, f"{prefix}.request_timeout_s", "must be > 0")
+    _require(s.retry_backoff_s >= 0, f"{prefix}.retry_backoff_s", "must be >= 0")
+    _require(
+        s.hf_architecture in ARCHITECTURES.names(), f"{prefix}.hf_architecture",
+        f"unknown architecture {s.hf_architecture!r}; available: {sorted(ARCHITECTURES.names())}",
+    )
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

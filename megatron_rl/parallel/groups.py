@@ -52,6 +52,10 @@ class ParallelGroups:
     """DP group size."""
     sequence_parallel: bool
     """Whether activations are sharded along the sequence over TP."""
+    etp: dist.ProcessGroup
+    """Expert tensor-parallel group (each expert's weights sharded over it)."""
+    etp_size: int
+    """Expert-TP group size (1: experts are not tensor-sharded)."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -82,6 +86,8 @@ def current_groups(parallel: ParallelConfig) -> ParallelGroups:
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
         sequence_parallel=parallel.sequence_parallel_enabled(),
+        etp=ps.get_expert_tensor_parallel_group(),
+        etp_size=ps.get_expert_tensor_parallel_world_size(),
     )
 
 

@@ -53,6 +53,9 @@ class EmbeddedEngine:
         """The engine shares the training model's parameters; only the version moves."""
         self.weight_version = version
 
+    def close(self) -> None:
+        """Nothing to release: the engine is the training model."""
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],

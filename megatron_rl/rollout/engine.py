@@ -73,3 +73,7 @@ class RolloutEngine(Protocol):
     def update_weights(self, version: int) -> None:
         """Serve the trainer's current weights from now on, tagged ``version``."""
         ...
+
+    def close(self) -> None:
+        """Release connections and transports (collective, like ``update_weights``)."""
+        ...

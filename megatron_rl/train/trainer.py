@@ -82,12 +82,37 @@ class Trainer:
                                  **transformer_config_fields(cfg.fp8))
         self.ddp = wrap_for_training(self.model)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
-        self.engine = EmbeddedEngine(self.ddp, groups, cfg.train.micro_batch_sequences)
+        self.engine = self._build_engine()
         self.reference = None
         self.rank0 = dist.get_rank() == 0
         # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
         self.telemetry = GpuTelemetry() if self.rank0 else None
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
+
+    def _build_engine(self):
+        """The rollout engine the config names (collective: weight sync spans every rank)."""
+        cfg = self.cfg
+        if cfg.rollout.engine == "embedded":
+            return EmbeddedEngine(self.ddp, self.groups, cfg.train.micro_batch_sequences)
+        # Imported here so that runs with the embedded engine need no HTTP client.
+        from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
+        from megatron_rl.rollout.sglang_client import SGLangClientConfig
+        from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
+
+        from megatron_rl.rollout.sglang_server import read_url_files
+
+        s = cfg.rollout.sglang
+        urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
+        client = SGLangClientConfig(urls=urls, request_timeout_s=s.request_timeout_s,
+                                    max_concurrency=s.max_concurrency, max_retries=s.max_retries,
+                                    backoff_s=s.retry_backoff_s)
+        sync = None
+        if s.weight_sync != "none":
+            sync = WeightSyncConfig(mode=s.weight_sync, bucket_bytes=s.weight_sync_bucket_mb << 20,
+                                    server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
+                                    master_address=s.weight_sync_master_address)
+        name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
+        return sglang_engine(self.ddp, self.groups, client, sync, name_map=name_map)
 
     # ------------------------------------------------------------------ data
 
@@ -118,6 +143,17 @@ class Trainer:
             )
         return rewards
 
+    @staticmethod
+    def _check_versions(samples: list[RolloutSample], version: int) -> None:
+        """Every rollout must come from the weights the old-policy pass will use."""
+        stale = [i for i, s in enumerate(samples) if s.weight_version != version]
+        if stale:
+            raise RuntimeError(
+                f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight version "
+                f"{samples[stale[0]].weight_version}, but the trainer is at version {version}: the engine "
+                "served stale weights (check rollout.sglang.weight_sync)"
+            )
+
     def _rollouts(self, step: int, state: TrainerState, metrics: dict) -> Groups:
         """Sample groups until this rank holds enough with informative rewards (DAPO)."""
         r, G = self.cfg.rollout, self.cfg.rollout.group_size
@@ -132,6 +168,7 @@ class Trainer:
             samples = self.engine.generate(prompts, self._sampling(r.temperature),
                                            return_routed_experts=r.return_routed_experts,
                                            seed=self.cfg.seed * 7919 + step * 131 + rounds)
+            self._check_versions(samples, state.weight_version)
             for g, problem in enumerate(problems):
                 group = samples[g * G : (g + 1) * G]
                 rewards = self._rewards(problem, group)
@@ -237,6 +274,7 @@ class Trainer:
         for temperature in temperatures.values():
             samples = self.engine.generate([p.prompt_ids for p in mine], self._sampling(temperature),
                                            return_routed_experts=False, seed=self.cfg.seed)
+            self._check_versions(samples, self.engine.weight_version)
             counts.append(sum(exact(p, s.output_ids, self.tokenizer) for p, s in zip(mine, samples)))
         totals = torch.tensor([*counts, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
@@ -338,6 +376,9 @@ class Trainer:
                     save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
                 if os.environ.get(FAULT_ENV) == str(step):
                     raise RuntimeError(f"{FAULT_ENV}={step}: injected failure after step {step}")
+            # Collective for SGLang (the weight-sync group spans every rank), so not in a
+            # finally: a rank that failed must not wait here for peers that never come.
+            self.engine.close()
         if self.telemetry is not None:
             self.telemetry.close()
         return history

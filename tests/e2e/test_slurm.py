@@ -262,3 +262,24 @@ def test_multinode_sbatch_fails_the_job_on_a_rejected_config(slurm, tmp_path):
     assert "launch: rejected before starting any worker: parallel.expert_model_parallel_size" in output
     assert output.rstrip().endswith(f"megatron-rl: job {job} finished with exit code 2")
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_sglang_sbatch_serves_rollouts_from_a_server_step(slurm, tmp_path):
+    """The SGLang job script in stand-in mode: a server step publishes its URL, the trainer
+    finds it, trains over HTTP with weight sync, and the server step is stopped at the end."""
+    run_dir = tmp_path / "run"
+    env = {**slurm, "MEGATRON_RL_SGLANG_NODES": "0", "MEGATRON_RL_SGLANG_STAND_IN": str(CONFIG),
+           "MEGATRON_RL_SGLANG_PORT": str(free_port()), "MEGATRON_RL_SGLANG_ARGS": "--threads 1"}
+    job = _submit(env, "--nodes=1", "-o", str(tmp_path / "job-%j.out"), "launch/slurm/train_sglang.sbatch",
+                  str(CONFIG), *SMALL, f"train.run_dir={run_dir}")
+    state, exit_code = _wait(env, job, timeout=600)
+    output = (tmp_path / f"job-{job}.out").read_text()
+    assert (state, exit_code) == ("COMPLETED", "0:0"), output[-4000:]
+    assert "(weight sync: tensor)" in output
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # Rollout log-probs came from the server, under the weights of the step that used them.
+    assert all(r["mismatch/train_rollout_abs_diff"] < 1e-4 for r in rows[1:]), rows
+    server_log = next((run_dir / "logs").glob("sglang-*.log")).read_text()
+    assert "POST /update_weights_from_tensor" in server_log or "protocol server" in server_log
+    assert not list((run_dir / "sglang_urls").iterdir())  # the stopped server withdrew its URL

@@ -92,6 +92,20 @@ RUN_INVALID = [
     (["task.max_opernd=3"], "task.max_opernd", "unknown key"),
     (["reward=bleu"], "reward", "unknown reward 'bleu'"),
     (["train.routing_replay=R4"], "train.routing_replay", "is not one of"),
+    (["rollout.engine=sglang"], "rollout.sglang.urls", "either server URLs or url_dir"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.url_dir=/tmp/u"],
+     "rollout.sglang.urls", "exactly one"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1, node3:30000]"], "rollout.sglang.urls[1]",
+     "'node3:30000' is not an http(s) base URL"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1, http://a:1]"], "rollout.sglang.urls", "twice"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.max_concurrency=0"],
+     "rollout.sglang.max_concurrency", ">= 1"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.request_timeout_s=0"],
+     "rollout.sglang.request_timeout_s", "> 0"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=llama"],
+     "rollout.sglang.hf_architecture", "unknown architecture 'llama'"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.weight_sync=ipc"],
+     "rollout.sglang.weight_sync", "is not one of"),
 ]
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
@@ -104,6 +118,12 @@ def test_invalid_run_config_is_rejected_before_any_model(overrides, key, rule):
     message = str(err.value)
     assert message.startswith(key + ":"), message
     assert rule in message, message
+
+
+def test_sglang_section_is_checked_only_when_it_is_the_engine():
+    assert load_config(DEMO, ["rollout.sglang.max_retries=-1"], world_size=2).rollout.engine == "embedded"
+    cfg = load_config(DEMO, ["rollout.engine=sglang", "rollout.sglang.url_dir=/tmp/urls"], world_size=2)
+    assert cfg.rollout.sglang.url_dir == "/tmp/urls" and cfg.rollout.sglang.num_servers == 1
 
 
 def test_demo_config_is_valid():

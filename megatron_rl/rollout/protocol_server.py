@@ -1,0 +1,480 @@
+"""A server that speaks SGLang 0.5.23's HTTP protocol, backed by the embedded engine (tests).
+
+    python -m megatron_rl.rollout.protocol_server --config configs/demo_cpu.yaml --port 30000 \\
+        [--weight-version default] [key=value ...]
+
+SGLang cannot run on CPU machines, so the real client and weight sync are tested over real
+HTTP against this stand-in. It builds the config's model in its own single-process gloo
+world (CPU platform, no parallelism) and serves it through the same endpoints, request
+fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang_wire` encodes them):
+``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``,
+``POST /flush_cache``, ``POST /update_weights_from_tensor`` (by-value payloads),
+``POST /update_weight_version``, and ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group`` over a gloo group
+(a ``nccl`` group is refused with 400). Weights may be named as a real SGLang server
+wants them (HF names of the Qwen3-MoE conversion table, fused back here) or as
+:func:`~megatron_rl.rollout.weight_sync.megatron_names` sends them.
+
+Concurrent ``/generate`` requests with equal sampling parameters are batched into one
+engine call (as SGLang batches continuously); every Megatron call runs on one dedicated
+thread, where the CPU platform and the parallel state live.
+
+TEST-ONLY fault injection: ``POST /_test/fault`` ``{"kind": K, "times": n, "delay_s": s}``
+makes the next ``n`` ``/generate`` requests fail as K: ``http_500``, ``malformed_json``,
+``delay`` (sleep ``delay_s`` before answering), ``wrong_route_length`` (one position's
+routes missing), ``no_routes`` (as if launched without ``--enable-return-routed-experts``),
+``stale_version`` (another weight version reported) or ``abort``.
+``GET /_test/stats`` returns counters. Does not own the client or the weight gathering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from aiohttp import web
+
+from megatron_rl.checkpoint.mapping import QWEN3_MOE, all_weights, fuse
+from megatron_rl.config import ModelConfig, ParallelConfig, load_config
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang_wire import (
+    SGLANG_VERSION,
+    WireFormatError,
+    deserialize_named_tensors,
+    generate_response_payload,
+)
+
+FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort")
+"""Faults ``POST /_test/fault`` can arm (test-only)."""
+_TOP_K_ALL = 1 << 30
+"""SGLang's "no top-k" value (``-1`` on the wire is mapped to it)."""
+
+
+class EngineHost:
+    """The embedded engine in a world of one, driven from one dedicated thread.
+
+    Args:
+        model_cfg: architecture to build.
+        seed: initial weights.
+        micro_batch_sequences: sequences per forward micro-batch.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, seed: int, micro_batch_sequences: int = 64) -> None:
+        self.model_cfg = model_cfg
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._stack = contextlib.ExitStack()
+        self._executor.submit(self._start, seed, micro_batch_sequences).result()
+        self.update_groups: dict[str, dist.ProcessGroup] = {}
+        # HF tensor name -> (its weight in the conversion table, its part index), and the
+        # fused Megatron parameters still waiting for some of their HF parts.
+        self.hf_parts = {hf: (w, i) for w in all_weights(QWEN3_MOE, model_cfg) for i, hf in enumerate(w.hf)}
+        self.pending: dict[str, dict[int, torch.Tensor]] = {}
+
+    def _start(self, seed: int, micro_batch_sequences: int) -> None:
+        from megatron_rl.parallel.cpu_platform import cpu_platform
+        from megatron_rl.parallel.groups import model_parallel
+        from megatron_rl.parallel.model import build_model
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        # The CPU platform's device rewriting is a thread-local torch mode: it must be
+        # entered on the thread that runs every forward.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        self._stack.callback(dist.destroy_process_group)
+        self._stack.enter_context(cpu_platform())
+        groups = self._stack.enter_context(model_parallel(ParallelConfig(), seed))
+        self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
+        self.model.eval()
+        self.engine = EmbeddedEngine(self.model, groups, micro_batch_sequences)
+
+    async def call(self, fn, *args):
+        """Run ``fn(*args)`` on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def load(self, named: list[tuple[str, torch.Tensor]], *, last: bool) -> int:
+        """Load tensors named as Megatron (layout-free) or HF (Qwen3-MoE table) parameters.
+
+        HF parts of a fused parameter (Q/K/V, gate/up) may arrive in different buckets;
+        each is kept until its siblings arrive and then fused by the conversion table.
+        Names and shapes are checked before anything is copied.
+
+        Args:
+            named: the bucket.
+            last: the update's last bucket; no fused parameter may still be incomplete.
+        """
+        params = dict(self.model.named_parameters())
+        whole = []
+        try:
+            for name, tensor in named:
+                if name in params:
+                    whole.append((name, tensor))
+                    continue
+                if name not in self.hf_parts:
+                    raise ValueError(f"unknown parameter {name!r} (neither a layout-free Megatron name nor an HF name)")
+                weight, part = self.hf_parts[name]
+                if tuple(tensor.shape) != weight.hf_shapes[part]:
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model needs {weight.hf_shapes[part]}")
+                parts = self.pending.setdefault(weight.megatron, {})
+                parts[part] = tensor
+                if len(parts) == len(weight.hf):
+                    whole.append((weight.megatron, fuse(weight, [parts[i] for i in range(len(parts))], self.model_cfg)))
+                    del self.pending[weight.megatron]
+            for name, tensor in whole:
+                if tuple(tensor.shape) != tuple(params[name].shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)}, "
+                                     f"the model needs {tuple(params[name].shape)}")
+            if last and self.pending:
+                raise ValueError(f"update ended with fused parameters missing parts: {sorted(self.pending)[:5]}")
+        except ValueError:
+            self.pending.clear()
+            raise
+        with torch.no_grad():
+            for name, tensor in whole:
+                params[name].copy_(tensor)
+        return len(named)
+
+    def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool) -> int:
+        """Receive a bucket broadcast by the trainer's rank 0 and load it."""
+        group = self.update_groups.get(group_name)
+        if group is None:
+            raise ValueError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+        named = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            dist.broadcast(tensor, src=0, group=group)
+            named.append((name, tensor))
+        return self.load(named, last=last)
+
+    def close(self) -> None:
+        """Leave the world and stop the thread."""
+        self._executor.submit(self._stack.close).result()
+        self._executor.shutdown()
+
+
+@dataclass
+class _Pending:
+    """A queued ``/generate`` request."""
+
+    prompt: list[int]
+    """Prompt token ids."""
+    want_routes: bool
+    """``return_routed_experts``."""
+    seed: int
+    """``sampling_seed`` (the first request of a batch seeds it)."""
+    future: asyncio.Future
+    """Resolved with the request's :class:`RolloutSample`."""
+
+
+@dataclass
+class _State:
+    """What the server reports and what the tests armed."""
+
+    weight_version: str
+    """Served weight version."""
+    faults: dict[str, int] = field(default_factory=dict)
+    """Armed fault kind -> requests it still applies to (test-only)."""
+    delay_s: float = 0.0
+    """Sleep of the ``delay`` fault."""
+    stats: dict[str, Any] = field(default_factory=lambda: {"generate_requests": 0, "responses": 0, "batches": 0,
+                                                           "max_batch": 0, "weight_updates": 0, "faults_fired": {}})
+    """Counters for ``/_test/stats``."""
+
+
+class ProtocolServer:
+    """The HTTP application over an :class:`EngineHost`.
+
+    Args:
+        host: the engine.
+        weight_version: version reported before any update (SGLang's default is "default").
+        batch_window_s: how long the first queued request waits for others to batch with.
+        max_batch: most sequences per engine call.
+        model_path: reported by ``/model_info``.
+    """
+
+    def __init__(self, host: EngineHost, *, weight_version: str = "default", batch_window_s: float = 0.01,
+                 max_batch: int = 256, model_path: str = "") -> None:
+        self.host, self.window, self.max_batch, self.model_path = host, batch_window_s, max_batch, model_path
+        self.state = _State(weight_version=weight_version)
+        self.queue: asyncio.Queue | None = None
+
+    def app(self) -> web.Application:
+        """The aiohttp application (starts the batcher on startup)."""
+        app = web.Application(client_max_size=1 << 31)
+        app.add_routes([
+            web.post("/generate", self.generate), web.put("/generate", self.generate),
+            web.get("/health", self.health), web.get("/health_generate", self.health_generate),
+            web.get("/model_info", self.model_info),
+            web.get("/flush_cache", self.flush_cache), web.post("/flush_cache", self.flush_cache),
+            web.post("/update_weights_from_tensor", self.update_from_tensor),
+            web.post("/update_weight_version", self.update_version),
+            web.post("/init_weights_update_group", self.init_group),
+            web.post("/update_weights_from_distributed", self.update_from_distributed),
+            web.post("/destroy_weights_update_group", self.destroy_group),
+            web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.test_stats),
+        ])
+        app.cleanup_ctx.append(self._batching)
+        return app
+
+    async def _batching(self, app: web.Application):
+        """Run the batcher for the application's lifetime."""
+        self.queue = asyncio.Queue()
+        task = asyncio.create_task(self._batcher())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    # ------------------------------------------------------------------ generation
+
+    async def _batcher(self) -> None:
+        while True:
+            batch = [await self.queue.get()]
+            deadline = time.monotonic() + self.window
+            while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), left))
+                except asyncio.TimeoutError:
+                    break
+            groups: dict[tuple, list[tuple[SamplingParams, _Pending]]] = {}
+            for params, pending in batch:
+                key = (repr(params), pending.want_routes)
+                groups.setdefault(key, []).append((params, pending))
+            for members in groups.values():
+                await self._run(members)
+
+    async def _run(self, members: list[tuple[SamplingParams, "_Pending"]]) -> None:
+        params, first = members[0]
+        stats = self.state.stats
+        stats["batches"] += 1
+        stats["max_batch"] = max(stats["max_batch"], len(members))
+        try:
+            samples = await self.host.call(
+                lambda: self.host.engine.generate([m.prompt for _, m in members], params,
+                                                  return_routed_experts=first.want_routes, seed=first.seed))
+        except Exception as err:  # noqa: BLE001 - each waiting request gets the error
+            for _, m in members:
+                if not m.future.done():
+                    m.future.set_exception(err)
+            return
+        for (_, m), sample in zip(members, samples):
+            if not m.future.done():
+                m.future.set_result(sample)
+
+    def _take_fault(self) -> str | None:
+        for kind, left in self.state.faults.items():
+            if left > 0:
+                self.state.faults[kind] = left - 1
+                fired = self.state.stats["faults_fired"]
+                fired[kind] = fired.get(kind, 0) + 1
+                return kind
+        return None
+
+    def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, bool, int]:
+        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
+            raise ValueError("the request needs a non-empty input_ids list (text prompts are not supported)")
+        prompt = body["input_ids"]
+        vocab, longest = self.host.model_cfg.vocab_size, self.host.model_cfg.max_position_embeddings
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        sp = body.get("sampling_params") or {}
+        top_k = int(sp.get("top_k", -1))
+        params = SamplingParams(
+            temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
+            top_k=0 if top_k in (-1, _TOP_K_ALL) else top_k, max_new_tokens=int(sp.get("max_new_tokens", 128)),
+            stop_token_ids=tuple(sorted(int(t) for t in sp.get("stop_token_ids") or ())),
+        )
+        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_new_tokens < 1:
+            raise ValueError(f"bad sampling_params {sp}")
+        if len(prompt) + params.max_new_tokens > longest:
+            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds {longest}")
+        if body.get("stream"):
+            raise ValueError("streaming is not supported by the protocol server")
+        rid = str(body.get("rid") or f"req-{self.state.stats['generate_requests']}")
+        return rid, prompt, params, bool(body.get("return_routed_experts")), int(sp.get("sampling_seed") or 0)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """``POST /generate`` (non-streaming, ``input_ids`` only)."""
+        self.state.stats["generate_requests"] += 1
+        started = time.monotonic()
+        try:
+            rid, prompt, params, want_routes, seed = self._parse(await request.json())
+        except ValueError as err:
+            return web.json_response({"object": "error", "message": str(err), "code": 400}, status=400)
+        fault = self._take_fault()
+        if fault == "http_500":
+            return web.json_response({"object": "error", "message": "injected HTTP 500", "code": 500}, status=500)
+        if fault == "delay":
+            await asyncio.sleep(self.state.delay_s)
+        future = asyncio.get_running_loop().create_future()
+        await self.queue.put((params, _Pending(prompt, want_routes, seed, future)))
+        try:
+            sample = await future
+        except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
+            return web.json_response({"object": "error", "message": f"{type(err).__name__}: {err}", "code": 500},
+                                     status=500)
+        routes = sample.routed_experts
+        if fault == "wrong_route_length" and routes is not None:
+            routes = routes[:-1]
+        if fault == "no_routes":
+            routes = None
+        version = self.state.weight_version
+        payload = generate_response_payload(
+            rid=rid, prompt_len=len(prompt), output_ids=sample.output_ids, output_logprobs=sample.output_logprobs,
+            finish_reason=sample.finish_reason, routed_experts=routes, e2e_latency=time.monotonic() - started,
+            weight_version=f"stale-{version}" if fault == "stale_version" else version,
+        )
+        if fault == "abort":
+            payload["meta_info"]["finish_reason"] = {"type": "abort", "message": "injected abort"}
+        self.state.stats["responses"] += 1
+        if fault == "malformed_json":
+            text = web.json_response(payload).text
+            return web.Response(text=text[: len(text) // 2], content_type="application/json")
+        return web.json_response(payload)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """``GET /health``: 200 once the engine is up (it is, once the server listens)."""
+        return web.Response(status=200)
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """``GET /health_generate``: a one-token greedy generation must succeed."""
+        future = asyncio.get_running_loop().create_future()
+        params = SamplingParams(temperature=0.0, max_new_tokens=1)
+        await self.queue.put((params, _Pending([0], False, 0, future)))
+        try:
+            await future
+        except Exception:  # noqa: BLE001 - any failure means unhealthy
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        """``GET /model_info`` with SGLang's keys, plus the MoE sizes (extra keys)."""
+        m = self.host.model_cfg
+        return web.json_response({
+            "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
+            "weight_version": self.state.weight_version, "model_type": "megatron_rl_protocol_server",
+            "architectures": ["MegatronGPTMoE"], "protocol_version": SGLANG_VERSION,
+            "num_hidden_layers": m.num_layers, "num_experts_per_tok": m.moe_router_topk, "num_experts": m.num_experts,
+        })
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """``/flush_cache``: there is no prefix cache to flush."""
+        return web.Response(text="Cache flushed.\n")
+
+    # ------------------------------------------------------------------ weights
+
+    @staticmethod
+    def _result(ok: bool, message: str) -> web.Response:
+        return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
+
+    def _updated(self, body: dict, count: int) -> web.Response:
+        self.state.stats["weight_updates"] += 1
+        if body.get("weight_version") is not None:
+            self.state.weight_version = str(body["weight_version"])
+        return self._result(True, f"Updated {count} tensors. Weight version: {self.state.weight_version}.")
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_tensor`` (entry 0 of ``serialized_named_tensors``)."""
+        body = await request.json()
+        if body.get("load_format") not in (None, "direct"):
+            return self._result(False, f"load_format {body.get('load_format')!r} is not supported here")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            return self._result(False, "serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+        try:
+            count = await self.host.call(lambda: self.host.load(deserialize_named_tensors(entries[0]),
+                                                                last=body.get("weight_version") is not None))
+        except (WireFormatError, ValueError) as err:
+            return self._result(False, str(err))
+        return self._updated(body, count)
+
+    async def update_version(self, request: web.Request) -> web.Response:
+        """``POST /update_weight_version`` ``{new_version, abort_all_requests}``."""
+        body = await request.json()
+        self.state.weight_version = str(body["new_version"])
+        return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
+                                  "new_version": body["new_version"]})
+
+    async def init_group(self, request: web.Request) -> web.Response:
+        """``POST /init_weights_update_group``: join the trainer's group (gloo only)."""
+        from megatron_rl.rollout.weight_sync import init_custom_group
+
+        b = await request.json()
+        if b.get("backend", "nccl") != "gloo":
+            return self._result(False, f"backend {b.get('backend', 'nccl')!r}: this CPU server only joins gloo groups")
+        name = b.get("group_name", "weight_update_group")
+        if name in self.host.update_groups:
+            return self._result(False, f"weight update group {name!r} already exists")
+        # Joining blocks until the trainer joins too, so it runs off the event loop and the engine thread.
+        group = await asyncio.to_thread(init_custom_group, "gloo", b["master_address"], int(b["master_port"]),
+                                        int(b["world_size"]), int(b["rank_offset"]), name, timedelta(seconds=120))
+        self.host.update_groups[name] = group
+        return self._result(True, f"joined {name} as rank {b['rank_offset']} of {b['world_size']}")
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        """``POST /update_weights_from_distributed``: receive the announced bucket and load it."""
+        b = await request.json()
+        try:
+            count = await self.host.call(self.host.receive, b.get("group_name", "weight_update_group"),
+                                         b["names"], b["dtypes"], b["shapes"], b.get("weight_version") is not None)
+        except (ValueError, KeyError) as err:
+            return self._result(False, str(err))
+        return self._updated(b, count)
+
+    async def destroy_group(self, request: web.Request) -> web.Response:
+        """``POST /destroy_weights_update_group``."""
+        name = (await request.json()).get("group_name", "weight_update_group")
+        group = self.host.update_groups.pop(name, None)
+        if group is None:
+            return self._result(False, f"no weight update group {name!r}")
+        dist.destroy_process_group(group)
+        return self._result(True, f"destroyed {name}")
+
+    # ------------------------------------------------------------------ test-only
+
+    async def arm_fault(self, request: web.Request) -> web.Response:
+        """TEST-ONLY: make the next ``times`` ``/generate`` requests fail as ``kind``."""
+        b = await request.json()
+        if b.get("kind") not in FAULT_KINDS:
+            return self._result(False, f"unknown fault {b.get('kind')!r}; known: {list(FAULT_KINDS)}")
+        self.state.faults[b["kind"]] = int(b.get("times", 1))
+        self.state.delay_s = float(b.get("delay_s", self.state.delay_s))
+        return self._result(True, f"armed {b['kind']} x{self.state.faults[b['kind']]}")
+
+    async def test_stats(self, request: web.Request) -> web.Response:
+        """TEST-ONLY: request, batch and fault counters."""
+        return web.json_response({**self.state.stats, "weight_version": self.state.weight_version})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="run config whose model section is served")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--weight-version", default="default", help="version reported before any update")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
+    parser.add_argument("--micro-batch-sequences", type=int, default=64)
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences)
+    server = ProtocolServer(host, weight_version=args.weight_version, model_path=args.config)
+    try:
+        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}", flush=True)
+        web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
+    finally:
+        host.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,355 @@
+"""Start, watch and stop a real SGLang server (``python -m sglang.launch_server``) on a GPU node.
+
+    python -m megatron_rl.rollout.sglang_server --model-path /ckpt/hf --port 30000 --tp-size 4 \\
+        [--mem-fraction-static 0.7] [--fp8] [--fp8-kv-cache] [--url-file runs/x/sglang/$(hostname)] \\
+        [-- extra sglang args]
+    python -m megatron_rl.rollout.sglang_server --stand-in configs/demo_cpu.yaml --port 30000 \
+        --url-file runs/x/sglang/$(hostname)        # CPU dry run: the protocol server instead
+
+Owns: the command line from a typed :class:`SGLangServerConfig` (routed experts on, no
+tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
+``--quantization fp8`` and KV cache ``--kv-cache-dtype fp8_e4m3``, initial
+``--weight-version``); starting it in its own process group (so a stop reaches every
+worker it forks); waiting until ``GET /health`` answers 200 (failing early, with the log
+tail, when the process exits first); stopping with SIGTERM, then SIGKILL after a grace
+period. :class:`ManagedServer` does this for any command with a health URL, which is how
+the tests exercise it against the protocol server.
+
+Launch paths: under torchrun, rank 0 (or one rank per node) can hold a
+:class:`SGLangServer` as a context manager; under SLURM, run this module as a step
+(``srun --overlap --ntasks-per-node=1 python -m megatron_rl.rollout.sglang_server ...
+--url-file DIR/$SLURMD_NODENAME &``): it writes the URL once healthy, stays in the
+foreground, and stops the server cleanly on SIGTERM/SIGINT (``scancel``, the job's time
+limit), so the trainer reads the URLs from the files. Does not own the client or weights.
+Standard library only: it also runs from SGLang's own environment, which pins another torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Mapping, Sequence
+
+
+
+@dataclass(kw_only=True)
+class SGLangServerConfig:
+    """One SGLang server (``sglang.launch_server`` flags of SGLang 0.5.23)."""
+
+    model_path: str
+    """HF checkpoint directory (the trainer's weights replace it after the first sync)."""
+    host: str = "0.0.0.0"
+    """Interface to listen on."""
+    port: int = 30000
+    """HTTP port."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs of this server (``--tp-size``)."""
+    mem_fraction_static: float | None = None
+    """GPU memory fraction for weights and KV cache (None: SGLang's default)."""
+    enable_return_routed_experts: bool = True
+    """``--enable-return-routed-experts``: R3 needs the routes."""
+    skip_tokenizer_init: bool = True
+    """Requests carry token ids; no tokenizer is loaded."""
+    quantization: Literal["fp8"] | None = None
+    """``--quantization fp8``: FP8 weights quantized from the checkpoint at load."""
+    kv_cache_dtype: Literal["auto", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """``--kv-cache-dtype``."""
+    dtype: str = "auto"
+    """``--dtype`` of the weights (auto: the checkpoint's)."""
+    weight_version: str = "default"
+    """``--weight-version`` reported until the first weight sync."""
+    base_gpu_id: int = 0
+    """First GPU index this server uses (``--base-gpu-id``)."""
+    random_seed: int | None = None
+    """``--random-seed``."""
+    extra_args: list[str] = field(default_factory=list)
+    """Further ``sglang.launch_server`` flags, appended verbatim."""
+    python: str = sys.executable
+    """Interpreter that has SGLang installed (it may live in its own environment)."""
+
+    @property
+    def url(self) -> str:
+        """Base URL for clients on this node."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+def build_command(cfg: SGLangServerConfig) -> list[str]:
+    """The ``sglang.launch_server`` command line for ``cfg``."""
+    cmd = [cfg.python, "-m", "sglang.launch_server", "--model-path", cfg.model_path, "--host", cfg.host,
+           "--port", str(cfg.port), "--tp-size", str(cfg.tp_size), "--dtype", cfg.dtype,
+           "--kv-cache-dtype", cfg.kv_cache_dtype, "--weight-version", cfg.weight_version,
+           "--base-gpu-id", str(cfg.base_gpu_id)]
+    if cfg.mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    if cfg.enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    if cfg.skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if cfg.quantization is not None:
+        cmd += ["--quantization", cfg.quantization]
+    if cfg.random_seed is not None:
+        cmd += ["--random-seed", str(cfg.random_seed)]
+    return cmd + list(cfg.extra_args)
+
+
+def health_status(url: str, timeout_s: float = 2.0) -> int:
+    """HTTP status of ``GET url/health`` (0 when nothing answers)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout_s) as resp:
+            return resp.status
+    except urllib.error.HTTPError as err:
+        return err.code
+    except (urllib.error.URLError, OSError):
+        return 0
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or stayed unhealthy; the message carries its log tail."""
+
+
+class ManagedServer:
+    """A server process with a health URL: start, wait until healthy, stop.
+
+    Args:
+        command: the command line.
+        url: base URL; ``GET url/health`` must return 200 once it is ready.
+        env: extra environment variables.
+        log_path: file for the server's stdout and stderr (None: inherit this process's).
+    """
+
+    def __init__(self, command: Sequence[str], url: str, *, env: Mapping[str, str] | None = None,
+                 log_path: str | Path | None = None) -> None:
+        self.command, self.url = list(command), url.rstrip("/")
+        self.env = {**os.environ, **(env or {})}
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> "ManagedServer":
+        """Start the process in a new session (its own process group)."""
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"server for {self.url} is already running (pid {self.process.pid})")
+        out = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            out = open(self.log_path, "ab")
+        try:
+            self.process = subprocess.Popen(self.command, env=self.env, stdout=out,
+                                            stderr=subprocess.STDOUT if out else None, start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()
+        return self
+
+    def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> None:
+        """Block until ``/health`` is 200.
+
+        Raises:
+            ServerStartError: the process exited first, or ``timeout_s`` passed (the
+                process is then stopped).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise ServerStartError(f"server for {self.url} exited with code {code} before it was healthy"
+                                       + self._log_tail())
+            if health_status(self.url, timeout_s=max(poll_s, 1.0)) == 200:
+                return
+            if time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(f"server for {self.url} not healthy after {timeout_s:g}s" + self._log_tail())
+            time.sleep(poll_s)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait()
+        # Workers the server forked may outlive it; the group kill reaches them too.
+        self._signal_group(signal.SIGKILL)
+        return self.process.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        tail = self.log_path.read_text(errors="replace").splitlines()[-lines:]
+        return f"\n--- last {len(tail)} lines of {self.log_path} ---\n" + "\n".join(tail)
+
+    def __enter__(self) -> "ManagedServer":
+        self.start()
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class SGLangServer(ManagedServer):
+    """A real SGLang server from :class:`SGLangServerConfig`.
+
+    Args:
+        cfg: server settings.
+        env: extra environment (e.g. ``CUDA_VISIBLE_DEVICES``).
+        log_path: server log file.
+    """
+
+    def __init__(self, cfg: SGLangServerConfig, *, env: Mapping[str, str] | None = None,
+                 log_path: str | Path | None = None) -> None:
+        super().__init__(build_command(cfg), cfg.url, env=env, log_path=log_path)
+        self.cfg = cfg
+
+
+FAILED_SUFFIX = ".failed"
+"""A launcher that could not start its server writes ``<url file>.failed`` with the reason."""
+
+
+def write_url_file(path: str | Path, url: str) -> None:
+    """Publish ``url`` atomically, so a reader never sees half a line."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(url + "\n")
+    os.replace(tmp, path)
+
+
+def read_url_files(directory: str | Path, count: int, timeout_s: float, poll_s: float = 1.0) -> list[str]:
+    """The URLs ``count`` servers wrote to ``directory`` (sorted by file name).
+
+    Raises:
+        RuntimeError: a launcher reported that its server failed to start.
+        TimeoutError: fewer than ``count`` files appeared within ``timeout_s``; names the
+            ones that did.
+        ValueError: more than ``count`` files, or a file that holds no http(s) URL.
+    """
+    directory = Path(directory)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        failed = sorted(directory.glob(f"*{FAILED_SUFFIX}"))
+        if failed:
+            raise RuntimeError("SGLang server(s) failed to start: " + "; ".join(
+                f"{f.name[:-len(FAILED_SUFFIX)]}: {f.read_text().strip()}" for f in failed))
+        files = sorted(p for p in directory.glob("*")
+                       if p.is_file() and not p.name.startswith(".") and not p.name.endswith(FAILED_SUFFIX))
+        if len(files) >= count or time.monotonic() > deadline:
+            break
+        time.sleep(poll_s)
+    if len(files) < count:
+        raise TimeoutError(f"{directory}: {len(files)} of {count} SGLang servers published a URL within "
+                           f"{timeout_s:g}s ({[f.name for f in files]}); see the servers' logs")
+    if len(files) > count:
+        raise ValueError(f"{directory}: {len(files)} URL files but {count} servers expected: "
+                         f"{[f.name for f in files]} (stale files from an earlier job?)")
+    urls = [f.read_text().strip() for f in files]
+    for f, url in zip(files, urls):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{f}: {url!r} is not an http(s) URL")
+    return urls
+
+
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServerConfig]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-path", default=None, help="HF checkpoint to serve (required unless --stand-in)")
+    parser.add_argument("--stand-in", metavar="CONFIG", default=None,
+                        help="serve CONFIG's model with the embedded engine behind SGLang's protocol "
+                             "(megatron_rl.rollout.protocol_server) instead of SGLang: a CPU dry run of "
+                             "the launch path")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--fp8", action="store_true", help="--quantization fp8")
+    parser.add_argument("--fp8-kv-cache", action="store_true", help="--kv-cache-dtype fp8_e4m3")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--base-gpu-id", type=int, default=0)
+    parser.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed")
+    parser.add_argument("--log-file", default=None)
+    parser.add_argument("--url-file", default=None, help="write the URL here once the server is healthy")
+    parser.add_argument("--startup-timeout", type=float, default=900.0)
+    parser.add_argument("--print-command", action="store_true", help="print the command and exit")
+    parser.add_argument("extra", nargs="*", help="extra server flags (after --)")
+    args = parser.parse_args(argv)
+    if args.model_path is None and args.stand_in is None:
+        parser.error("--model-path is required (or --stand-in CONFIG for a CPU dry run)")
+    cfg = SGLangServerConfig(
+        model_path=args.model_path or args.stand_in, host=args.host, port=args.port, tp_size=args.tp_size,
+        mem_fraction_static=args.mem_fraction_static, quantization="fp8" if args.fp8 else None,
+        kv_cache_dtype="fp8_e4m3" if args.fp8_kv_cache else "auto", weight_version=args.weight_version,
+        base_gpu_id=args.base_gpu_id, python=args.python, extra_args=list(args.extra),
+    )
+    return args, cfg
+
+
+def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
+    """The protocol server's command line for ``--stand-in`` (``model_path`` is the run config)."""
+    return [cfg.python, "-m", "megatron_rl.rollout.protocol_server", "--config", cfg.model_path,
+            "--host", cfg.host, "--port", str(cfg.port), "--weight-version", cfg.weight_version,
+            *cfg.extra_args]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, cfg = _parse(argv)
+    command = stand_in_command(cfg) if args.stand_in else build_command(cfg)
+    if args.print_command:
+        print(" ".join(command))
+        return 0
+    server = ManagedServer(command, cfg.url, log_path=args.log_file)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    server.start()
+    try:
+        try:
+            server.wait_healthy(args.startup_timeout)
+        except ServerStartError as err:
+            if args.url_file:
+                # The trainer waits for this file: tell it at once instead of at its timeout.
+                first = str(err).splitlines()[0]
+                write_url_file(args.url_file + FAILED_SUFFIX, f"{first} (log: {args.log_file or 'stdout'})")
+            raise
+        url = cfg.url
+        if args.url_file:
+            if cfg.host in ("0.0.0.0", "::"):
+                # Other nodes reach this server by the node's name, not by loopback.
+                url = f"http://{os.uname().nodename}:{cfg.port}"
+            write_url_file(args.url_file, url)
+        print(f"{'stand-in' if args.stand_in else 'SGLang'} server healthy at {url} (pid {server.process.pid})",
+              flush=True)
+        while not stop.wait(1.0):
+            if server.process.poll() is not None:
+                print(f"server exited with code {server.process.returncode}", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        server.stop()
+        if args.url_file:
+            Path(args.url_file).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,318 @@
+"""The SGLang client over real HTTP: faults, restarts, load balancing, memory, and the launcher.
+
+One protocol server (the embedded engine behind SGLang's endpoints) serves the whole
+module; a light fake server in a subprocess produces large route payloads quickly for the
+memory test. Every batch is checked to hold each prompt's sample exactly once.
+"""
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from megatron_rl.parallel.world import free_port
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang_client import (
+    RolloutRequestError,
+    RouteShape,
+    SGLangClient,
+    SGLangClientConfig,
+    StaleWeightVersionError,
+    request_json,
+)
+from megatron_rl.rollout.sglang_server import ManagedServer, ServerStartError, SGLangServerConfig, build_command
+
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
+PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
+QUIET = {"PYTHONWARNINGS": "ignore"}
+
+
+def protocol_server_command(port: int) -> list[str]:
+    return [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG),
+            "--port", str(port), "--weight-version", "0", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    port = free_port()
+    srv = ManagedServer(protocol_server_command(port), f"http://127.0.0.1:{port}", env=QUIET,
+                        log_path=tmp_path_factory.mktemp("server") / "server.log")
+    srv.start()
+    srv.wait_healthy(timeout_s=180, poll_s=0.2)
+    yield srv
+    srv.stop()
+
+
+def _prompts(n: int) -> list[list[int]]:
+    return [[10 + i % 9, 20, 11 + i % 5, 30] for i in range(n)]
+
+
+def _generate(urls, prompts, *, expected="0", params=PARAMS, routes=True, **cfg):
+    settings = dict(urls=urls, max_retries=3, backoff_s=0.05, backoff_max_s=0.5, request_timeout_s=60.0)
+    client_cfg = SGLangClientConfig(**{**settings, **cfg})
+
+    async def run():
+        async with SGLangClient(client_cfg, ROUTES) as client:
+            results = await client.generate(prompts, params, return_routed_experts=routes, expected_version=expected,
+                                            seeds=list(range(len(prompts))))
+            return results, client.stats
+
+    return asyncio.run(run())
+
+
+def _check_exactly_once(prompts, results):
+    assert len(results) == len(prompts)
+    batch = results[0].rid.split("-")[0]
+    for i, (prompt, r) in enumerate(zip(prompts, results)):
+        assert r.rid.startswith(f"{batch}-{i}.a"), (i, r.rid)  # the result answers sample i
+        assert 1 <= len(r.output_ids) <= PARAMS.max_new_tokens
+        assert r.output_logprobs.shape == (len(r.output_ids),) and bool((r.output_logprobs <= 0).all())
+        assert (r.finish_reason == "stop") == (r.output_ids[-1] == 2)
+        if r.routed_experts is not None:
+            n = len(prompt) + len(r.output_ids) - 1
+            assert r.routed_experts.shape == (n, 4, 2) and r.routed_experts.dtype == torch.uint8
+
+
+def _arm(server, kind, times=1, **extra):
+    status, body = request_json("POST", server.url + "/_test/fault", {"kind": kind, "times": times, **extra})
+    assert status == 200, body
+
+
+def test_health_model_info_and_a_batch(server):
+    async def info():
+        async with SGLangClient(SGLangClientConfig(urls=[server.url]), ROUTES) as client:
+            return await client.check_servers(), await client.health(server.url, generate=True)
+
+    infos, healthy = asyncio.run(info())
+    assert healthy and infos[server.url]["weight_version"] == "0" and infos[server.url]["num_hidden_layers"] == 4
+    prompts = _prompts(12)
+    results, stats = _generate([server.url], prompts)
+    _check_exactly_once(prompts, results)
+    assert stats.attempts == 12 and not stats.retries and stats.max_in_flight <= 12
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
+    first, _ = _generate([server.url], prompts[:4], params=greedy)
+    again, _ = _generate([server.url], prompts[:4], params=greedy)
+    assert [r.output_ids for r in first] == [r.output_ids for r in again]
+    assert all(torch.equal(a.routed_experts, b.routed_experts) for a, b in zip(first, again))
+
+
+@pytest.mark.parametrize("kind,cause,extra,timeout_s", [
+    ("http_500", "http_5xx", {}, 60.0),
+    ("malformed_json", "malformed_json", {}, 60.0),
+    ("delay", "timeout", {"delay_s": 10.0}, 4.0),
+    ("wrong_route_length", "bad_payload", {}, 60.0),
+    ("stale_version", "stale_version", {}, 60.0),
+    ("abort", "aborted", {}, 60.0),
+])
+def test_a_fault_once_costs_one_retry_and_no_sample(server, kind, cause, extra, timeout_s):
+    _arm(server, kind, **extra)
+    prompts = _prompts(6)
+    results, stats = _generate([server.url], prompts, request_timeout_s=timeout_s)
+    _check_exactly_once(prompts, results)
+    assert stats.retries == {cause: 1} and stats.attempts == 7
+    assert sum(r.meta["attempts"] for r in results) == 7
+
+
+def test_persistent_faults_end_in_clear_errors(server):
+    _arm(server, "http_500", times=100)
+    try:
+        with pytest.raises(RolloutRequestError, match=r"gave up after 3 attempts; last failure \(http_5xx\).*HTTP 500"):
+            _generate([server.url], _prompts(2), max_retries=2)
+        _arm(server, "wrong_route_length", times=100)
+        _arm(server, "http_500", times=0)
+        with pytest.raises(RolloutRequestError, match=r"bad_payload.*expected \d+ = \d+ positions"):
+            _generate([server.url], _prompts(1), max_retries=1)
+    finally:
+        _arm(server, "http_500", times=0)
+        _arm(server, "wrong_route_length", times=0)
+    _arm(server, "no_routes")
+    with pytest.raises(RolloutRequestError, match=r"with --enable-return-routed-experts \(not retried\)"):
+        _generate([server.url], _prompts(1))
+    with pytest.raises(StaleWeightVersionError, match="generated with weight version '0', expected '7'"):
+        _generate([server.url], _prompts(1), expected="7", max_retries=1)
+    too_long = [list(range(2, 64))]  # 62 prompt tokens + 3 new > max_position_embeddings 64
+    with pytest.raises(RolloutRequestError, match="HTTP 400 \\(request refused, not retried\\).*exceeds 64"):
+        _generate([server.url], too_long)
+
+
+def test_two_urls_share_the_load_and_a_dead_one_is_avoided(server):
+    port = server.url.rsplit(":", 1)[1]
+    prompts = _prompts(16)
+    results, stats = _generate([server.url, f"http://localhost:{port}"], prompts)
+    _check_exactly_once(prompts, results)
+    assert len(stats.per_server) == 2 and min(stats.per_server.values()) >= 4
+    dead = f"http://127.0.0.1:{free_port()}"
+    results, stats = _generate([dead, server.url], prompts, server_cooldown_s=30.0)
+    _check_exactly_once(prompts, results)
+    # Only the first requests sent to the dead server fail; its cool-down keeps retries away.
+    assert stats.per_server == {server.url: 16} and 1 <= stats.retries["connection"] <= 8
+    assert stats.attempts == 16 + stats.retries["connection"]
+
+
+def test_server_killed_mid_batch_and_restarted(server):
+    _arm(server, "delay", times=1000, delay_s=2.0)  # keeps every request of the batch in flight
+    prompts = _prompts(10)
+    before = request_json("GET", server.url + "/_test/stats")[1]
+    events = {}
+
+    def crash_and_restart():
+        time.sleep(1.0)
+        events["at_kill"] = request_json("GET", server.url + "/_test/stats")[1]
+        os.killpg(server.process.pid, signal.SIGKILL)
+        server.process.wait()
+        server.start()
+        server.wait_healthy(timeout_s=180, poll_s=0.2)
+
+    restarter = threading.Thread(target=crash_and_restart)
+    restarter.start()
+    try:
+        results, stats = _generate([server.url], prompts, max_retries=30, backoff_s=0.5, backoff_max_s=2.0)
+    finally:
+        restarter.join()
+    _check_exactly_once(prompts, results)
+    # The whole batch was inside the server when it died, and no first attempt was answered.
+    assert events["at_kill"]["generate_requests"] - before["generate_requests"] == 10
+    assert all(r.meta["attempts"] >= 2 for r in results)
+    assert stats.retries.get("connection", 0) >= 10
+    served = request_json("GET", server.url + "/_test/stats")[1]
+    assert served["responses"] == 10 and served["weight_version"] == "0"
+
+
+FAKE_SERVER = r"""
+import sys
+from aiohttp import web
+import torch
+from megatron_rl.rollout.sglang_wire import generate_response_payload
+port, prompt_len, output_len, layers, topk = map(int, sys.argv[1:6])
+routes = torch.stack([torch.randperm(64)[:topk] for _ in range((prompt_len + output_len - 1) * layers)])
+body = web.json_response(generate_response_payload(
+    rid="@RID@", prompt_len=prompt_len, output_ids=list(range(3, 3 + output_len)),
+    output_logprobs=torch.full((output_len,), -0.5), finish_reason="length", weight_version="0",
+    routed_experts=routes.reshape(-1, layers, topk))).text
+state = {"now": 0, "max": 0}
+async def generate(request):
+    rid = (await request.json())["rid"]
+    state["now"] += 1
+    state["max"] = max(state["max"], state["now"])
+    try:
+        return web.Response(text=body.replace("@RID@", rid), content_type="application/json")
+    finally:
+        state["now"] -= 1
+async def stats(request):
+    return web.json_response(state)
+app = web.Application()
+app.add_routes([web.post("/generate", generate), web.get("/health", lambda r: web.Response()),
+                web.get("/_test/stats", stats)])
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+def test_many_simultaneous_requests_keep_client_memory_bounded(tmp_path):
+    prompt_len, output_len, layers, topk, count, concurrency = 200, 56, 24, 8, 1000, 64
+    port = free_port()
+    script = tmp_path / "fake_sglang.py"
+    script.write_text(FAKE_SERVER)
+    cmd = [sys.executable, str(script), str(port), str(prompt_len), str(output_len), str(layers), str(topk)]
+    with ManagedServer(cmd, f"http://127.0.0.1:{port}", env=QUIET) as fake:
+        shape = RouteShape(num_layers=layers, topk=topk, num_experts=64)
+        cfg = SGLangClientConfig(urls=[fake.url], max_concurrency=concurrency, request_timeout_s=120.0)
+        prompts = [[5] * prompt_len for _ in range(count)]
+        params = SamplingParams(max_new_tokens=output_len)
+
+        async def run(n):
+            async with SGLangClient(cfg, shape) as client:
+                results = await client.generate(prompts[:n], params, return_routed_experts=True)
+                return results, client.stats
+
+        asyncio.run(run(concurrency))  # warm up allocator and imports before the baseline
+        process, peak, done = psutil.Process(), [0], threading.Event()
+
+        def sample_rss():
+            while not done.is_set():
+                peak[0] = max(peak[0], process.memory_info().rss)
+                time.sleep(0.005)
+
+        baseline = process.memory_info().rss
+        sampler = threading.Thread(target=sample_rss)
+        sampler.start()
+        started = time.perf_counter()
+        try:
+            results, stats = asyncio.run(run(count))
+        finally:
+            done.set()
+            sampler.join()
+        elapsed = time.perf_counter() - started
+        server_max = request_json("GET", fake.url + "/_test/stats")[1]["max"]
+    ids_per_sample = (prompt_len + output_len - 1) * layers * topk
+    compact_total = sum(r.routed_experts.numel() * r.routed_experts.element_size() for r in results)
+    wire_total = count * ids_per_sample * 4
+    growth = peak[0] - baseline
+    print(f"\n{count} requests x {ids_per_sample * 4 / 1e3:.0f} kB int32 routes in {elapsed:.1f}s, "
+          f"concurrency {concurrency}: client RSS growth {growth / 2**20:.0f} MiB; compact results "
+          f"{compact_total / 2**20:.0f} MiB; int32 payloads would be {wire_total / 2**20:.0f} MiB")
+    assert len(results) == count and all(r.routed_experts.dtype == torch.uint8 for r in results)
+    assert compact_total == count * ids_per_sample
+    assert stats.max_in_flight == concurrency and server_max <= concurrency
+    assert growth < compact_total + 64 * 2**20 < wire_total
+
+
+def test_launcher_command_line_and_cli():
+    cfg = SGLangServerConfig(model_path="/ckpt", port=31000, tp_size=4, mem_fraction_static=0.7, quantization="fp8",
+                             kv_cache_dtype="fp8_e4m3", weight_version="0", extra_args=["--disable-radix-cache"])
+    cmd = build_command(cfg)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    pairs = {cmd[i]: cmd[i + 1] for i in range(3, len(cmd) - 1) if cmd[i].startswith("--")}
+    assert pairs["--model-path"] == "/ckpt" and pairs["--tp-size"] == "4" and pairs["--port"] == "31000"
+    assert pairs["--mem-fraction-static"] == "0.7" and pairs["--quantization"] == "fp8"
+    assert pairs["--kv-cache-dtype"] == "fp8_e4m3" and pairs["--weight-version"] == "0"
+    assert "--enable-return-routed-experts" in cmd and "--skip-tokenizer-init" in cmd
+    assert cmd[-1] == "--disable-radix-cache" and cfg.url == "http://127.0.0.1:31000"
+    plain = build_command(SGLangServerConfig(model_path="/m"))
+    assert "--quantization" not in plain and "--mem-fraction-static" not in plain
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--model-path", "/m", "--fp8",
+                          "--fp8-kv-cache", "--print-command", "--", "--disable-cuda-graph"],
+                         capture_output=True, text=True, env={**os.environ, **QUIET}, check=True).stdout
+    assert "--quantization fp8" in out and "--kv-cache-dtype fp8_e4m3" in out and out.strip().endswith(
+        "--disable-cuda-graph")
+
+
+HEALTH_IGNORING_SIGTERM = r"""
+import http.server, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_launcher_wait_and_stop_logic(tmp_path):
+    port = free_port()
+    stubborn = ManagedServer([sys.executable, "-c", HEALTH_IGNORING_SIGTERM, str(port)], f"http://127.0.0.1:{port}")
+    stubborn.start().wait_healthy(timeout_s=30, poll_s=0.1)
+    started = time.monotonic()
+    assert stubborn.stop(grace_s=0.5) == -signal.SIGKILL and time.monotonic() - started < 10
+    log = tmp_path / "crash.log"
+    crashing = ManagedServer([sys.executable, "-c", "print('model not found'); raise SystemExit(3)"],
+                             f"http://127.0.0.1:{free_port()}", log_path=log)
+    with pytest.raises(ServerStartError, match="exited with code 3(.|\n)*model not found"):
+        crashing.start().wait_healthy(timeout_s=30, poll_s=0.1)
+    silent = ManagedServer([sys.executable, "-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ServerStartError, match="not healthy after 1s"):
+        silent.start().wait_healthy(timeout_s=1.0, poll_s=0.1)
+    assert silent.process.poll() is not None  # stopped on the timeout
+
+
+def test_protocol_server_stops_cleanly_on_sigterm(server):
+    assert server.stop(grace_s=30) == 0

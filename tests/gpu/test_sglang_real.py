@@ -1,0 +1,123 @@
+"""A real SGLang server against the Megatron pass (needs CUDA and SGLang; skipped otherwise).
+
+Starts ``sglang.launch_server`` (the protocol of SGLang 0.5.23) through
+:class:`~megatron_rl.rollout.sglang_server.SGLangServer` on a tiny Qwen3-MoE checkpoint
+written by transformers, replaces its weights with a Megatron model's through
+:class:`~megatron_rl.rollout.weight_sync.WeightSync` (colocated
+``/update_weights_from_tensor``, CUDA IPC handles, HF names from the conversion table),
+samples with the real client, and compares each generated token's served log-prob and each
+position's routed experts with Megatron's own log-prob pass over the same sequences.
+
+SGLang may live in its own environment (it pins another torch): point
+``MEGATRON_RL_SGLANG_PYTHON`` at that interpreter; by default this interpreter is used.
+Stated bounds (BF16 both sides, random init with decisive routers, sampling at T = 1 so
+SGLang's log-probs are the plain ``log_softmax``): mean |served - Megatron| <= 0.05 nats,
+max <= 0.5; routed expert sets agree on >= 0.95 of (position, layer) pairs (BF16
+near-ties may flip a few). Run ``pytest -s tests/gpu/test_sglang_real.py`` for the figures.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ModelConfig, ParallelConfig
+
+pytestmark = pytest.mark.gpu
+
+SGLANG_PYTHON = os.environ.get("MEGATRON_RL_SGLANG_PYTHON", sys.executable)
+MEAN_BOUND, MAX_BOUND, ROUTE_AGREEMENT = 0.05, 0.5, 0.95
+# head_dim 64 and widths of 128+ keep SGLang's attention and fused-MoE kernels on their usual paths.
+TINY = ModelConfig(vocab_size=512, hidden_size=256, num_layers=2, num_attention_heads=4, num_query_groups=2,
+                   head_dim=64, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+                   max_position_embeddings=1024, params_dtype="bfloat16")
+
+
+def _sglang_version() -> str:
+    probe = subprocess.run([SGLANG_PYTHON, "-c", "import sglang; print(sglang.__version__)"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"sglang is not importable by {SGLANG_PYTHON} (set MEGATRON_RL_SGLANG_PYTHON)")
+    return probe.stdout.strip()
+
+
+def _write_hf_checkpoint(directory) -> None:
+    """A random Qwen3-MoE checkpoint of TINY's shape for the server to start from."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size, num_hidden_layers=TINY.num_layers,
+        num_attention_heads=TINY.num_attention_heads, num_key_value_heads=TINY.num_query_groups,
+        head_dim=TINY.head_dim, intermediate_size=TINY.moe_ffn_hidden_size,
+        moe_intermediate_size=TINY.moe_ffn_hidden_size, num_experts=TINY.num_experts,
+        num_experts_per_tok=TINY.moe_router_topk, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        tie_word_embeddings=False, rope_theta=TINY.rotary_base, rms_norm_eps=TINY.norm_epsilon,
+        max_position_embeddings=TINY.max_position_embeddings,
+    )
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
+
+
+@pytest.fixture(scope="module")
+def one_gpu_world():
+    from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.world import free_port
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with model_parallel(ParallelConfig(), seed=1234) as groups:
+            yield groups
+    finally:
+        dist.destroy_process_group()
+
+
+def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
+    from megatron_rl.checkpoint.mapping import QWEN3_MOE, hf_name_map
+    from megatron_rl.parallel.logprobs import compute_logprobs
+    from megatron_rl.parallel.model import build_model
+    from megatron_rl.parallel.world import free_port
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.sglang_client import SGLangClientConfig
+    from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerConfig
+    from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
+
+    version = _sglang_version()
+    groups = one_gpu_world
+    # The local spec: the conversion table speaks its parameter names (TE fuses the norms).
+    model = build_model(TINY, ParallelConfig(), use_te=False, moe_enable_routing_replay=True).cuda().eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("router.weight"):
+                param.mul_(10)  # decisive routers: BF16 rounding should not flip top-K
+    _write_hf_checkpoint(tmp_path / "hf")
+    server_cfg = SGLangServerConfig(model_path=str(tmp_path / "hf"), host="127.0.0.1", port=free_port(),
+                                    mem_fraction_static=0.3, weight_version="init", python=SGLANG_PYTHON,
+                                    extra_args=["--disable-cuda-graph"])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, TINY.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(8, 40, (16,), generator=gen)]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    with SGLangServer(server_cfg, log_path=tmp_path / "sglang.log") as server:
+        engine = sglang_engine(model, groups, SGLangClientConfig(urls=[server.url], max_retries=1),
+                               WeightSyncConfig(mode="tensor", bucket_bytes=1 << 20),
+                               name_map=hf_name_map(QWEN3_MOE, TINY))
+        engine.update_weights(1)
+        samples = engine.generate(prompts, params, return_routed_experts=True, seed=0)
+    ours = compute_logprobs(model, groups, [s.tokens for s in samples], [len(p) for p in prompts],
+                            record_routing=True)
+    served = torch.cat([s.output_logprobs for s in samples])
+    diff = (ours.logprobs_T.cpu() - served).abs()
+    agree = torch.cat([
+        (ours.record.sample(i).expert_ids_TLK[:-1].cpu().long().sort(-1).values
+         == s.routed_experts.long().sort(-1).values).all(-1).flatten()
+        for i, s in enumerate(samples)
+    ]).float().mean()
+    print(f"\nSGLang {version}: {served.numel()} tokens, |served - Megatron| log-prob mean {diff.mean():.4f} "
+          f"max {diff.max():.4f}; routed-expert agreement {agree:.4f}")
+    assert {s.weight_version for s in samples} == {1}
+    assert all(s.routed_experts.shape == (len(s.tokens) - 1, TINY.num_layers, TINY.moe_router_topk) for s in samples)
+    assert diff.mean() <= MEAN_BOUND and diff.max() <= MAX_BOUND
+    assert agree >= ROUTE_AGREEMENT
