@@ -434,7 +434,7 @@ def validate_run(cfg: RunConfig) -> None:
         "R3 replays the rollout engine's routes, but rollout.return_routed_experts is false",
     )
     if r.engine == "sglang":
-        validate_sglang(r.sglang)
+        validate_sglang(r.sglang, cfg.model)
     _require(t.steps >= 0, "train.steps", "must be >= 0")
     _require(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     _require(t.epochs >= 1, "train.epochs", "must be >= 1")
@@ -444,7 +444,7 @@ def validate_run(cfg: RunConfig) -> None:
     _require(cfg.optim.lr > 0, "optim.lr", "must be > 0")
 
 
-def validate_sglang(s: SGLangConfig, prefix: str = "rollout.sglang") -> None:
+def validate_sglang(s: SGLangConfig, model: ModelConfig, prefix: str = "rollout.sglang") -> None:
     """Rules for the SGLang engine section (checked only when it is the engine)."""
     from megatron_rl.checkpoint.mapping import ARCHITECTURES
 
@@ -467,6 +467,15 @@ def validate_sglang(s: SGLangConfig, prefix: str = "rollout.sglang") -> None:
         s.hf_architecture in ARCHITECTURES.names(), f"{prefix}.hf_architecture",
         f"unknown architecture {s.hf_architecture!r}; available: {sorted(ARCHITECTURES.names())}",
     )
+    if s.weight_sync != "none":
+        # The servers run the HF architecture's own block: weights synced into it must mean
+        # the same model, or rollouts would silently come from a different policy.
+        arch = ARCHITECTURES.get(s.hf_architecture)
+        _require(model.qk_layernorm == arch.qk_layernorm, f"{prefix}.hf_architecture",
+                 f"{arch.name} has qk_layernorm={arch.qk_layernorm} but model.qk_layernorm={model.qk_layernorm}")
+        _require(model.moe_router_score_function == "softmax", f"{prefix}.hf_architecture",
+                 f"{arch.name} routes with softmax scores but model.moe_router_score_function="
+                 f"{model.moe_router_score_function!r}")
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

@@ -24,7 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moe_routing.scores import dispatched_topk, router_log_scores, same_expert_set
+from moe_routing.scores import dispatched_by_score, router_log_scores, same_expert_set
 from moe_routing.types import compact_id_dtype
 
 
@@ -167,8 +167,10 @@ class RouterRecorder:
     def _describe(self, layer_number, entry, router, logits, probs_NE, routing_map_NE) -> LayerCall:
         with torch.no_grad():
             logits_NE = logits.reshape(-1, router.config.num_moe_experts)
+            # Full-row log scores: softmax needs every expert's logit for its normalizer, and
+            # queries / diagnostics read experts outside the dispatched set.
             log_scores_NE = router_log_scores(logits_NE, router.score_function)
-            ids_NK = dispatched_topk(log_scores_NE, routing_map_NE, router.topk)
+            ids_NK, log_scores_NK = dispatched_by_score(log_scores_NE, routing_map_NE, router.topk)
             natural_NK = log_scores_NE.topk(router.topk, dim=-1).indices if self.diagnostics else None
             query = natural_equals_query = None
             if entry.queries:
@@ -183,8 +185,11 @@ class RouterRecorder:
                     natural_equals_query = same_expert_set(natural_NK, query_ids_NK)
             return LayerCall(
                 expert_ids_NK=ids_NK.to(compact_id_dtype(router.config.num_moe_experts)),
-                probs_NK=log_scores_NE.gather(1, ids_NK).exp().to(self.probs_dtype),
-                gates_NK=probs_NE.detach().float().gather(1, ids_NK).to(self.probs_dtype),
+                # The sorted values are the gathered log scores themselves (bit for bit).
+                probs_NK=log_scores_NK.exp().to(self.probs_dtype),
+                # Gather before converting: K values per token instead of E, same result (the
+                # fp32 step stays so rounding to probs_dtype is unchanged).
+                gates_NK=probs_NE.gather(1, ids_NK).float().to(self.probs_dtype),
                 natural_equals_dispatched_N=(
                     same_expert_set(natural_NK, ids_NK) if natural_NK is not None else None
                 ),

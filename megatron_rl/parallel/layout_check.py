@@ -28,6 +28,7 @@ from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.packing import PackedMicroBatch, next_token_targets, pack_sequences
 from megatron_rl.parallel.schedule import run_schedule, unwrap, wrap_for_training
+from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
 @dataclass
@@ -92,10 +93,8 @@ def _cross_entropy_loss(groups: ParallelGroups):
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         targets_T, mask_T = next_token_targets(mb)
         logits_TV = logits_1TV[0].float()
-        # Megatron's cross entropy reads the TP group from parallel_state (0.16.1 API).
-        per_token_T = tensor_parallel.vocab_parallel_cross_entropy(
-            logits_TV[:, None, :], targets_T[:, None]
-        )[:, 0]
+        logprobs_T, _ = vocab_parallel_logprobs_entropy(logits_TV, targets_T, groups.tp, compute_entropy=False)
+        per_token_T = -logprobs_T
         loss_sum = (per_token_T * mask_T).sum()
         num_tokens = mask_T.sum().to(torch.int)
         # Gathering the vocabulary is for the comparison only; the RL path never does it.

@@ -27,10 +27,10 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences
+from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-from moe_routing.layout import assemble_record, gather_call_field, gathered_layer_numbers, local_ids_per_call
+from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
 from moe_routing.record import RouterRecorder
 from moe_routing.replay import RoutingReplay
 from moe_routing.shift import router_shift_TL, rspo_gamma_T
@@ -116,15 +116,6 @@ def pack_for_rank(
     ]
 
 
-def response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.Tensor:
-    """Row positions whose logits predict the response tokens of the micro-batch's samples."""
-    rows = []
-    for i, sample in enumerate(mb.sample_ids.tolist()):
-        start, end = int(mb.cu_seqlens[i]), int(mb.cu_seqlens[i + 1])
-        rows.append(torch.arange(start + prompt_lengths[sample] - 1, end - 1))
-    return torch.cat(rows)
-
-
 def response_positions(cu_seqlens_S1: torch.Tensor, prompt_lengths: Sequence[int]) -> torch.Tensor:
     """Positions on the packed all-token axis whose outputs predict the response tokens.
 
@@ -173,11 +164,9 @@ def compute_logprobs(
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=logits_1TV.device)
-        targets_T[:-1] = mb.tokens[0, 1:]
-        rows = response_rows(mb, prompt_lengths).to(logits_1TV.device)
+        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
         logprobs, entropy = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens
+            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens
         )
         zero = logits_1TV.new_zeros(())
         return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}

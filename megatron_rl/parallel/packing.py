@@ -115,3 +115,31 @@ def next_token_targets(mb: PackedMicroBatch) -> tuple[torch.Tensor, torch.Tensor
     mask_T[mb.cu_seqlens[1:] - 1] = False
     targets_T[~mask_T] = 0
     return targets_T, mask_T
+
+
+def response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """Row positions whose logits predict the response tokens of the micro-batch's samples.
+
+    Response token t of a sample is predicted by the row of token t - 1, so a sample of
+    prompt length P and length N contributes rows ``[start + P - 1, start + N - 1)``.
+    """
+    rows = []
+    for i, sample in enumerate(mb.sample_ids.tolist()):
+        start, end = int(mb.cu_seqlens[i]), int(mb.cu_seqlens[i + 1])
+        rows.append(torch.arange(start + prompt_lengths[sample] - 1, end - 1))
+    return torch.cat(rows)
+
+
+def response_targets(
+    mb: PackedMicroBatch, prompt_lengths: Sequence[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows_R, targets_R)`` on ``device``: the rows predicting response tokens and those tokens.
+
+    What every loss over response tokens (log-prob pass, RL objective, SFT) indexes the
+    logits with: ``logits_1TV[0, rows_R]`` scored against ``targets_R``.
+    """
+    rows_R = response_rows(mb, prompt_lengths)
+    # The target of row r is the token at r + 1 (rows never include a sequence's last token).
+    targets_R = mb.tokens[0, rows_R + 1]
+    return rows_R.to(device), targets_R.to(device=device, dtype=torch.int64)
+

@@ -36,8 +36,8 @@ from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.parallel.comm import all_reduce, broadcast, broadcast_object
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank, response_rows
-from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
+from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from moe_routing.layout import local_ids_per_call
@@ -255,11 +255,9 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
         samples = mb.sample_ids
         lo, hi = int(cu_S1[samples[0]]), int(cu_S1[samples[-1] + 1])
         device = logits_1TV.device
-        rows = response_rows(mb, batch.prompt_lengths).to(device)
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=device)
-        targets_T[:-1] = mb.tokens[0, 1:]
+        rows, targets = response_targets(mb, batch.prompt_lengths, device)
         logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets_T[rows], groups.tp, chunk_tokens=chunk_tokens,
+            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens,
             entropy_requires_grad=objective.entropy_coef > 0,
         )
         local_cu = cu_S1[samples[0] : samples[-1] + 2] - lo

@@ -13,8 +13,8 @@ import torch
 
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import response_rows, pack_for_rank
-from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.logprobs import pack_for_rank
+from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
@@ -39,11 +39,9 @@ def sft_step(
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows = response_rows(mb, prompt_lengths).to(logits_1TV.device)
-        targets_T = torch.zeros(mb.padded_length, dtype=torch.int64, device=logits_1TV.device)
-        targets_T[:-1] = mb.tokens[0, 1:]
+        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
         logprobs_T, _ = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets_T[rows], groups.tp, compute_entropy=False
+            logits_1TV[0, rows], targets, groups.tp, compute_entropy=False
         )
         loss = -logprobs_T.sum() / float(count[0])
         return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}

@@ -34,7 +34,7 @@ from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rollout.embedded import EmbeddedEngine
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.tasks import REWARDS, build_task, response_finished
+from megatron_rl.rollout.tasks import REWARDS, build_task
 from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
 from megatron_rl.telemetry import GpuTelemetry

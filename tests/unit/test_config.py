@@ -104,6 +104,10 @@ RUN_INVALID = [
      "rollout.sglang.request_timeout_s", "> 0"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=llama"],
      "rollout.sglang.hf_architecture", "unknown architecture 'llama'"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "model.moe_router_score_function=sigmoid"],
+     "rollout.sglang.hf_architecture", "qwen3_moe routes with softmax scores"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=mixtral"],
+     "rollout.sglang.hf_architecture", "mixtral has qk_layernorm=False but model.qk_layernorm=True"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.weight_sync=ipc"],
      "rollout.sglang.weight_sync", "is not one of"),
 ]
@@ -133,7 +137,6 @@ def test_demo_config_is_valid():
 
 
 def test_objective_preset_configs_resolve_to_their_presets():
-    import dataclasses
 
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.config import resolve_objective

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel.logprobs import validate_samples
-from moe_routing.scores import dispatched_topk, router_log_scores
+from moe_routing.scores import dispatched_by_score, dispatched_topk, router_log_scores
 from moe_routing.types import RouterRecord, compact_id_dtype
 
 
@@ -58,6 +58,21 @@ def test_router_scores_and_dispatched_order():
     assert torch.allclose(sig.exp(), torch.sigmoid(logits))
     with pytest.raises(ValueError, match="unknown router score function"):
         router_log_scores(logits, "sparsemax")
+
+
+def test_dispatched_order_matches_masked_topk_and_ties_keep_expert_order():
+    gen = torch.Generator().manual_seed(0)
+    logits_NE = torch.randn(500, 32, generator=gen)
+    # Dispatch a random K-set per token (as replay does), not the natural top-K.
+    chosen_NK = torch.rand(500, 32, generator=gen).argsort(dim=-1)[:, :6]
+    routing_map = torch.zeros(500, 32, dtype=torch.bool).scatter_(1, chosen_NK, True)
+    log_scores = router_log_scores(logits_NE, "softmax")
+    ids_NK, log_scores_NK = dispatched_by_score(log_scores, routing_map, 6)
+    reference_NK = log_scores.masked_fill(~routing_map, float("-inf")).topk(6, dim=-1).indices
+    assert torch.equal(ids_NK, reference_NK)
+    assert torch.equal(log_scores_NK, log_scores.gather(1, reference_NK))
+    tied = torch.tensor([[0.0, -1.0, -1.0, -1.0, 0.5]])
+    assert dispatched_topk(tied, torch.tensor([[False, True, True, True, True]]), 4).tolist() == [[4, 1, 2, 3]]
 
 
 def test_dispatch_with_dropped_token_is_named():
