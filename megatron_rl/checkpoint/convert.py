@@ -27,7 +27,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
-from megatron_rl.checkpoint.hf_config import architecture_of, experts_key, model_config_from_hf, read_config
+from megatron_rl.checkpoint.hf_config import (
+    architecture_of,
+    experts_key,
+    hf_config_from_model,
+    model_config_from_hf,
+    read_config,
+)
 from megatron_rl.checkpoint.hf_io import (
     HFCheckpoint,
     ShardPlan,
@@ -43,6 +49,13 @@ from megatron_rl.checkpoint.mapping import (
     all_weights,
     hf_tensor_shapes,
     template_regex,
+)
+from megatron_rl.checkpoint.trainer_source import (
+    TRAINER_STATE_NAME,
+    check_same_model,
+    is_optimizer_key,
+    is_trainer_checkpoint,
+    read_trainer_model,
 )
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, validate_layout
 from megatron_rl.parallel.world import free_port, run_world
@@ -64,6 +77,8 @@ class HFSource:
     """The HF index (None: a single ``model.safetensors``)."""
     files: list[str]
     """Paths of the non-weight HF files (config, tokenizer, ...) to carry along."""
+    config: dict | None = None
+    """A generated ``config.json`` to write (None: it is one of ``files``)."""
 
     @property
     def arch(self) -> Architecture:
@@ -178,13 +193,49 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
     """Where an export takes its architecture, HF config, side files and shard plan from.
 
     Args:
-        megatron_dir: distributed checkpoint; its ``conversion.json`` is used by default.
+        megatron_dir: distributed checkpoint; its ``conversion.json`` is used by default,
+            and a trainer checkpoint without one generates its HF config from the run
+            config in ``trainer_state.json`` (``model``, ``rollout.sglang.hf_architecture``).
         hf_config: another converted Megatron checkpoint, or an HF checkpoint directory
             (its config.json, side files and index; the dtype is the Megatron checkpoint's).
+            It wins over both defaults, but for a trainer checkpoint it must describe the
+            model the trainer trained.
 
     Raises:
-        CheckpointMismatchError: neither source has a record or an HF config.
+        CheckpointMismatchError: neither source has a record or an HF config, the run's
+            model cannot be expressed in its architecture, or the given HF config
+            describes another model than the trainer's (differing fields named).
     """
+    trainer = is_trainer_checkpoint(megatron_dir)
+    if trainer and hf_config is None and not (Path(megatron_dir) / RECORD_NAME).exists():
+        return _trainer_source(megatron_dir)
+    source = _recorded_or_hf_source(megatron_dir, hf_config)
+    if trainer:
+        where = Path(hf_config) if hf_config is not None else Path(megatron_dir) / RECORD_NAME
+        check_same_model(read_trainer_model(megatron_dir).model, source.model, where)
+    return source
+
+
+def _trainer_source(megatron_dir: str | Path) -> HFSource:
+    """A trainer checkpoint with no HF origin: config.json generated from the run's model."""
+    trained = read_trainer_model(megatron_dir)
+    dtype = _DTYPE_NAMES[stored_dtype(megatron_dir)]
+    if dtype != trained.model.params_dtype:
+        raise CheckpointMismatchError(
+            f"{megatron_dir}: the model tensors are {dtype}, but {TRAINER_STATE_NAME} says "
+            f"config.model.params_dtype={trained.model.params_dtype!r}"
+        )
+    return HFSource(
+        architecture=trained.architecture,
+        model=trained.model,
+        index=None,
+        files=[],
+        config=hf_config_from_model(trained.architecture, trained.model, dtype),
+    )
+
+
+def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | None) -> HFSource:
+    """The conversion record of ``hf_config`` (default: the checkpoint), or its HF config.json."""
     source = Path(hf_config) if hf_config is not None else Path(megatron_dir)
     record_path = source / RECORD_NAME
     if record_path.exists():
@@ -213,11 +264,16 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
 
 
 def stored_dtype(megatron_dir: str | Path) -> torch.dtype:
-    """The one dtype of a distributed checkpoint's tensors."""
+    """The one dtype of a distributed checkpoint's model tensors.
+
+    A trainer checkpoint's optimizer state is left out: under bf16 training it holds the
+    float32 main parameters next to the bf16 model.
+    """
     import torch.distributed.checkpoint as dcp
 
     metadata = dcp.FileSystemReader(str(megatron_dir)).read_metadata().state_dict_metadata
-    dtypes = {m.properties.dtype for m in metadata.values() if hasattr(m, "properties")}
+    skip = is_optimizer_key if is_trainer_checkpoint(megatron_dir) else (lambda key: False)
+    dtypes = {m.properties.dtype for k, m in metadata.items() if hasattr(m, "properties") and not skip(k)}
     if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
         raise CheckpointMismatchError(
             f"{megatron_dir}: tensors must share one float dtype, found {sorted(map(str, dtypes))}"
@@ -318,6 +374,8 @@ def megatron_to_hf_collective(
     source = read_export_source(megatron_dir, hf_config)
     with atomic_output_dir(out_dir) as staging:
         copy_files([Path(f) for f in source.files], staging)
+        if source.config is not None:
+            (staging / "config.json").write_text(json.dumps(source.config, indent=2) + "\n")
         writer = ShardWriter(staging, export_plan(source, max_shard_bytes), progress)
         megatron_to_hf_rank(source.arch, source.model, megatron_dir, writer, progress)
         writer.finish()
@@ -423,8 +481,8 @@ def convert_megatron_to_hf(
     """Export a Megatron distributed checkpoint (any layout) as an HF checkpoint.
 
     Args:
-        megatron_dir: distributed checkpoint written by :func:`convert_hf_to_megatron`,
-            or any model checkpoint of a supported architecture with ``hf_config``.
+        megatron_dir: distributed checkpoint written by :func:`convert_hf_to_megatron` or
+            by the trainer, or any model checkpoint of a supported architecture with ``hf_config``.
         out_dir: new directory for the HF checkpoint.
         hf_config: where the HF config, side files and shard layout come from (see
             :func:`read_export_source`); default: the checkpoint's own record.

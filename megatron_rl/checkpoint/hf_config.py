@@ -1,7 +1,8 @@
-"""HF ``config.json`` -> :class:`~megatron_rl.config.ModelConfig`, refusing what it cannot honour.
+"""HF ``config.json`` <-> :class:`~megatron_rl.config.ModelConfig`, refusing what it cannot honour.
 
 Owns: reading an HF model config as a plain dict (no transformers import, so conversion
-workers stay light) and translating it with the architecture's table in
+workers stay light), generating one for a model that has no HF origin (the inverse, used
+to export trainer checkpoints), and translating both ways with the architecture's table in
 :mod:`megatron_rl.checkpoint.mapping`. Every config key that changes the math is either
 translated or checked against the one value the Megatron model implements; anything else
 (dense layers between MoE layers, sliding-window attention, attention biases, tied
@@ -133,3 +134,88 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
     except ConfigError as err:
         raise CheckpointMismatchError(str(err)) from None
     return model
+
+
+def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: str | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``arch`` that computes what ``model`` computes (inverse of
+    :func:`model_config_from_hf`: ``model_config_from_hf(hf_config_from_model(a, m), dtype)``
+    gives ``m`` back, up to ``moe_aux_loss_coeff``, which only matters to training).
+
+    Args:
+        arch: the HF architecture (or its ``model_type``).
+        model: the Megatron model.
+        dtype: dtype of the exported tensors (default: ``model.params_dtype``).
+
+    Raises:
+        CheckpointMismatchError: the architecture cannot represent the model (the
+            ``model.<field>`` is named), or the model breaks its own consistency rules.
+    """
+    if isinstance(arch, str):
+        try:
+            arch = ARCHITECTURES.get(arch)
+        except UnknownNameError as err:
+            raise CheckpointMismatchError(f"HF architecture: {err}") from None
+    dtype = dtype or model.params_dtype
+    if dtype not in _DTYPES:
+        raise CheckpointMismatchError(f"export dtype {dtype} is not one of {_DTYPES}")
+    try:
+        validate_model(model, prefix="model")
+    except ConfigError as err:
+        raise CheckpointMismatchError(str(err)) from None
+    problems = []
+    if model.moe_router_score_function != "softmax":
+        problems.append(
+            f"model.moe_router_score_function={model.moe_router_score_function!r}: "
+            f"{arch.name} routes with a softmax over all experts"
+        )
+    if model.qk_layernorm != arch.qk_layernorm:
+        problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
+    if not model.untie_embeddings_and_output_weights:
+        problems.append(
+            f"model.untie_embeddings_and_output_weights=False: the {arch.name} conversion supports only "
+            "a separate output layer (tie_word_embeddings false)"
+        )
+    if arch.norm_topk_key is None and model.moe_router_pre_softmax:
+        problems.append(f"model.moe_router_pre_softmax=True: {arch.name} always renormalizes its top-K gates")
+    if model.rotary_base != int(model.rotary_base):
+        # model_config_from_hf refuses it too: build_model passes int(rotary_base) to Megatron.
+        problems.append(f"model.rotary_base={model.rotary_base} is not an integer")
+    if problems:
+        raise CheckpointMismatchError(f"the model cannot be exported as {arch.name}: " + "; ".join(problems))
+    theta = float(model.rotary_base)
+    config: dict[str, Any] = {
+        "architectures": [arch.hf_class],
+        "model_type": arch.name,
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        # The first key is the one the architecture's Hub checkpoints (and SGLang) read.
+        arch.experts_keys[0]: model.num_experts,
+        "num_experts_per_tok": model.moe_router_topk,
+        arch.expert_ffn_key: model.moe_ffn_hidden_size,
+        "max_position_embeddings": model.max_position_embeddings,
+        "rms_norm_eps": model.norm_epsilon,
+        "initializer_range": model.init_method_std,
+        # Both spellings: transformers 4.x reads rope_theta, 5.x rope_parameters.
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "router_aux_loss_coef": model.moe_aux_loss_coeff,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        # Both spellings again: transformers 4.x reads torch_dtype, 5.x dtype.
+        "torch_dtype": dtype,
+        "dtype": dtype,
+    }
+    if arch.norm_topk_key is not None:
+        # Megatron renormalizes the top-K gates unless pre-softmax routing is on.
+        config[arch.norm_topk_key] = not model.moe_router_pre_softmax
+    # Qwen3-MoE's dense-MLP width: unused when every layer is an MoE layer (the
+    # supported values below), but its config class requires one.
+    config.setdefault("intermediate_size", model.moe_ffn_hidden_size)
+    # The values the reader insists on (every layer sparse, no biases, no sliding window,
+    # untied output, SiLU), so that the generated config passes model_config_from_hf.
+    config.update(arch.supported_values)
+    return config

@@ -153,6 +153,20 @@ def tensor_bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
 
 
+def _default_file_mode() -> int:
+    """Mode a newly created file gets under this process's umask (read without changing it)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return 0o666 & ~int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o644
+
+
+_FILE_MODE = _default_file_mode()
+
+
 class ShardWriter:
     """Writes the tensors of a :class:`ShardPlan` as they arrive, in any order.
 
@@ -193,7 +207,11 @@ class ShardWriter:
         self._remaining[file].discard(name)
         if not self._remaining[file]:
             tensors = self._pending.pop(file)
-            save_file(tensors, str(self.directory / file), metadata={"format": "pt"})
+            path = self.directory / file
+            save_file(tensors, str(path), metadata={"format": "pt"})
+            # safetensors creates the file owner-only (0600); a checkpoint should be as
+            # readable as the config files written beside it.
+            os.chmod(path, _FILE_MODE)
             self._written.update(tensors)
         self._bar.update(1)
 

@@ -59,6 +59,8 @@ class Architecture:
 
     name: str
     """HF ``model_type`` (the registry key)."""
+    hf_class: str
+    """transformers model class (the ``architectures`` entry of a config.json)."""
     experts_keys: tuple[str, ...]
     """config.json keys that may hold E (the first present one is used)."""
     expert_ffn_key: str
@@ -88,6 +90,7 @@ _HQ = ("hidden", "q")
 
 QWEN3_MOE = Architecture(
     name="qwen3_moe",
+    hf_class="Qwen3MoeForCausalLM",
     # transformers 5 writes num_local_experts; Hub checkpoints carry num_experts.
     experts_keys=("num_experts", "num_local_experts"),
     expert_ffn_key="moe_intermediate_size",
@@ -132,6 +135,7 @@ QWEN3_MOE = Architecture(
 
 MIXTRAL = Architecture(
     name="mixtral",
+    hf_class="MixtralForCausalLM",
     experts_keys=("num_local_experts",),
     expert_ffn_key="intermediate_size",
     # Mixtral always renormalizes its top-K softmax weights.

@@ -39,6 +39,7 @@ from megatron_rl.checkpoint.mapping import (
     tp_shard,
     weight_groups,
 )
+from megatron_rl.checkpoint.trainer_source import is_optimizer_key, is_trainer_checkpoint
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.model import build_model
@@ -230,6 +231,10 @@ class DistCheckpointReader:
         template: a TP1/EP1/PP1 model of the checkpoint's architecture (meta is enough);
             its sharded state dict says where each parameter lives in the checkpoint.
 
+    A trainer checkpoint (``trainer_state.json`` beside it) also holds Megatron's
+    optimizer state; those keys (``[chained_<i>.]optimizer.*``) are skipped there and only
+    there: in a model checkpoint they are unknown tensors like any other.
+
     Raises:
         CheckpointMismatchError: the checkpoint holds tensors the model does not have,
             lacks some it has, or stores one with another global shape (all named).
@@ -247,8 +252,11 @@ class DistCheckpointReader:
             for part in parts if isinstance(parts, list) else [parts]:
                 if isinstance(part, ShardedTensor):
                     expected[part.key] = tuple(part.global_shape)
+        skip = is_optimizer_key if is_trainer_checkpoint(directory) else (lambda key: False)
         problems = []
         for key, meta in stored.items():
+            if skip(key):
+                continue
             if isinstance(meta, BytesStorageMetadata):
                 if key.split("/shard_")[0] not in objects:
                     problems.append(f"unknown object {key}")
@@ -283,7 +291,18 @@ def load_megatron_model(
 ) -> GPTModel:
     """This rank's stage of ``parallel``, loaded (resharded) from a distributed checkpoint."""
     gpt = build_model_for(arch, model, parallel)
-    load_model(gpt, directory)
+    if not is_trainer_checkpoint(directory):
+        load_model(gpt, directory)
+        return gpt
+    # The trainer saved {"model": ..., "optimizer": ...}; the optimizer's common state
+    # (param groups) would be unexpected keys of the model, so read the model's part only.
+    from megatron.core import dist_checkpointing
+
+    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(directory))["model"]
+    result = gpt.load_state_dict(state, strict=False)
+    wrong = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.endswith("_extra_state")]
+    if wrong:
+        raise CheckpointMismatchError(f"trainer checkpoint {directory} does not match the model: {format_names(wrong)}")
     return gpt
 
 

@@ -41,6 +41,26 @@ def all_gather_cat(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int = 0)
     return out.bool() if is_bool else out
 
 
+def all_gather_varlen(
+    tensor: torch.Tensor, group: dist.ProcessGroup, sizes: list[int] | None = None
+) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along dim 0, where dim 0 may differ between ranks.
+
+    Trailing dimensions and dtype must match on all ranks. ``sizes`` (every rank's dim-0
+    length, in group-rank order) saves the collective that learns them when the caller
+    already knows them. Rows come in group-rank order, each rank's in its own order.
+    """
+    if sizes is None:
+        sizes = all_gather_cat(torch.tensor([tensor.shape[0]], dtype=torch.int64), group).tolist()
+    longest = max(sizes)
+    if longest == 0:
+        return tensor.new_zeros((0, *tensor.shape[1:]))
+    padded = tensor.new_zeros((longest, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    parts = all_gather_cat(padded, group).split(longest)
+    return torch.cat([part[:n] for part, n in zip(parts, sizes)])
+
+
 def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
     """In-place broadcast from the group-local rank ``src_group_rank``; returns ``tensor``."""
     device = group_device(group)

@@ -12,17 +12,25 @@ pass yields replay agreement, flip rate and router shift; it also gives the curr
 log-probs and entropies the 80/20 and STAPO filters select on), and then runs forward and
 backward through Megatron's schedule with the objective from ``megatron_rl.algos``.
 
-The 80/20 and STAPO filters select over each data-parallel rank's mini-batch (not the
-global batch): their top-rho / quantile statistics are not all-reduced yet.
+The 80/20 and STAPO filters select over the global mini-batch, as the methods define them:
+with more than one data-parallel rank, every DP rank's filter inputs are gathered over the
+DP group (ranks in DP order, each rank's tokens in its own order), the pure
+``build_loss_mask`` runs on the concatenation and each rank keeps its slice. The kept mask
+and the ``mask/*`` metrics are therefore those of a single process holding the whole
+mini-batch in that order; the order matters only for exact entropy ties at the 80/20 cut
+(the earlier token is kept). Every DP rank receives, per token of the global mini-batch, one
+byte of response mask and one value per float input the filters read (entropy; log-probs
+and advantages for STAPO), 4 bytes each in float32.
 
 Losses are normalized by the global kept-token (or sequence) count of the whole mini-batch
 across data-parallel ranks, and Megatron's DDP sums gradients over DP, so micro-batching
 and the layout do not change the gradient. The probe costs one extra forward; it runs
-only when RSPO or routing diagnostics are asked for.
+only when RSPO, routing diagnostics or the 80/20 / STAPO filters ask for it.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Literal, Sequence
@@ -34,7 +42,7 @@ from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
-from megatron_rl.parallel.comm import all_reduce, broadcast, broadcast_object
+from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen, all_reduce, broadcast, broadcast_object
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
@@ -118,6 +126,8 @@ class StepResult:
     """0-dim global loss (sum over micro-batches and DP ranks of pre-normalized terms)."""
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
     """0-dim metric tensors, identical on every rank."""
+    kept_mask_T: torch.Tensor | None = None
+    """``[T_resp]`` bool: this rank's tokens that entered the loss (response mask and filters)."""
 
 
 def replay_ids_for(
@@ -216,8 +226,8 @@ def forward_backward(
 
     kept_T = response_mask_T
     if needs_filter_inputs or objective.overlong_filter:
-        kept_T, mask_metrics = build_loss_mask(
-            objective, loss_mask_T=response_mask_T, seq_ids_T=seq_ids_T,
+        kept_T, mask_metrics = _global_loss_mask(
+            objective, groups, response_mask_T=response_mask_T, seq_ids_T=seq_ids_T, lengths_S=lengths,
             logprobs_T=probe.logprobs_T if probe else None, advantages_T=batch.advantages_T,
             entropy_T=probe.entropy_T if probe else None, truncated_S=batch.truncated_S,
         )
@@ -243,7 +253,65 @@ def forward_backward(
     metrics["routing/replayed_micro_batches"] = torch.tensor(
         float(replay.replayed_micro_batches if replay is not None else 0)
     )
-    return StepResult(*_reduce_step(outputs, groups, metrics))
+    return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T)
+
+
+def _global_loss_mask(
+    objective: ObjectiveConfig,
+    groups: ParallelGroups,
+    *,
+    response_mask_T: torch.Tensor,
+    seq_ids_T: torch.Tensor,
+    lengths_S: torch.Tensor,
+    logprobs_T: torch.Tensor | None,
+    advantages_T: torch.Tensor,
+    entropy_T: torch.Tensor | None,
+    truncated_S: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's ``[T_resp]`` kept mask and the mask metrics of the global mini-batch.
+
+    With DP > 1 the inputs ``build_loss_mask`` reads are gathered over the DP group only
+    (TP and PP peers hold the same samples, and ``compute_logprobs`` returns the probe's
+    log-probs and entropies on every model-parallel rank), the unchanged pure function runs on
+    the concatenation, and this rank keeps its rows. Sequence ids of the concatenation come
+    from the gathered response lengths ``lengths_S``, so they stay unique across ranks.
+    """
+    if groups.dp_size == 1:
+        return build_loss_mask(
+            objective, loss_mask_T=response_mask_T, seq_ids_T=seq_ids_T, logprobs_T=logprobs_T,
+            advantages_T=advantages_T, entropy_T=entropy_T, truncated_S=truncated_S,
+        )
+    # Only what the configured masks read travels; float inputs share one gather in their
+    # promoted dtype (exact: promotion only widens).
+    floats = {}
+    if objective.entropy_top_rho is not None or objective.stapo_tau_p is not None:
+        floats["entropy_T"] = entropy_T
+    if objective.stapo_tau_p is not None:
+        floats.update(logprobs_T=logprobs_T, advantages_T=advantages_T)
+    floats = {name: t for name, t in floats.items() if t is not None}  # build_loss_mask names what is missing
+    num_tokens, num_seqs = int(response_mask_T.numel()), int(lengths_S.numel())
+    sizes_R2 = all_gather_cat(torch.tensor([[num_tokens, num_seqs]], dtype=torch.int64), groups.dp)
+    token_sizes, seq_sizes = sizes_R2[:, 0].tolist(), sizes_R2[:, 1].tolist()
+    token_inputs = {"loss_mask_T": all_gather_varlen(response_mask_T.bool(), groups.dp, sizes=token_sizes)}
+    if floats:
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in floats.values()))
+        columns = torch.stack([t.detach().to(dtype) for t in floats.values()], dim=1)
+        gathered = all_gather_varlen(columns, groups.dp, sizes=token_sizes)
+        for i, (name, t) in enumerate(floats.items()):
+            token_inputs[name] = gathered[:, i].to(t.dtype)
+    per_seq = [lengths_S.to(torch.int64)]
+    with_truncated = objective.overlong_filter and truncated_S is not None
+    if with_truncated:
+        per_seq.append(truncated_S.to(torch.int64))
+    seq_columns = all_gather_varlen(torch.stack(per_seq, dim=1), groups.dp, sizes=seq_sizes)
+    cu_S1 = torch.zeros(seq_columns.shape[0] + 1, dtype=torch.int64)
+    torch.cumsum(seq_columns[:, 0], 0, out=cu_S1[1:])
+    kept_T, metrics = build_loss_mask(
+        objective, seq_ids_T=seq_ids_from_cu_seqlens(cu_S1),
+        truncated_S=seq_columns[:, 1].bool() if with_truncated else None, **token_inputs,
+    )
+    start = sum(token_sizes[: groups.dp_rank])
+    return kept_T[start : start + num_tokens], metrics
 
 
 def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens):

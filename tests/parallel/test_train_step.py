@@ -3,7 +3,11 @@
 The single-process world checks replay and RSPO semantics against independent
 computations from hooked router logits; every layout world (TP2+SP, EP2, PP2,
 TP2+SP x EP2) then runs one training step per routing plan (none, R2, R3) with the RSPO
-objective and must reproduce the single-process loss and gradients (1e-5 relative).
+objective and must reproduce the single-process loss and gradients (1e-5 relative). Each
+layout world also runs the 80/20 (``entropy_8020``) and STAPO (with the overlong filter)
+objectives: their token selection is over the global mini-batch, so the kept mask, the mask
+metrics, the loss and the router and output-layer gradients must equal the single-process
+step's in the data-parallel layouts too (EP2 and TP2+SP x EP2 have dense DP = 2).
 """
 
 import functools
@@ -21,6 +25,15 @@ MODEL = ModelConfig(vocab_size=256, num_layers=4, num_experts=8, moe_router_topk
 SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=6, max_len=30, seed=1)
 PROMPTS = [max(1, len(s) // 3) for s in SEQUENCES]
 PLANS = ("none", "R2", "R3")
+TRUNCATED = (5,)
+"""Samples cut at the length limit (read by the overlong filter of the STAPO run)."""
+# tau_p above the tiny model's typical target probability (about 1/256), so the STAPO
+# candidates are a sizeable part of the positive-advantage tokens.
+FILTER_OBJECTIVES = {
+    "entropy_8020": {},
+    "stapo": {"stapo_tau_p": 0.005, "overlong_filter": True},
+}
+FILTER_RUNS = tuple(f"filter:{name}" for name in FILTER_OBJECTIVES)
 LAYOUTS = {
     "TP2+SP": (ParallelConfig(tensor_model_parallel_size=2), 2),
     "EP2": (ParallelConfig(expert_model_parallel_size=2), 2),
@@ -60,21 +73,44 @@ def _build(parallel, checkpoint, save, **overrides):
     return model, wrap_for_training(model)
 
 
-def _step_all_plans(model, ddp, groups, mine, old):
+def _step_all_plans(model, ddp, groups, mine, old, filters=False):
     """Forward-backward of every plan from the same weights, then one optimizer step.
 
     Clipped objectives have gradients that jump where a ratio crosses a clip bound, so
     plans are compared from identical weights; the step after the last plan checks that
     the update itself (gradient norm, clipping, parameter change) is layout invariant.
+    With ``filters`` the token-filter objectives run first (R2), from the same weights; the
+    optimizer step then still applies the gradient of the last plan.
     """
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.config import OptimConfig
+    from megatron_rl.parallel.layout_check import _gathered_grads
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
     from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 
     # SGD keeps the update linear in the gradient, so later steps stay comparable at 1e-5.
     optimizer = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=10.0))
     out = {}
+    for name, overrides in (FILTER_OBJECTIVES.items() if filters else ()):
+        batch = TrainBatch(
+            sequences=[SEQUENCES[i] for i in mine],
+            prompt_lengths=[PROMPTS[i] for i in mine],
+            old_logprobs_T=old.logprobs_T,
+            advantages_T=torch.cat([_advantages(i) for i in mine]),
+            truncated_S=torch.tensor([i in TRUNCATED for i in mine]),
+            old_record=old.record,
+        )
+        result = forward_backward(ddp, groups, batch, get_preset(name, **overrides), RoutingPlan(mode="R2"),
+                                  micro_batch_sequences=2)
+        grads = _gathered_grads(model, groups)  # routers and the TP-gathered output layer
+        kept = result.kept_mask_T.split([SEQUENCES[i].numel() - PROMPTS[i] for i in mine])
+        out[f"filter:{name}"] = {
+            "loss": float(result.loss),
+            "metrics": {k: float(v) for k, v in result.metrics.items() if k.startswith("mask/")},
+            "grads": grads if groups.tp_rank == 0 else {},
+            "kept": dict(zip(mine, kept)),
+            "dp_size": groups.dp_size,
+        }
     for mode in PLANS:
         batch = TrainBatch(
             sequences=[SEQUENCES[i] for i in mine],
@@ -114,7 +150,7 @@ def layout_step_worker(parallel, checkpoint):
         old = compute_logprobs(ddp, groups, [SEQUENCES[i] for i in mine], [PROMPTS[i] for i in mine],
                                micro_batch_sequences=2, record_routing=True)
         _perturb_routers(model)
-        return _step_all_plans(model, ddp, groups, mine, old)
+        return _step_all_plans(model, ddp, groups, mine, old, filters=True)
 
 
 def _hook_router_logits(model):
@@ -195,7 +231,7 @@ def reference_worker(checkpoint):
             gate_err = max(gate_err, float((r3.record.gates_TLK[:, col].double() - expected).abs().max()))
         out["r3_gate_err"] = gate_err
 
-        out["steps"] = _step_all_plans(model, ddp, groups, list(range(len(SEQUENCES))), old)
+        out["steps"] = _step_all_plans(model, ddp, groups, list(range(len(SEQUENCES))), old, filters=True)
 
         # Activation recomputation replays the same experts in the backward recompute.
         recompute_model, recompute_ddp = _build(
@@ -235,6 +271,20 @@ def layout(checkpoint_dir, reference):
             for key, value in rank["update"]["weights"].items():
                 weights.setdefault(key, value)
         merged["update"] = {"grad_norm": [r["update"]["grad_norm"] for r in per_rank], "weights": weights}
+        for run_name in FILTER_RUNS:
+            grads, kept = {}, {}
+            for rank in per_rank:
+                for key, value in rank[run_name]["grads"].items():
+                    grads.setdefault(key, value)
+                for sample, value in rank[run_name]["kept"].items():
+                    kept.setdefault(sample, value)
+            merged[run_name] = {
+                "loss": [r[run_name]["loss"] for r in per_rank],
+                "metrics": [r[run_name]["metrics"] for r in per_rank],
+                "dp_size": [r[run_name]["dp_size"] for r in per_rank],
+                "grads": grads,
+                "kept": kept,
+            }
         return merged
 
     return run
@@ -303,3 +353,37 @@ def test_training_step_is_layout_invariant(name, mode, layout, reference):
     assert set(got["grads"]) == set(ref["grads"])
     for key, grad in ref["grads"].items():
         assert relative_error(got["grads"][key], grad) <= 1e-5, (name, mode, key)
+
+
+def test_token_filters_remove_part_of_the_batch(reference):
+    """The comparison below is only meaningful if every filter keeps some tokens and drops some."""
+    steps = reference["steps"]
+    for run_name, metric in (("filter:entropy_8020", "mask/entropy_frac"), ("filter:stapo", "mask/stapo_frac"),
+                             ("filter:stapo", "mask/overlong_frac")):
+        kept = torch.cat(list(steps[run_name]["kept"].values()))
+        assert 0 < int(kept.sum()) < kept.numel(), run_name
+        assert 0 < steps[run_name]["metrics"][metric] < 1, (run_name, metric)
+    assert set(steps["filter:stapo"]["grads"]) == {f"router.{n}" for n in range(1, 5)} | {"output_layer"}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_data_parallel_size_of_the_layouts(name, layout):
+    expected = {"TP2+SP": 1, "EP2": 2, "PP2": 1, "TP2+SP x EP2": 2}[name]
+    assert layout(name)[FILTER_RUNS[0]]["dp_size"] == [expected] * LAYOUTS[name][1]
+
+
+@pytest.mark.parametrize("run_name", FILTER_RUNS)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_token_filters_select_over_the_global_batch(name, run_name, layout, reference):
+    """80/20 and STAPO keep the single-process tokens in every layout, DP = 2 included."""
+    ref, got = reference["steps"][run_name], layout(name)[run_name]
+    assert set(got["kept"]) == set(ref["kept"])
+    for sample, kept in ref["kept"].items():
+        assert torch.equal(got["kept"][sample], kept), (name, run_name, sample)
+    for metrics in got["metrics"]:
+        assert metrics == pytest.approx(ref["metrics"], rel=1e-12), (name, run_name)
+    for loss in got["loss"]:
+        assert abs(loss - ref["loss"]) <= 1e-5 * max(1e-3, abs(ref["loss"])), (name, run_name, loss, ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, grad in ref["grads"].items():
+        assert relative_error(got["grads"][key], grad) <= 1e-5, (name, run_name, key)

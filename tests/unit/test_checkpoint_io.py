@@ -110,3 +110,12 @@ def test_atomic_output_dir_leaves_nothing_after_a_failure(tmp_path):
     with pytest.raises(FileExistsError, match="interrupted"):
         with atomic_output_dir(final):
             pass
+
+
+def test_written_shards_are_as_readable_as_other_new_files(tmp_path):
+    plan = ShardPlan.by_size({n: t.numel() * 4 for n, t in TENSORS.items()}, max_shard_bytes=100)
+    _write(tmp_path / "out", plan)
+    reference = tmp_path / "plain.txt"
+    reference.write_text("x")
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").glob("*.safetensors")}
+    assert len(modes) == 3 and set(modes.values()) == {reference.stat().st_mode & 0o777}, modes
