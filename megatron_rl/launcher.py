@@ -22,6 +22,11 @@ Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, se
    SIGTERM/SIGINT (Slurm's time limit, ``scancel``) are forwarded, and the exit status is
    passed on: 0 only when every local worker succeeded, 2 for a rejected config.
 
+With ``--sglang ARGS`` each node also runs one SGLang server (``megatron_rl.rollout.
+sglang_server ARGS``) for the run's rollouts, colocated with its workers: the trainer is
+pointed at the launch's URL directory and takes weights through
+``/update_weights_from_tensor``; the server is stopped when the agent exits.
+
 It does not own the training itself (the entry module, ``megatron_rl.train.main`` by
 default, reads the same config under torchrun's environment) nor NCCL settings, which
 live in ``launch/env.sh``.
@@ -43,6 +48,7 @@ from typing import Mapping, Sequence, TextIO
 
 from megatron_rl.config import ConfigError, RunConfig, load_config, validate_layout
 from megatron_rl.fp8 import Fp8Environment, check_fp8
+from megatron_rl.rollout.sglang_server import FAILED_SUFFIX
 
 DEFAULT_ENTRY = "megatron_rl.train.main"
 """Module every worker runs unless ``--entry`` names another."""
@@ -313,6 +319,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-dir", help="per-node logs go here (default: <train.run_dir>/logs)")
     parser.add_argument("--max-restarts", type=int, default=0, help="worker-group restarts before failing")
     parser.add_argument("--entry", default=DEFAULT_ENTRY, help="module or .py script each worker runs")
+    parser.add_argument("--sglang", metavar="ARGS", default=None,
+                        help="also run an SGLang server on this node for the rollouts (colocated, weights "
+                             "through /update_weights_from_tensor); ARGS are megatron_rl.rollout.sglang_server's "
+                             "options, e.g. --sglang='--model-path /ckpt/hf --tp-size 8 --mem-fraction-static 0.4'")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command; start nothing")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides; arguments after -- go to the entry")
     return parser
@@ -338,6 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         gpus = _gpus_on_node()
         plan = resolve_plan(args, cfg, env, gpus)
+        server_cmd = None
+        if args.sglang is not None:
+            server_cmd, extra = colocated_sglang(plan, cfg, args.sglang)
+            plan.overrides += extra
+            cfg = load_config(args.config, plan.overrides)  # validates the SGLang section too
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
     except ConfigError as err:
         print(f"launch: rejected before starting any worker: {err}", file=sys.stderr, flush=True)
@@ -350,13 +365,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{plan.rdzv_endpoint} id {plan.rdzv_id}, OMP_NUM_THREADS={worker_env['OMP_NUM_THREADS']}, "
         f"log {plan.log_file}"
     )
+    if server_cmd is not None:
+        summary += f"\nlaunch: SGLang server: {shlex.join(server_cmd)}"
     if args.dry_run:
         print(f"{summary}\nlaunch: {shlex.join(cmd)}", flush=True)
         return 0
     _announce(plan.log_file, f"==== {time.strftime('%Y-%m-%d %H:%M:%S')}\n{summary}\nlaunch: {shlex.join(cmd)}")
-    rc = run_agent(cmd, worker_env, plan.log_file)
+    server = None
+    if server_cmd is not None:
+        # A URL (or failure note) left by an earlier launch with the same id is not this server's.
+        url_file = Path(server_cmd[server_cmd.index("--url-file") + 1])
+        for stale in (url_file, url_file.with_name(url_file.name + FAILED_SUFFIX)):
+            stale.unlink(missing_ok=True)
+        server = subprocess.Popen(server_cmd, start_new_session=True)
+    try:
+        rc = run_agent(cmd, worker_env, plan.log_file)
+    finally:
+        if server is not None:
+            _stop_server(server, server_cmd)
     _announce(plan.log_file, f"launch: {plan.node_name} finished with exit code {rc}")
     return rc
+
+
+def colocated_sglang(plan: LaunchPlan, cfg: RunConfig, server_args: str) -> tuple[list[str], list[str]]:
+    """This node's SGLang server command and the overrides that point the trainer at it.
+
+    Every node's launcher starts one server that publishes its URL in a directory unique to
+    this launch (the rendezvous id), so the trainer waits for all ``nnodes`` of them and
+    never picks up a URL left by an earlier run.
+    """
+    url_dir = Path(cfg.train.run_dir) / "sglang_urls" / plan.rdzv_id
+    own = ["--url-file", str(url_dir / plan.node_name),
+           "--log-file", str(plan.log_file.parent / f"sglang-{plan.node_name}.log")]
+    command = [sys.executable, "-m", "megatron_rl.rollout.sglang_server", *own, *shlex.split(server_args)]
+    overrides = ["rollout.engine=sglang", "rollout.sglang.urls=[]", f"rollout.sglang.url_dir={url_dir}",
+                 f"rollout.sglang.num_servers={plan.nnodes}", "rollout.sglang.weight_sync=tensor"]
+    return command, overrides
+
+
+def _stop_server(server: subprocess.Popen, command: Sequence[str], grace_s: float = 60.0) -> None:
+    """SIGTERM the server launcher (it stops SGLang and withdraws its URL); SIGKILL if it hangs."""
+    if server.poll() is None:
+        server.terminate()
+        try:
+            server.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+            # A killed launcher could not withdraw its URL itself.
+            url_file = Path(command[command.index("--url-file") + 1])
+            url_file.unlink(missing_ok=True)
 
 
 def _announce(log_file: Path, message: str) -> None:

@@ -472,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}", flush=True)
         web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
     finally:
+        stats = server.state.stats
+        # One closing line for the log: what this server did (launch tests read it).
+        print(f"protocol server stopped: {stats['generate_requests']} generate requests, {stats['batches']} "
+              f"batches, {stats['weight_updates']} weight updates, weight version {server.state.weight_version}",
+              flush=True)
         host.close()
     return 0
 

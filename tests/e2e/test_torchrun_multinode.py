@@ -7,6 +7,7 @@ worker fail and checks that both nodes' launchers exit non-zero.
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,7 @@ dist.barrier()  # rank 0 waits here for a peer that is gone
 """
 
 
-def _two_nodes(tmp_path, *extra, timeout=300):
+def _two_nodes(tmp_path, *extra, timeout=300, per_node=lambda node: []):
     """Start two launchers (node ranks 0 and 1) against one rendezvous; returns their exit codes."""
     port = free_port()
     # Two "nodes" share this machine's cores: one thread per worker, as on a 1-core node.
@@ -44,7 +45,7 @@ def _two_nodes(tmp_path, *extra, timeout=300):
         subprocess.Popen(
             [sys.executable, "-m", "megatron_rl.launcher", "--config", str(CONFIG), "--nnodes", "2",
              "--nproc-per-node", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"loopback-{port}",
-             "--node-rank", str(node), *extra],
+             "--node-rank", str(node), *per_node(node), *extra],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for node in (0, 1)
@@ -87,3 +88,32 @@ def test_a_failing_worker_fails_both_nodes(tmp_path):
     assert sum("injected failure on rank 1" in t for t in texts) == 1
     for node, text in enumerate(texts):
         assert f"launch: node{node} finished with exit code {codes[node]}" in text
+
+
+def test_each_node_serves_rollouts_from_its_own_sglang_server(tmp_path):
+    """``--sglang``: every node's launcher starts a server (here the CPU stand-in), the trainer
+    finds both through the launch's URL directory, spreads requests over them and syncs
+    weights into both; the servers are stopped and their URLs withdrawn at the end."""
+    run_dir = tmp_path / "run"
+    ports = [free_port(), free_port()]
+
+    def server(node):
+        return ["--sglang", f"--stand-in {CONFIG} --host 127.0.0.1 --port {ports[node]} -- --threads 1"]
+
+    codes, outputs = _two_nodes(tmp_path, *SMALL, f"train.run_dir={run_dir}", per_node=server, timeout=400)
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    # Rollout log-probs came from the servers, which served each step's synced weights.
+    assert all(r["mismatch/train_rollout_abs_diff"] < 1e-4 for r in rows[1:]), rows
+    for node in (0, 1):
+        node_log = (run_dir / "logs" / f"node{node}.log").read_text()
+        assert "launch: SGLang server:" in node_log and "rollout.engine=sglang" in node_log
+        assert "rollout.sglang.num_servers=2" in node_log
+        server_log = (run_dir / "logs" / f"sglang-node{node}.log").read_text()
+        # Both servers took requests (load balancing) and every step's weights (version 2).
+        done = re.search(r"stopped: (\d+) generate requests, \d+ batches, (\d+) weight updates, weight version (\S+)",
+                         server_log)
+        assert done and int(done[1]) > 0 and int(done[2]) >= 3 and done[3] == "2", server_log[-2000:]
+    assert not [p for p in (run_dir / "sglang_urls").rglob("*") if p.is_file()]
+

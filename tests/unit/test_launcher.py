@@ -190,3 +190,26 @@ def test_run_agent_tees_output_and_passes_the_exit_status_on(code, expected, tmp
     assert run_agent([sys.executable, "-c", code], {}, log) == expected
     assert "hello from the agent" in log.read_text()
     assert "hello from the agent" in capsys.readouterr().out
+
+
+def test_sglang_option_adds_a_server_per_node_and_points_the_trainer_at_it(no_processes, capsys, tmp_path):
+    argv = ["--config", str(DEMO), f"train.run_dir={tmp_path}", "--rdzv-id", "job7", "--dry-run",
+            "--sglang", "--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4"]
+    assert launcher.main(argv) == 0
+    out = capsys.readouterr().out
+    server = next(line for line in out.splitlines() if line.startswith("launch: SGLang server:"))
+    url_dir = tmp_path / "sglang_urls" / "job7"
+    assert "-m megatron_rl.rollout.sglang_server" in server and f"--url-file {url_dir / 'node0'}" in server
+    assert server.rstrip().endswith("--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4")
+    for override in ("rollout.engine=sglang", f"rollout.sglang.url_dir={url_dir}", "rollout.sglang.num_servers=1",
+                     "rollout.sglang.weight_sync=tensor"):
+        assert override in out
+    assert no_processes == []
+
+
+def test_sglang_option_is_validated_with_the_run(no_processes, capsys):
+    # The demo model routes with sigmoid here: no HF architecture SGLang serves can hold it.
+    argv = ["--config", str(DEMO), "model.moe_router_score_function=sigmoid", "--dry-run",
+            "--sglang", "--model-path /ckpt/hf"]
+    assert launcher.main(argv) == launcher.CONFIG_ERROR_EXIT
+    assert "rollout.sglang.hf_architecture: qwen3_moe routes with softmax" in capsys.readouterr().err
