@@ -117,14 +117,7 @@ def gspo() -> ObjectiveConfig:
 @OBJECTIVE_PRESETS.register("gspo_token")
 def gspo_token() -> ObjectiveConfig:
     """GSPO-token: sg[s_i] * pi / sg[pi], clip and aggregation as GSPO; token advantages allowed."""
-    return ObjectiveConfig(
-        ratio_unit="sequence_token",
-        gate="clip",
-        eps_low=3e-4,
-        eps_high=4e-4,
-        aggregation="seq_mean_token_mean",
-        advantage="grpo",
-    )
+    return replace(gspo(), ratio_unit="sequence_token")
 
 
 @OBJECTIVE_PRESETS.register("cispo")

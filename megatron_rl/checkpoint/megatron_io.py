@@ -46,6 +46,8 @@ from megatron_rl.parallel.model import build_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
+# Grouped-GEMM experts (TE / GroupedMLP) name each local expert's weight ``linear_fc1.weight<i>``.
+_GROUPED_EXPERT = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)()$")
 
 
 def build_model_for(
@@ -80,7 +82,7 @@ def global_parameter_names(gpt: GPTModel) -> dict[str, str]:
             continue
         layer = gpt.decoder.layers[int(match.group(1))]
         rest = match.group(2)
-        expert = _LOCAL_EXPERT.match(rest)
+        expert = _LOCAL_EXPERT.match(rest) or _GROUPED_EXPERT.match(rest)
         if expert is not None:
             index = layer.mlp.local_expert_indices[int(expert.group(2))]
             rest = f"{expert.group(1)}{index}{expert.group(3)}"

@@ -29,7 +29,6 @@ any layout, but its links bound the throughput of large syncs.
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
@@ -41,6 +40,7 @@ from typing import Callable, Iterator, Literal, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.megatron_io import global_parameter_names
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.parallel.world import free_port
@@ -86,11 +86,6 @@ def megatron_names(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Ten
 
 # --------------------------------------------------------------------------- gathering
 
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-_GROUPED_EXPERT = re.compile(r"(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
-
-
 @dataclass
 class _Shard:
     """This rank's piece of one parameter and how to make it whole."""
@@ -107,30 +102,19 @@ class _Shard:
     """Shape of the whole parameter."""
 
 
-def global_name(local: str, model: torch.nn.Module, ep_rank: int, ep_size: int) -> str:
-    """The layout-free name of a parameter of this rank's (bare) GPT model stage."""
-    name = local
-    layer = _LAYER.match(name)
-    if layer:
-        number = model.decoder.layers[int(layer.group(1))].layer_number
-        name = f"decoder.layers.{number - 1}." + name[layer.end():]
-    local_experts = model.config.num_moe_experts // ep_size if model.config.num_moe_experts else 0
-    name = _LOCAL_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{ep_rank * local_experts + int(m.group(1))}.", name)
-    return _GROUPED_EXPERT.sub(lambda m: f"{m.group(1)}{ep_rank * local_experts + int(m.group(2))}", name)
-
-
-def _local_shards(model, groups: ParallelGroups, expert_tp_group) -> dict[str, _Shard]:
+def _local_shards(model, groups: ParallelGroups) -> dict[str, _Shard]:
     gpt = unwrap(model)
+    names = global_parameter_names(gpt)
     shards = {}
     for local, param in gpt.named_parameters():
-        group = expert_tp_group if ".mlp.experts." in local else groups.tp
-        size = dist.get_world_size(group) if group is not None else 1
+        # Expert weights are sharded over expert-TP, everything else over TP.
+        group, size = (groups.etp, groups.etp_size) if ".mlp.experts." in local else (groups.tp, groups.tp_size)
         sharded = bool(getattr(param, "tensor_model_parallel", False)) and size > 1
         dim = getattr(param, "partition_dim", 0) if sharded else 0
         shape = list(param.shape)
         if sharded:
             shape[dim] *= size
-        shards[global_name(local, gpt, groups.ep_rank, groups.ep_size)] = _Shard(
+        shards[names[local]] = _Shard(
             param=param, group=group if sharded else None, dim=dim,
             stride=getattr(param, "partition_stride", 1) if sharded else 1, full_shape=tuple(shape),
         )
@@ -156,9 +140,7 @@ def _natural_key(name: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
 
 
-def gather_full_params(
-    model: torch.nn.Module, groups: ParallelGroups, expert_tp_group: dist.ProcessGroup | None
-) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_full_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter, whole and under its layout-free name, yielded on global rank 0.
 
     A collective over the world: every rank must iterate it to the end (other ranks yield
@@ -167,9 +149,8 @@ def gather_full_params(
     Args:
         model: this rank's model stage (bare or DDP-wrapped).
         groups: this rank's parallel groups.
-        expert_tp_group: the expert tensor-parallel group (None when ETP is 1).
     """
-    shards = _local_shards(model, groups, expert_tp_group)
+    shards = _local_shards(model, groups)
     rank = dist.get_rank()
     listing = [(n, s.full_shape, str(s.param.dtype)) for n, s in shards.items()]
     everyone: list = [None] * dist.get_world_size()
@@ -343,13 +324,11 @@ class WeightSync:
         urls: server base URLs.
         cfg: transport settings.
         name_map: Megatron name and whole tensor to the servers' names and tensors.
-        expert_tp_group: expert tensor-parallel group (None when ETP is 1).
     """
 
     def __init__(self, model: torch.nn.Module, groups: ParallelGroups, urls: Sequence[str], cfg: WeightSyncConfig,
-                 *, name_map: NameMap = megatron_names, expert_tp_group: dist.ProcessGroup | None = None) -> None:
+                 *, name_map: NameMap = megatron_names) -> None:
         self.model, self.groups, self.cfg, self.name_map = model, groups, cfg, name_map
-        self.expert_tp_group = expert_tp_group
         self.urls = [u.rstrip("/") for u in urls]
         self.transport = None
         if dist.get_rank() == 0:
@@ -363,7 +342,7 @@ class WeightSync:
         """
         error, bucket, size = None, [], 0
         with torch.no_grad():
-            for name, tensor in gather_full_params(self.model, self.groups, self.expert_tp_group):
+            for name, tensor in gather_full_params(self.model, self.groups):
                 if self.transport is None or error is not None:
                     continue
                 try:
@@ -407,8 +386,7 @@ def sglang_engine(model: torch.nn.Module, groups: ParallelGroups, client: SGLang
     Call on every rank (parallel state initialized); ``sync=None`` leaves the servers'
     weights to someone else and skips version checks.
     """
-    expert_tp = groups.etp if groups.etp_size > 1 else None
     weight_sync = None
     if sync is not None:
-        weight_sync = WeightSync(model, groups, client.urls, sync, name_map=name_map, expert_tp_group=expert_tp)
+        weight_sync = WeightSync(model, groups, client.urls, sync, name_map=name_map)
     return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync)

@@ -15,7 +15,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
 from megatron_rl.fp8 import FP8Config, detect_fp8_environment, fp8_autocast, transformer_config_fields, validate_fp8
@@ -45,20 +44,6 @@ def _runnable(cfg):
         validate_fp8(cfg, env)
     except ConfigError as err:
         pytest.skip(str(err))
-
-
-@pytest.fixture(scope="module")
-def one_gpu_world():
-    from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.parallel.world import free_port
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with model_parallel(ParallelConfig(), seed=1234) as groups:
-            yield groups
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

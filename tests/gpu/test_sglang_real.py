@@ -22,7 +22,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 
@@ -48,30 +47,10 @@ def _write_hf_checkpoint(directory) -> None:
     """A random Qwen3-MoE checkpoint of TINY's shape for the server to start from."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        vocab_size=TINY.vocab_size, hidden_size=TINY.hidden_size, num_hidden_layers=TINY.num_layers,
-        num_attention_heads=TINY.num_attention_heads, num_key_value_heads=TINY.num_query_groups,
-        head_dim=TINY.head_dim, intermediate_size=TINY.moe_ffn_hidden_size,
-        moe_intermediate_size=TINY.moe_ffn_hidden_size, num_experts=TINY.num_experts,
-        num_experts_per_tok=TINY.moe_router_topk, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-        tie_word_embeddings=False, rope_theta=TINY.rotary_base, rms_norm_eps=TINY.norm_epsilon,
-        max_position_embeddings=TINY.max_position_embeddings,
-    )
+    from megatron_rl.checkpoint.hf_config import hf_config_from_model
+
+    config = Qwen3MoeConfig(**hf_config_from_model("qwen3_moe", TINY))
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
-
-
-@pytest.fixture(scope="module")
-def one_gpu_world():
-    from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.parallel.world import free_port
-
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with model_parallel(ParallelConfig(), seed=1234) as groups:
-            yield groups
-    finally:
-        dist.destroy_process_group()
 
 
 def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
