@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_rl.config import ConfigError
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.registry import Registry
 
 DEFAULT_ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
