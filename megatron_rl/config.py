@@ -6,9 +6,12 @@ command line are applied on top. Validation runs before any model is built: an u
 key, a value of the wrong type or a rule that the layout breaks raises
 :class:`ConfigError` naming the dotted key and the rule.
 
-Sections owned elsewhere (objective, rollout, trainer) plug in as further fields of
-:class:`RunConfig` when they exist; this module owns only the loading machinery and the
-model and parallel-layout sections.
+Sections owned elsewhere live next to their code and are imported here (tokenizer and
+prompt data: ``megatron_rl.data``; rewards: ``megatron_rl.rewards``; evaluation:
+``megatron_rl.train.evaluation``; FP8: ``megatron_rl.fp8``); those modules import nothing
+from this one, so there is no import cycle. Checks that need files (the starting
+checkpoint, tokenizer, prompt files, reward import paths) run in
+``megatron_rl.train.prepare`` before any process starts.
 """
 
 from __future__ import annotations
@@ -20,7 +23,11 @@ from typing import Any, Literal, Sequence, TypeVar
 import yaml
 
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides, to_dict
+from megatron_rl.data.prompts import DataConfig
+from megatron_rl.data.tokenizer import TokenizerConfig
 from megatron_rl.fp8 import FP8Config, check_fp8
+from megatron_rl.rewards import RewardConfig
+from megatron_rl.train.evaluation import EvalConfig, check_eval_config
 
 __all__ = ["ConfigError", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
 
@@ -194,8 +201,6 @@ class RolloutConfig:
     """Ask the engine for routed experts (needed by R3 and routing diagnostics)."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: draw at most this many rounds of prompts per step."""
-    eval_temperature: float = 0.0
-    """Held-out evaluation temperature (0: greedy)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers and weight sync (used when ``engine`` is sglang)."""
 
@@ -220,12 +225,17 @@ class TrainerConfig:
     """Held-out evaluation every N steps (and at the start and the end)."""
     save_every: int = 10
     """Checkpoint every N steps (and at the end)."""
+    save_hf: bool = True
+    """Write a Hugging Face checkpoint of the policy at the end (``<run_dir>/hf/step_NNNNNN``)."""
+    save_hf_every: int = 0
+    """Also write one every N steps (0: only at the end)."""
     run_dir: str = "runs/demo"
     """Metrics, plots and checkpoints go here."""
     resume: bool = True
     """Continue from the latest checkpoint in run_dir when there is one."""
     sft_steps: int = 0
-    """Supervised warm-start steps on the task before RL."""
+    """Supervised warm-start steps on the training prompts' reference answers before RL
+    (for a model that starts from random weights; 0 for a pretrained checkpoint)."""
     sft_lr: float = 3e-3
     """Warm-start learning rate (Adam)."""
     sft_batch_size: int = 64
@@ -253,10 +263,18 @@ class RunConfig:
     """Rollouts."""
     train: TrainerConfig = field(default_factory=TrainerConfig)
     """The RL loop."""
-    task: dict[str, Any] = field(default_factory=lambda: {"name": "addition"})
-    """Task: ``name`` plus that task's options (megatron_rl.rollout.tasks.TaskConfig)."""
-    reward: str = "exact_match"
-    """Reward function name (megatron_rl.rollout.tasks.REWARDS)."""
+    init_checkpoint: str | None = None
+    """Where the policy starts: an HF checkpoint directory (config.json + safetensors) or a
+    Megatron checkpoint written by megatron-rl-convert-hf-to-megatron; the ``model`` section
+    is then read from it. None: random weights. A run's own latest checkpoint wins (resume)."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """Tokenizer and chat template (default: the starting checkpoint's)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Train and eval prompts: JSONL/Parquet files, or a built-in task."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How responses are scored."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation."""
     objective: dict[str, Any] = field(default_factory=lambda: {"preset": "grpo"})
     """Objective: ``preset`` plus ObjectiveConfig overrides (megatron_rl.algos.presets)."""
     seed: int = 1234
@@ -400,24 +418,22 @@ def resolve_objective(cfg: RunConfig):
         raise ConfigError(f"objective: {err}") from err
 
 
-def resolve_task_config(cfg: RunConfig):
-    """The run's ``TaskConfig``; errors name ``task.<key>``."""
-    from megatron_rl.rollout.tasks import TaskConfig
-
-    return from_dict(TaskConfig, dict(cfg.task), prefix="task")
-
-
 def validate_run(cfg: RunConfig) -> None:
-    """Rules across sections of an RL run (cheap: no model is built)."""
-    from megatron_rl.rollout.tasks import REWARDS, TASKS
-
+    """Rules across sections of an RL run (cheap: no file is read, no model is built)."""
     objective = resolve_objective(cfg)
-    task = resolve_task_config(cfg)
-    if task.name not in TASKS.names():
-        raise ConfigError(f"task.name: unknown task {task.name!r}; available: {sorted(TASKS.names())}")
-    if cfg.reward not in REWARDS.names():
-        raise ConfigError(f"reward: unknown reward {cfg.reward!r}; available: {sorted(REWARDS.names())}")
+    for key, rule in check_eval_config(cfg.eval):
+        raise ConfigError(f"{key}: {rule}")
     r, t = cfg.rollout, cfg.train
+    _require(
+        r.max_new_tokens < cfg.model.max_position_embeddings,
+        "rollout.max_new_tokens",
+        f"{r.max_new_tokens} leaves no room for a prompt within model.max_position_embeddings "
+        f"({cfg.model.max_position_embeddings})",
+    )
+    _require(cfg.data.source != "task" or cfg.init_checkpoint is None, "data.source",
+             "the built-in tasks use a character tokenizer, which no pretrained checkpoint shares; "
+             "use prompt files (data.source=files) with init_checkpoint")
+    _require(t.save_hf_every >= 0, "train.save_hf_every", "must be >= 0")
     _require(
         not (objective.advantage in GROUP_RELATIVE_ADVANTAGES and r.group_size < 2),
         "rollout.group_size",
@@ -487,18 +503,48 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     return cfg
 
 
+PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"))
+"""Input paths; a relative one in a YAML preset is relative to that file (on the command line: to the cwd)."""
+
+
+def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
+    """``loaded`` with the relative input paths of :data:`PATH_KEYS` made relative to ``directory``."""
+
+    def anchor(value: Any) -> Any:
+        if isinstance(value, str) and value and not Path(value).is_absolute():
+            return str(directory / value)
+        if isinstance(value, list):
+            return [anchor(v) for v in value]
+        return value
+
+    for keys in PATH_KEYS:
+        node = loaded
+        for key in keys[:-1]:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict) and keys[-1] in node:
+            node[keys[-1]] = anchor(node[keys[-1]])
+    return loaded
+
+
 def read_preset(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A YAML preset as a nested dict, with its ``base:`` chain merged in first.
 
     ``base: other.yaml`` (relative to the file) makes a preset a small diff of another,
-    e.g. one file per objective preset on top of the demo config.
+    e.g. one file per objective preset on top of the demo config. Relative input paths
+    (:data:`PATH_KEYS`) are taken relative to the file that names them.
     """
     path = Path(path).resolve()
     if path in _seen:
         raise ConfigError(f"{path}: base chain loops back to itself")
-    loaded = yaml.safe_load(path.read_text()) or {}
+    if not path.is_file():
+        raise ConfigError(f"--config: {path} is not a file")
+    try:
+        loaded = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {' '.join(str(err).split())}") from None
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path}: top level must be a mapping")
+    loaded = _anchor_paths(loaded, path.parent)
     base = loaded.pop("base", None)
     if base is None:
         return loaded

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
-from megatron_rl.config import ConfigError, RunConfig, load_config, validate_layout
+from megatron_rl.config import ConfigError, RunConfig, validate_layout
+from megatron_rl.train.prepare import check_inputs, load_run_config
 from megatron_rl.fp8 import Fp8Environment, check_fp8
 from megatron_rl.rollout.sglang_server import FAILED_SUFFIX
 
@@ -345,14 +346,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.entry_args = entry_args
     env = dict(os.environ)
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_run_config(args.config, args.overrides)
+        check_inputs(cfg)
         gpus = _gpus_on_node()
         plan = resolve_plan(args, cfg, env, gpus)
         server_cmd = None
         if args.sglang is not None:
             server_cmd, extra = colocated_sglang(plan, cfg, args.sglang)
             plan.overrides += extra
-            cfg = load_config(args.config, plan.overrides)  # validates the SGLang section too
+            cfg = load_run_config(args.config, plan.overrides)  # validates the SGLang section too
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
     except ConfigError as err:
         print(f"launch: rejected before starting any worker: {err}", file=sys.stderr, flush=True)

@@ -98,11 +98,13 @@ def fill_from_hf(
     tp_rank: int,
     tp_size: int,
     progress: bool = False,
+    cast: bool = False,
 ) -> set[str]:
     """Copy every local parameter from its HF tensors; returns the HF names used.
 
     Experts are not split over tensor parallelism (expert-TP 1); every other weight takes
-    its ``tp_axis`` shard.
+    its ``tp_axis`` shard. ``cast`` converts each tensor to the parameter's dtype (a run
+    that trains a bf16 checkpoint in fp32); without it a dtype difference is an error.
 
     Raises:
         CheckpointMismatchError: a parameter has no table entry, or the mapped tensor's
@@ -117,6 +119,8 @@ def fill_from_hf(
         rank, size = (0, 1) if weight.rule.scope == "expert" else (tp_rank, tp_size)
         shard = tp_shard(weight, full, rank, size)
         param = params[local]
+        if cast:
+            shard = shard.to(param.dtype)
         if tuple(shard.shape) != tuple(param.shape) or shard.dtype != param.dtype:
             raise CheckpointMismatchError(
                 f"Megatron parameter {local} ({name}) is {tuple(param.shape)} {param.dtype}, but "
@@ -293,9 +297,15 @@ def load_megatron_model(
 ) -> GPTModel:
     """This rank's stage of ``parallel``, loaded (resharded) from a distributed checkpoint."""
     gpt = build_model_for(arch, model, parallel)
+    load_megatron_model_into(gpt, directory)
+    return gpt
+
+
+def load_megatron_model_into(gpt: GPTModel, directory: str | Path) -> None:
+    """Collective: load a model or trainer checkpoint (model part only) into ``gpt``, resharded."""
     if not is_trainer_checkpoint(directory):
         load_model(gpt, directory)
-        return gpt
+        return
     # The trainer saved {"model": ..., "optimizer": ...}; the optimizer's common state
     # (param groups) would be unexpected keys of the model, so read the model's part only.
     from megatron.core import dist_checkpointing
@@ -305,7 +315,6 @@ def load_megatron_model(
     wrong = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.endswith("_extra_state")]
     if wrong:
         raise CheckpointMismatchError(f"trainer checkpoint {directory} does not match the model: {format_names(wrong)}")
-    return gpt
 
 
 def megatron_to_hf_rank(

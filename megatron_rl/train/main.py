@@ -2,8 +2,10 @@
 
 Under ``torchrun`` (or ``srun`` + torchrun) the process group comes from the launcher's
 environment (NCCL on GPUs, gloo on CPU). Started plainly, it spawns a local gloo world of
-``parallel.world_size`` processes itself, which is how the CPU demo runs. The config is
-validated before any process or model starts.
+``parallel.world_size`` processes itself, which is how the CPU demo runs. The config and
+its files (starting checkpoint, tokenizer, prompt files, reward) are checked before any
+process or model starts; a bad one is reported in one line naming the culprit, exit code 2
+(``MEGATRON_RL_TRACEBACK=1`` shows the traceback).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_rl.config import RunConfig, from_dict, load_config, to_dict, validate  # noqa: E402
+from megatron_rl.config import ConfigError, RunConfig, from_dict, to_dict, validate  # noqa: E402
+from megatron_rl.train.prepare import check_inputs, load_run_config  # noqa: E402
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
@@ -55,7 +58,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world_size = int(os.environ["WORLD_SIZE"]) if launched else None
-    cfg = load_config(args.config, args.overrides, world_size=world_size)
+    try:
+        cfg = load_run_config(args.config, args.overrides, world_size=world_size)
+        summary = check_inputs(cfg)
+    except ConfigError as err:
+        if os.environ.get("MEGATRON_RL_TRACEBACK"):
+            raise
+        print(f"megatron-rl-train: error: {err}", file=sys.stderr)
+        return 2
+    if not launched or int(os.environ["RANK"]) == 0:
+        print(summary.describe(), flush=True)
     if launched:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():

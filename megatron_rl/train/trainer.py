@@ -1,5 +1,11 @@
 """The RL loop: rollouts -> rewards -> dynamic sampling -> old-policy pass -> advantages
--> updates under the routing plan -> engine refresh -> evaluation -> checkpoint.
+-> updates under the routing plan -> engine refresh -> evaluation -> checkpoint (+ HF out).
+
+The policy starts from ``init_checkpoint`` (an HF directory streamed into this run's
+layout, or a Megatron checkpoint) unless the run directory holds a checkpoint of its own,
+which always wins (resume). Prompts come from ``megatron_rl.data`` (files with the chat
+template applied, or a built-in task), rewards from ``megatron_rl.rewards`` (a process
+pool per rank).
 
 Runs on every rank of the world inside ``model_parallel`` (and the CPU platform when there
 is no GPU). Each data-parallel rank owns whole groups (all G responses of a prompt), so
@@ -12,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +29,9 @@ from megatron.core import dist_checkpointing
 
 from megatron_rl.algos import compute_advantages, dynamic_sampling_keep_S, kl_estimate_T, soft_overlong_penalty_S
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
-from megatron_rl.config import RunConfig, resolve_objective, resolve_task_config, to_dict
+from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+from megatron_rl.config import RunConfig, resolve_objective, to_dict
+from megatron_rl.data.prompts import PromptRecord, load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.comm import all_reduce
@@ -33,12 +42,19 @@ from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.rewards import RewardError, RewardInput, RewardResult, RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.tasks import REWARDS, build_task
-from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
 from megatron_rl.telemetry import GpuTelemetry
+from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.train.evaluation import pass_at_k
+from megatron_rl.train.hf_export import HFExportSpec, export_hf
+from megatron_rl.train.init_weights import load_initial_weights
+from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
+from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 from megatron_rl.train.sft import run_warm_start
+
+MAX_REWARD_ERRORS_PRINTED = 5
+"""Reward errors printed per step and rank (all are counted in ``reward/errors``)."""
 
 
 FAULT_ENV = "MEGATRON_RL_FAIL_AFTER_STEP"
@@ -49,8 +65,8 @@ FAULT_ENV = "MEGATRON_RL_FAIL_AFTER_STEP"
 class Groups:
     """This rank's rollout groups of one step."""
 
-    problems: list
-    """The task problem of each group."""
+    problems: list[PromptRecord]
+    """The prompt of each group."""
     samples: list[list[RolloutSample]]
     """G responses per group."""
     rewards: list[torch.Tensor]
@@ -63,13 +79,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig, groups: ParallelGroups) -> None:
         self.cfg, self.groups = cfg, groups
         self.objective = resolve_objective(cfg)
-        self.task = build_task(resolve_task_config(cfg))
-        self.tokenizer = self.task.tokenizer
-        if self.tokenizer.vocab_size > cfg.model.vocab_size:
-            raise ValueError(
-                f"model.vocab_size: the task's tokenizer uses {self.tokenizer.vocab_size} ids, "
-                f"more than the model's {cfg.model.vocab_size}"
-            )
+        self.tokenizer = run_tokenizer(cfg)
+        limit = max_prompt_tokens(cfg)
+        self.train_set = load_prompts(cfg.data, "train", self.tokenizer, limit)
+        self.eval_set = load_prompts(cfg.data, "eval", self.tokenizer, limit)
+        self.init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
         per_rank, rem = divmod(cfg.rollout.prompts_per_step, groups.dp_size)
         if rem or per_rank % cfg.train.mini_batches:
             raise ValueError(
@@ -80,6 +94,11 @@ class Trainer:
         self.groups_per_rank = per_rank
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
                                  **transformer_config_fields(cfg.fp8))
+        self.resume_path = latest_checkpoint(cfg.train.run_dir) if cfg.train.resume else None
+        if self.resume_path is None and self.init is not None:
+            # Before the optimizer exists: a mixed-precision optimizer copies the weights
+            # into its fp32 main parameters when it is built.
+            load_initial_weights(self.model, self.init, cfg.model, groups)
         self.ddp = wrap_for_training(self.model)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = self._build_engine()
@@ -88,6 +107,7 @@ class Trainer:
         # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
         self.telemetry = GpuTelemetry() if self.rank0 else None
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
+        self.scorer = RewardScorer(cfg.reward)
 
     def _build_engine(self):
         """The rollout engine the config names (collective: weight sync spans every rank)."""
@@ -116,12 +136,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ data
 
-    def _train_problem(self, position: int):
-        problems = self.task.train_prompts
-        epoch, index = divmod(position, len(problems))
-        order = torch.randperm(len(problems), generator=torch.Generator().manual_seed(self.cfg.seed + epoch))
-        return problems[int(order[index])]
-
     def _mine(self, items: list) -> list:
         """This DP rank's share (item j goes to rank j mod DP)."""
         return items[self.groups.dp_rank :: self.groups.dp_size]
@@ -131,11 +145,27 @@ class Trainer:
     def _sampling(self, temperature: float) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=(self.tokenizer.eos_id,))
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
 
-    def _rewards(self, problem, samples: list[RolloutSample]) -> torch.Tensor:
-        reward_fn = REWARDS.get(self.cfg.reward)
-        rewards = torch.tensor([reward_fn(problem, s.output_ids, self.tokenizer) for s in samples], dtype=torch.float64)
+    def _score(self, records: list[PromptRecord], samples: list[RolloutSample], metrics: dict | None) -> list[RewardResult]:
+        """Rewards of ``samples[i]`` answering ``records[i]``, scored in the reward pool.
+
+        A reward function that fails is counted (``reward/errors``) and printed with the
+        sample's id, or ends the run when ``reward.fatal_errors`` is set.
+        """
+        items = [RewardInput(sample_id=r.sample_id, prompt=r.prompt, response=self.tokenizer.decode_response(s.output_ids),
+                             ground_truth=r.ground_truth, metadata=r.metadata) for r, s in zip(records, samples)]
+        results = self.scorer.score(items)
+        failed = [(item.sample_id, res.error) for item, res in zip(items, results) if res.error is not None]
+        for sample_id, error in failed[:MAX_REWARD_ERRORS_PRINTED]:
+            print(f"reward {self.cfg.reward.function!r} failed on sample {sample_id}: {error}", file=sys.stderr, flush=True)
+        if metrics is not None:
+            metrics["reward/errors"] = metrics.get("reward/errors", 0) + len(failed)
+        return results
+
+    def _group_rewards(self, results: list[RewardResult], samples: list[RolloutSample]) -> torch.Tensor:
+        """``[G]`` rewards of one group, with overlong shaping."""
+        rewards = torch.tensor([r.score for r in results], dtype=torch.float64)
         if self.objective.overlong_penalty_max_len is not None:
             lengths = torch.tensor([len(s.output_ids) for s in samples])
             rewards = rewards + soft_overlong_penalty_S(
@@ -159,22 +189,28 @@ class Trainer:
         r, G = self.cfg.rollout, self.cfg.rollout.group_size
         kept, dropped = Groups([], [], []), Groups([], [], [])
         drawn_rewards, drawn_correct, lengths, rounds = [], [], [], 0
+        extras: dict[str, list[float]] = {}
+        errors: dict = {}
         while True:
             rounds += 1
             start = state.data_position
             state.data_position += r.prompts_per_step
-            problems = self._mine([self._train_problem(p) for p in range(start, state.data_position)])
+            problems = self._mine([self.train_set.at(p, self.cfg.seed) for p in range(start, state.data_position)])
             prompts = [p.prompt_ids for p in problems for _ in range(G)]
             samples = self.engine.generate(prompts, self._sampling(r.temperature),
                                            return_routed_experts=r.return_routed_experts,
                                            seed=self.cfg.seed * 7919 + step * 131 + rounds)
             self._check_versions(samples, state.weight_version)
+            results = self._score([p for p in problems for _ in range(G)], samples, errors)
+            for res in results:
+                for name, value in res.extras.items():
+                    extras.setdefault(f"reward/{name}", []).append(value)
             for g, problem in enumerate(problems):
                 group = samples[g * G : (g + 1) * G]
-                rewards = self._rewards(problem, group)
-                correct = [REWARDS.get("exact_match")(problem, s.output_ids, self.tokenizer) for s in group]
+                group_results = results[g * G : (g + 1) * G]
+                rewards = self._group_rewards(group_results, group)
                 drawn_rewards.append(rewards)
-                drawn_correct.extend(correct)
+                drawn_correct.extend(1.0 if res.score > 0 else 0.0 for res in group_results)
                 lengths.extend(len(s.output_ids) for s in group)
                 informative = bool(dynamic_sampling_keep_S(rewards, torch.zeros(G, dtype=torch.int64), 1).any())
                 target = kept if informative or not self.objective.dynamic_sampling else dropped
@@ -200,7 +236,29 @@ class Trainer:
             "sampling/groups_drawn": torch.tensor(float(len(drawn_rewards))),
             "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn_rewards))),
         }))
+        metrics.update(self._reward_extras(extras, errors.get("reward/errors", 0)))
         return chosen
+
+    def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
+        """Means of the reward functions' extra fields over the global batch, and the error count.
+
+        Ranks may see different extra names (a reward may add a field only sometimes), so
+        the names are agreed on first: every rank then reduces the same tensor.
+        """
+        names = set(extras)
+        if self.groups.dp_size > 1:
+            everyone: list = [None] * self.groups.dp_size
+            dist.all_gather_object(everyone, sorted(names), group=self.groups.dp)
+            names = set().union(*everyone)
+        names = sorted(names)
+        sums = [sum(extras.get(n, [])) for n in names]
+        counts = [len(extras.get(n, [])) for n in names]
+        totals = torch.tensor([*sums, *counts, float(errors)], dtype=torch.float64)
+        if self.groups.dp_size > 1:
+            all_reduce(totals, self.groups.dp)
+        out = {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
+        out["reward/errors"] = totals[-1].float()
+        return out
 
     def _global_means(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         names = sorted(values)
@@ -262,24 +320,34 @@ class Trainer:
             metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
 
     def evaluate(self) -> dict[str, torch.Tensor]:
-        """Held-out exact-match accuracy: at the evaluation temperature, and greedy."""
-        problems = self.task.eval_prompts
-        problems = problems[: len(problems) - len(problems) % self.groups.dp_size]
-        mine = self._mine(problems)
-        temperatures = {"eval/accuracy": self.cfg.rollout.eval_temperature}
-        if self.cfg.rollout.eval_temperature > 0:
-            temperatures["eval/accuracy_greedy"] = 0.0
-        exact = REWARDS.get("exact_match")
-        counts = []
-        for temperature in temperatures.values():
-            samples = self.engine.generate([p.prompt_ids for p in mine], self._sampling(temperature),
-                                           return_routed_experts=False, seed=self.cfg.seed)
-            self._check_versions(samples, self.engine.weight_version)
-            counts.append(sum(exact(p, s.output_ids, self.tokenizer) for p, s in zip(mine, samples)))
-        totals = torch.tensor([*counts, float(len(mine))], dtype=torch.float64)
+        """Held-out accuracy and pass@k over ``eval.num_samples`` responses per eval prompt.
+
+        A response counts as correct when its reward is positive. Greedy accuracy is added
+        when ``eval.greedy`` is set and the sampled evaluation is not greedy already.
+        """
+        e = self.cfg.eval
+        if not self.eval_set.records:
+            return {}  # no eval files: evaluation is optional
+        records = self.eval_set.records[: e.max_prompts]
+        records = records[: len(records) - len(records) % self.groups.dp_size]
+        mine = self._mine(records)
+        n = e.num_samples
+        samples = self.engine.generate([r.prompt_ids for r in mine for _ in range(n)], self._sampling(e.temperature),
+                                       return_routed_experts=False, seed=self.cfg.seed)
+        self._check_versions(samples, self.engine.weight_version)
+        results = self._score([r for r in mine for _ in range(n)], samples, None)
+        correct = [sum(res.score > 0 for res in results[i * n : (i + 1) * n]) for i in range(len(mine))]
+        names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
+        sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
+        if e.greedy and e.temperature > 0:
+            greedy = self.engine.generate([r.prompt_ids for r in mine], self._sampling(0.0),
+                                          return_routed_experts=False, seed=self.cfg.seed)
+            names.append("eval/accuracy_greedy")
+            sums.append(float(sum(res.score > 0 for res in self._score(mine, greedy, None))))
+        totals = torch.tensor([*sums, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
-        return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(temperatures)}
+        return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(names)}
 
     # ------------------------------------------------------------------ the loop
 
@@ -301,9 +369,10 @@ class Trainer:
         return metrics
 
     def _start(self, log) -> TrainerState:
-        """Resume from the latest checkpoint, or warm-start a fresh model and save step 0."""
+        """Resume from the run's latest checkpoint, or start (from ``init_checkpoint`` when set,
+        already loaded by the constructor), optionally warm-start, and save step 0."""
         t = self.cfg.train
-        path = latest_checkpoint(t.run_dir) if t.resume else None
+        path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer)
             self.engine.update_weights(state.weight_version)
@@ -311,15 +380,21 @@ class Trainer:
                 print(f"resumed from {path} (step {state.step})", flush=True)
             return state
         state = TrainerState(step=0, data_position=0, weight_version=0)
+        if self.rank0 and self.init is not None:
+            print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
         if t.sft_steps > 0:
             sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
             per_rank = t.sft_batch_size // self.groups.dp_size
 
+            records = self.train_set.records
+            stop = self.tokenizer.stop_token_ids[0]
+
             def examples(step):
                 gen = torch.Generator().manual_seed(self.cfg.seed * 31 + step)
-                picks = torch.randint(len(self.task.train_prompts), (t.sft_batch_size,), generator=gen).tolist()
-                mine = self._mine(picks)[:per_rank]
-                return [self.task.sft_example(self.task.train_prompts[i]) for i in mine]
+                picks = torch.randint(len(records), (t.sft_batch_size,), generator=gen).tolist()
+                mine = [records[i] for i in self._mine(picks)[:per_rank]]
+                # The reference answer and the stop token: the model learns to answer and to stop.
+                return [(list(r.prompt_ids), self.tokenizer.encode_text(r.ground_truth) + [stop]) for r in mine]
 
             run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
                            t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
@@ -349,7 +424,7 @@ class Trainer:
         """The whole run; returns the per-step metrics (as floats) logged by this run."""
         t = self.cfg.train
         history: list[dict] = []
-        existing = latest_checkpoint(t.run_dir) if t.resume else None
+        existing = self.resume_path
         resume_step = None
         if existing is not None:
             resume_step = int(existing.name.split("_")[-1])
@@ -362,7 +437,11 @@ class Trainer:
             state = self._start(self._print_warm_start)
             self._setup_reference(state)
             if state.step == 0:
-                log(0, self.evaluate())
+                log(0, {**self.evaluate(),
+                        "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
+                        "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
+                        "data/prompts_over_length": torch.tensor(
+                            float(self.train_set.num_filtered + self.eval_set.num_filtered))})
             bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
             for step in bar:
                 metrics = self.rl_step(step, state)
@@ -374,6 +453,8 @@ class Trainer:
                 log(step, metrics)
                 if step % t.save_every == 0 or step == t.steps:
                     save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
+                    self.export_hf(step)
                 if os.environ.get(FAULT_ENV) == str(step):
                     raise RuntimeError(f"{FAULT_ENV}={step}: injected failure after step {step}")
             # Collective for SGLang (the weight-sync group spans every rank), so not in a
@@ -381,4 +462,20 @@ class Trainer:
             self.engine.close()
         if self.telemetry is not None:
             self.telemetry.close()
+        self.scorer.close()
         return history
+
+    def export_hf(self, step: int) -> Path:
+        """Collective: the current policy as an HF checkpoint in ``<run_dir>/hf/step_NNNNNN``."""
+        cfg = self.cfg
+        side_files = [Path(f) for f in self.init.hf.files] if self.init is not None else []
+        own_tokenizer = cfg.data.source == "files" and cfg.tokenizer.path is not None
+        spec = HFExportSpec(
+            architecture=self.init.hf.architecture if self.init is not None else cfg.rollout.sglang.hf_architecture,
+            model=cfg.model, side_files=side_files,
+            save_tokenizer=self.tokenizer.hf_tokenizer.save_pretrained if own_tokenizer else None,
+        )
+        out = export_hf(self.ddp, self.groups, Path(cfg.train.run_dir) / "hf" / f"step_{step:06d}", spec)
+        if self.rank0:
+            print(f"HF checkpoint: {out}", flush=True)
+        return out

@@ -30,7 +30,7 @@ from megatron_rl.rollout.sglang_client import (
 )
 from megatron_rl.rollout.sglang_server import ManagedServer, ServerStartError, SGLangServerConfig, build_command
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
 QUIET = {"PYTHONWARNINGS": "ignore"}

@@ -22,12 +22,12 @@ from megatron_rl.rollout.sglang_server import ManagedServer
 
 pytestmark = pytest.mark.parallel
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
 SMALL = [
     "train.steps=2", "train.sft_steps=20", "train.save_every=2", "train.eval_every=2", "train.progress=false",
     "train.mini_batches=1", "train.routing_replay=R3", "rollout.prompts_per_step=4", "rollout.group_size=4",
-    "rollout.max_new_tokens=3", "rollout.max_sampling_rounds=1", "rollout.eval_temperature=0.0",
-    "task.num_train_prompts=24", "task.num_eval_prompts=12", "task.max_operand=5",
+    "rollout.max_new_tokens=3", "rollout.max_sampling_rounds=1", "eval.temperature=0.0",
+    "data.task.num_train_prompts=24", "data.task.num_eval_prompts=12", "data.task.max_operand=5",
 ]
 
 
@@ -161,7 +161,7 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
         trainer = Trainer(cfg, groups)
         assert isinstance(trainer.engine, SGLangEngine) and trainer.engine.cfg.urls == [url]
         history = trainer.run()
-        prompts = [p.prompt_ids for p in trainer._mine(trainer.task.eval_prompts)]
+        prompts = [p.prompt_ids for p in trainer._mine(trainer.eval_set.records)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=(trainer.tokenizer.eos_id,))
         served = trainer.engine.generate(prompts, greedy, seed=0)
         local = EmbeddedEngine(trainer.ddp, groups, cfg.train.micro_batch_sequences).generate(prompts, greedy, seed=0)

@@ -19,11 +19,11 @@ from megatron_rl.parallel.world import free_port
 pytestmark = pytest.mark.parallel
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "configs" / "demo_cpu.yaml"
+CONFIG = REPO / "configs" / "demo_task.yaml"
 SMALL = [
     "train.steps=2", "train.sft_steps=1", "train.eval_every=2", "train.save_every=2", "train.progress=false",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
-    "task.num_train_prompts=64", "task.num_eval_prompts=16", "task.max_operand=9",
+    "data.task.num_train_prompts=64", "data.task.num_eval_prompts=16", "data.task.max_operand=9",
 ]
 FAILING_ENTRY = """
 import torch.distributed as dist

@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import ConfigError, RunConfig, load_config, parse_overrides, validate
+from megatron_rl.train.prepare import load_run_config
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.yaml"
 
@@ -88,9 +89,11 @@ RUN_INVALID = [
     (["objective.eps_hgh=0.3"], "objective", "unknown ObjectiveConfig option"),
     (["rollout.group_size=1"], "rollout.group_size", "group-relative"),
     (["train.routing_replay=R3", "rollout.return_routed_experts=false"], "train.routing_replay", "R3 replays"),
-    (["task.name=sudoku"], "task.name", "unknown task 'sudoku'"),
-    (["task.max_opernd=3"], "task.max_opernd", "unknown key"),
-    (["reward=bleu"], "reward", "unknown reward 'bleu'"),
+    (["data.task.max_opernd=3"], "data.task.max_opernd", "unknown key"),
+    (["reward.num_wokers=3"], "reward.num_wokers", "unknown key"),
+    (["eval.pass_k=[1, 8]", "eval.num_samples=4"], "eval.pass_k", "k=8 must be between 1 and eval.num_samples"),
+    (["rollout.max_new_tokens=200"], "rollout.max_new_tokens", "leaves no room for a prompt"),
+    (["model.num_layers=2"], "model.num_layers", "the config sets 2 but the checkpoint"),
     (["train.routing_replay=R4"], "train.routing_replay", "is not one of"),
     (["rollout.engine=sglang"], "rollout.sglang.urls", "either server URLs or url_dir"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.url_dir=/tmp/u"],
@@ -104,8 +107,8 @@ RUN_INVALID = [
      "rollout.sglang.request_timeout_s", "> 0"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=llama"],
      "rollout.sglang.hf_architecture", "unknown architecture 'llama'"),
-    (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "model.moe_router_score_function=sigmoid"],
-     "rollout.sglang.hf_architecture", "qwen3_moe routes with softmax scores"),
+    (["model.moe_router_score_function=sigmoid"], "model.moe_router_score_function",
+     "the config sets 'sigmoid' but the checkpoint"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=mixtral"],
      "rollout.sglang.hf_architecture", "mixtral has qk_layernorm=False but model.qk_layernorm=True"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.weight_sync=ipc"],
@@ -118,20 +121,20 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 @pytest.mark.parametrize("overrides,key,rule", RUN_INVALID, ids=[c[1] + ":" + c[2] for c in RUN_INVALID])
 def test_invalid_run_config_is_rejected_before_any_model(overrides, key, rule):
     with pytest.raises(ConfigError) as err:
-        load_config(DEMO, overrides, world_size=2)
+        load_run_config(DEMO, overrides, world_size=2)
     message = str(err.value)
     assert message.startswith(key + ":"), message
     assert rule in message, message
 
 
 def test_sglang_section_is_checked_only_when_it_is_the_engine():
-    assert load_config(DEMO, ["rollout.sglang.max_retries=-1"], world_size=2).rollout.engine == "embedded"
-    cfg = load_config(DEMO, ["rollout.engine=sglang", "rollout.sglang.url_dir=/tmp/urls"], world_size=2)
+    assert load_run_config(DEMO, ["rollout.sglang.max_retries=-1"], world_size=2).rollout.engine == "embedded"
+    cfg = load_run_config(DEMO, ["rollout.engine=sglang", "rollout.sglang.url_dir=/tmp/urls"], world_size=2)
     assert cfg.rollout.sglang.url_dir == "/tmp/urls" and cfg.rollout.sglang.num_servers == 1
 
 
 def test_demo_config_is_valid():
-    cfg = load_config(DEMO, world_size=2)
+    cfg = load_run_config(DEMO, world_size=2)
     assert cfg.parallel.expert_model_parallel_size == 2
     assert cfg.train.routing_replay == "R2" and cfg.objective["rspo_gamma_min"] > 0
 
@@ -144,7 +147,7 @@ def test_objective_preset_configs_resolve_to_their_presets():
     files = sorted((DEMO.parent / "objectives").glob("*.yaml"))
     assert len(files) == 14
     for path in files:
-        cfg = load_config(path, world_size=2)
+        cfg = load_run_config(path, world_size=2)
         assert resolve_objective(cfg) == get_preset(cfg.objective["preset"]), path
         assert cfg.train.run_dir.endswith(path.stem) and cfg.model.num_experts == 8
 

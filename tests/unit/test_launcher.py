@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl import launcher
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError
+from megatron_rl.train.prepare import load_run_config as load_config
 from megatron_rl.fp8 import Fp8Environment
 from megatron_rl.launcher import (
     LaunchPlan,

@@ -1,0 +1,104 @@
+"""Where a run's policy starts: an HF checkpoint directory or a Megatron checkpoint, read from the config alone.
+
+Owns: recognizing what ``init_checkpoint`` names (an HF checkpoint: ``config.json`` plus
+safetensors; a Megatron distributed checkpoint written by ``megatron-rl-convert-hf-to-megatron``,
+which carries ``conversion.json``; or a trainer checkpoint), validating it with the
+converter's own checks (every tensor mapped, shapes as the config says), and turning its
+config into the run's ``model`` section. A ``model`` key that the YAML or the command line
+sets must agree with the checkpoint: the error names the key and both values. Only run
+choices that do not change what the weights compute may differ (:data:`RUN_CHOICES`).
+
+Runs before any process group or model exists (headers and JSON only, no Megatron import).
+Does not own filling the model (``megatron_rl.checkpoint.megatron_io.fill_from_hf``, called
+by the trainer) or resuming (a run's own checkpoint always takes precedence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from megatron_rl.checkpoint.convert import RECORD_NAME, HFSource, inspect_hf_checkpoint, read_export_source
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
+from megatron_rl.config_loading import ConfigError
+
+RUN_CHOICES = ("params_dtype", "init_method_std", "moe_aux_loss_coeff")
+"""``model`` keys a run may set freely on top of a checkpoint: the dtype it trains in (weights
+are cast on load), the initialization scale (unused: every weight is loaded) and the
+load-balancing loss coefficient (a training choice that HF configs do not record faithfully)."""
+
+
+@dataclass(kw_only=True)
+class InitSource:
+    """A validated starting checkpoint."""
+
+    kind: Literal["hf", "megatron"]
+    """hf: safetensors streamed into the run's layout; megatron: a distributed checkpoint resharded on load."""
+    path: Path
+    """The checkpoint directory."""
+    hf: HFSource
+    """Architecture, model config and HF side files (config, tokenizer, generation config)."""
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def inspect_init_checkpoint(path: str | Path, key: str = "init_checkpoint") -> InitSource:
+    """Validate the directory ``key`` names; headers and JSON only.
+
+    Raises:
+        ConfigError: missing path, not a directory, not a checkpoint, unsupported
+            architecture or tensors that do not fit the architecture (all named).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{key}: {path} does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"{key}: {path} is not a directory")
+    try:
+        if _is_hf_dir(path):
+            return InitSource(kind="hf", path=path, hf=inspect_hf_checkpoint(path))
+        if (path / RECORD_NAME).is_file() or is_trainer_checkpoint(path):
+            return InitSource(kind="megatron", path=path, hf=read_export_source(path))
+    except CheckpointMismatchError as err:
+        raise ConfigError(f"{key}: {err}") from None
+    raise ConfigError(
+        f"{key}: {path} is neither an HF checkpoint (config.json + *.safetensors) nor a Megatron "
+        f"checkpoint written by megatron-rl-convert-hf-to-megatron ({RECORD_NAME})"
+    )
+
+
+def model_section(source: InitSource, requested: dict[str, Any] | None) -> dict[str, Any]:
+    """The run's ``model`` section: the checkpoint's, with the allowed run choices applied.
+
+    Args:
+        source: the validated checkpoint.
+        requested: the ``model`` keys the YAML preset and the overrides set (may be None).
+
+    Raises:
+        ConfigError: a requested key contradicts the checkpoint (names the key, both
+            values and the checkpoint), or is not a model key at all.
+    """
+    section = asdict(source.hf.model)
+    where = source.path / ("config.json" if source.kind == "hf" else RECORD_NAME)
+    for key, value in (requested or {}).items():
+        if key not in section:
+            raise ConfigError(f"model.{key}: unknown key; ModelConfig accepts {sorted(section)}")
+        if key in RUN_CHOICES:
+            section[key] = value
+            continue
+        if not _same(value, section[key]):
+            raise ConfigError(
+                f"model.{key}: the config sets {value!r} but the checkpoint {where} says {section[key]!r}; "
+                "remove the key (the model section is read from the checkpoint) or use another checkpoint"
+            )
+    return section
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+        return float(a) == float(b)
+    return a == b

@@ -1,0 +1,138 @@
+"""Hugging Face checkpoints out of a running trainer, in any TP/SP/EP/PP layout.
+
+Owns: the collective export of the live policy as an HF checkpoint directory that
+``transformers`` loads as is (safetensors shards, ``config.json``, the tokenizer and
+generation files), written atomically: every parameter is gathered whole from its shards
+onto global rank 0 one tensor at a time (the same gather the SGLang weight sync uses),
+renamed with the architecture's HF table and streamed into size-bounded shards inside a
+hidden staging directory that is renamed into place only when complete.
+
+Where the side files come from: the starting checkpoint's own ``config.json``,
+``generation_config.json`` and tokenizer files when the run started from one (dtype
+updated to the trained weights'), else a ``config.json`` generated from the run's model;
+a tokenizer loaded from elsewhere is saved with ``save_pretrained``. Does not own when
+exports happen (the trainer) or the HF <-> Megatron tables (``megatron_rl.checkpoint.mapping``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.hf_config import hf_config_from_model
+from megatron_rl.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME, ShardPlan, ShardWriter, atomic_output_dir, tensor_bytes
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
+from megatron_rl.config import ModelConfig
+from megatron_rl.parallel.comm import broadcast
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.rollout.weight_sync import gather_full_params
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+"""transformers' default shard size for ``save_pretrained``."""
+
+
+@dataclass(kw_only=True)
+class HFExportSpec:
+    """What an exported checkpoint is, beyond the weights."""
+
+    architecture: str
+    """HF model_type (key of ``mapping.ARCHITECTURES``)."""
+    model: ModelConfig
+    """The trained model."""
+    side_files: list[Path] = field(default_factory=list)
+    """Non-weight files to copy (config, generation config, tokenizer) from the starting checkpoint."""
+    save_tokenizer: Callable[[Path], None] | None = None
+    """Writes tokenizer files into a directory (a tokenizer that is not among ``side_files``)."""
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    """Largest safetensors shard."""
+
+
+def _config_json(spec: HFExportSpec) -> dict:
+    """The starting checkpoint's config with the written dtype, or one generated from the model."""
+    carried = next((p for p in spec.side_files if p.name == "config.json"), None)
+    if carried is None:
+        return hf_config_from_model(spec.architecture, spec.model, spec.model.params_dtype)
+    config = json.loads(carried.read_text())
+    # transformers 4 reads torch_dtype, 5 writes dtype; the weights are in the run's dtype.
+    for key in ("torch_dtype", "dtype"):
+        if key in config or key == "torch_dtype":
+            config[key] = spec.model.params_dtype
+    return config
+
+
+def _write_side_files(spec: HFExportSpec, staging: Path) -> None:
+    for path in spec.side_files:
+        if path.name not in ("config.json", INDEX_NAME, SINGLE_NAME):
+            shutil.copyfile(path, staging / path.name)
+    (staging / "config.json").write_text(json.dumps(_config_json(spec), indent=2) + "\n")
+    if spec.save_tokenizer is not None:
+        spec.save_tokenizer(staging)
+
+
+def _plan(spec: HFExportSpec) -> ShardPlan:
+    dtype = getattr(torch, spec.model.params_dtype)
+    weights = all_weights(ARCHITECTURES.get(spec.architecture), spec.model)
+    sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
+    return ShardPlan.by_size(sizes, spec.max_shard_bytes)
+
+
+def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Path, spec: HFExportSpec) -> Path:
+    """Collective: write the policy as an HF checkpoint at ``out_dir`` (replacing one of the same step).
+
+    Every rank of the world calls this; only global rank 0 writes. A failure on rank 0
+    leaves no directory behind and is raised on every rank after the gather finishes, so
+    no rank waits in a collective for a peer that gave up.
+
+    Args:
+        model: this rank's model stage (bare or DDP-wrapped).
+        groups: this rank's parallel groups.
+        out_dir: the final directory, e.g. ``<run_dir>/hf/step_000100``.
+        spec: architecture, model config and side files.
+    """
+    out_dir = Path(out_dir)
+    rank0 = dist.get_rank() == 0
+    error: BaseException | None = None
+    output = None
+    writer = None
+    if rank0:
+        try:
+            # A run resumed before its step-N checkpoint exports step N again: same weights.
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            output = atomic_output_dir(out_dir)
+            staging = output.__enter__()
+            _write_side_files(spec, staging)
+            writer = ShardWriter(staging, _plan(spec))
+        except Exception as err:  # noqa: BLE001 - reported on every rank below
+            error = err
+    name_map = hf_name_map(ARCHITECTURES.get(spec.architecture), spec.model)
+    for name, full in gather_full_params(model, groups):
+        if error is None and writer is not None:
+            try:
+                for hf_name, tensor in name_map(name, full):
+                    writer.add(hf_name, tensor.cpu())
+            except Exception as err:  # noqa: BLE001 - keep gathering: peers are in collectives
+                error = err
+    if rank0 and error is None:
+        try:
+            writer.finish()
+        except Exception as err:  # noqa: BLE001
+            error = err
+    if rank0 and output is not None:
+        if error is None:
+            output.__exit__(None, None, None)
+        else:
+            output.__exit__(type(error), error, error.__traceback__)
+    failed = torch.tensor([0 if error is None else 1])
+    broadcast(failed, 0, dist.group.WORLD)
+    if error is not None:
+        raise error
+    if int(failed.item()):
+        raise RuntimeError(f"exporting the HF checkpoint {out_dir} failed on rank 0")
+    return out_dir

@@ -1,0 +1,108 @@
+"""A run's config, read and checked against its files before any process group or model exists.
+
+Owns: :func:`load_run_config` (YAML preset + overrides; with ``init_checkpoint`` the
+``model`` section comes from the checkpoint and a contradicting key is an error naming
+both values) and :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat
+template, the prompt files row by row, the reward function's import path and signature).
+Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) calls these first, so a
+bad input costs seconds and one line, never a started world. Imports no Megatron.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoint, model_section
+from megatron_rl.config import RunConfig, read_preset, validate
+from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
+from megatron_rl.data.prompts import check_data_config, load_prompts
+from megatron_rl.data.tokenizer import PromptTokenizer, check_tokenizer_config, load_tokenizer
+from megatron_rl.rewards import check_reward_config
+
+
+@dataclass(kw_only=True)
+class InputSummary:
+    """What the checks found, for the one-line report before training."""
+
+    init: InitSource | None
+    """The starting checkpoint (None: random weights)."""
+    train_prompts: int
+    """Training prompts kept."""
+    eval_prompts: int
+    """Eval prompts kept."""
+    dropped: int
+    """Prompts over the length limit, both splits."""
+
+    def describe(self) -> str:
+        """One line for the run's log."""
+        start = f"{self.init.hf.architecture} checkpoint {self.init.path}" if self.init else "random weights"
+        return (f"policy from {start}; prompts: {self.train_prompts} train, {self.eval_prompts} eval "
+                f"({self.dropped} over the length limit dropped)")
+
+
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> RunConfig:
+    """Read, fill from the starting checkpoint, and validate a run config (no files besides the checkpoint's).
+
+    Raises:
+        ConfigError: naming the key (and, for a contradiction, both values).
+    """
+    data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
+    init = data.get("init_checkpoint")
+    if init is not None:
+        if not isinstance(init, str):
+            raise ConfigError(f"init_checkpoint: expected a directory path, got {init!r}")
+        requested = data.get("model")
+        if requested is not None and not isinstance(requested, dict):
+            raise ConfigError("model: expected a mapping")
+        data["model"] = model_section(inspect_init_checkpoint(init), requested)
+    cfg = from_dict(RunConfig, data)
+    validate(cfg, world_size)
+    return cfg
+
+
+def max_prompt_tokens(cfg: RunConfig) -> int:
+    """Longest prompt the run keeps: the configured limit, or what the model's length leaves."""
+    room = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    return room if cfg.data.max_prompt_tokens is None else min(cfg.data.max_prompt_tokens, room)
+
+
+def run_tokenizer(cfg: RunConfig) -> PromptTokenizer:
+    """The run's tokenizer (files: from ``tokenizer.path`` or the starting checkpoint)."""
+    if cfg.data.source == "task":
+        from megatron_rl.data.tokenizer import char_tokenizer_adapter
+        from megatron_rl.rollout.tasks import build_task
+
+        return char_tokenizer_adapter(build_task(cfg.data.task).tokenizer)
+    return load_tokenizer(cfg.tokenizer, cfg.init_checkpoint)
+
+
+def check_inputs(cfg: RunConfig) -> InputSummary:
+    """Every check that needs files but no process: checkpoint, tokenizer, prompts, reward.
+
+    Raises:
+        ConfigError: naming the key and the file (and row) at fault.
+    """
+    init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
+    if init is not None and init.kind == "hf" and cfg.parallel.expert_tensor_parallel_size != 1:
+        raise ConfigError("parallel.expert_tensor_parallel_size: streaming an HF checkpoint splits experts "
+                          "over EP only; convert it with megatron-rl-convert-hf-to-megatron for ETP > 1")
+    if init is not None and cfg.rollout.engine == "sglang" and init.hf.architecture != cfg.rollout.sglang.hf_architecture:
+        raise ConfigError(f"rollout.sglang.hf_architecture: {cfg.rollout.sglang.hf_architecture!r}, but the "
+                          f"starting checkpoint is {init.hf.architecture!r}")
+    check_data_config(cfg.data)
+    check_reward_config(cfg.reward)
+    if cfg.data.source == "files":
+        if cfg.tokenizer.path is None and cfg.init_checkpoint is None:
+            raise ConfigError("tokenizer.path: prompt files need a tokenizer; set tokenizer.path or init_checkpoint")
+        check_tokenizer_config(cfg.tokenizer, cfg.init_checkpoint, cfg.model.vocab_size)
+    tokenizer = run_tokenizer(cfg)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: the tokenizer uses {tokenizer.vocab_size} ids, more than "
+                          f"the model's {cfg.model.vocab_size}")
+    limit = max_prompt_tokens(cfg)
+    train = load_prompts(cfg.data, "train", tokenizer, limit)
+    evals = load_prompts(cfg.data, "eval", tokenizer, limit)
+    return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
+                        dropped=train.num_filtered + evals.num_filtered)
