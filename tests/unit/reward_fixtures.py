@@ -1,0 +1,62 @@
+"""Reward functions for tests/unit/test_rewards.py, importable by reward worker processes.
+
+``by_behaviour`` lets one worker pool serve every test: each sample's metadata names the
+fixture behaviour to run, so the tests share one pool instead of starting one per function.
+"""
+
+import os
+import time
+
+from megatron_rl.rewards.builtin import exact_match_reward, math_reward
+
+
+def good(prompt, response, ground_truth, metadata):
+    return float(len(response))
+
+
+def with_extras(prompt, response, ground_truth, metadata):
+    return {"score": 0.5, "length": len(response), "bonus": 0.25}
+
+
+def raising(prompt, response, ground_truth, metadata):
+    raise ZeroDivisionError(f"cannot score {response!r}")
+
+
+def wrong_signature(prompt, response):
+    return 1.0
+
+
+def slow(prompt, response, ground_truth, metadata):
+    time.sleep(float(metadata.get("sleep_s", 60.0)))
+    return 1.0
+
+
+def returns_text(prompt, response, ground_truth, metadata):
+    return "1.0"
+
+
+def returns_nan(prompt, response, ground_truth, metadata):
+    return {"score": float("nan")}
+
+
+def dies(prompt, response, ground_truth, metadata):
+    os._exit(3)
+
+
+NOT_CALLABLE = 3
+
+_BEHAVIOURS = {
+    "good": good,
+    "with_extras": with_extras,
+    "raising": raising,
+    "slow": slow,
+    "returns_text": returns_text,
+    "returns_nan": returns_nan,
+    "dies": dies,
+    "math": math_reward,
+    "exact_match": exact_match_reward,
+}
+
+
+def by_behaviour(prompt, response, ground_truth, metadata):
+    return _BEHAVIOURS[metadata["behaviour"]](prompt, response, ground_truth, metadata)
