@@ -88,6 +88,11 @@ def run_schedule(
         return output, loss_func
 
     if not forward_only:
+        # Megatron's FP32 optimizer step leaves ``param.grad`` aliasing ``param.main_grad``.
+        # A backward through that alias adds the gradient into main_grad twice (autograd's
+        # accumulation, then DDP's hook adds param.grad again), so drop it as Megatron's own
+        # train_step does with ``optimizer.zero_grad()`` next to ``zero_grad_buffer()``.
+        model.zero_grad(set_to_none=True)
         model.zero_grad_buffer()
     return get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -12,6 +12,10 @@ atomically after every rank has finished writing, so a run killed mid-save resum
 the previous checkpoint and nothing half-written is ever read. The RL loop draws all its
 randomness from generators seeded by (seed, step, round), so step, data position and
 weights are enough to continue exactly; the RNG states are saved for anything else.
+
+An optimizer that has not stepped yet holds no per-parameter state (Adam creates its
+moments at the first step): such a checkpoint stores none, says so in
+``trainer_state.json``, and loads as a fresh optimizer, exactly what the saving run held.
 """
 
 from __future__ import annotations
@@ -55,11 +59,19 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
-def _sharded_state(model, optimizer, is_loading: bool) -> dict:
+def _has_optimizer_state(optimizer) -> bool:
+    """Whether the optimizer holds per-parameter state (it has stepped)."""
+    return optimizer is not None and any(param_state for _, param_state in optimizer.state.items())
+
+
+def _sharded_state(model, optimizer, create_optimizer_state: bool) -> dict:
     model_sd = unwrap(model).sharded_state_dict()
     state = {"model": model_sd}
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        # Megatron's ``is_loading`` creates the optimizer state (zeros) so that a load can fill
+        # it in; a checkpoint saved before the first step has none to fill it with. The param
+        # groups are saved and loaded either way.
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=create_optimizer_state)
     return state
 
 
@@ -74,13 +86,15 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
             if stale.is_file():
                 stale.unlink()
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, is_loading=False), str(path))
+    with_optimizer_state = _has_optimizer_state(optimizer)
+    dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
     dist.barrier()
     if rank == 0:
         body = {"step": state.step, "data_position": state.data_position,
-                "weight_version": state.weight_version, "config": config}
+                "weight_version": state.weight_version, "optimizer_state": with_optimizer_state,
+                "config": config}
         (path / "trainer_state.json").write_text(json.dumps(body, indent=1))
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
@@ -91,12 +105,15 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
 
 def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
     """Collectively load a checkpoint (written under any layout) into model and optimizer."""
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, is_loading=True), str(path))
+    body = json.loads((path / "trainer_state.json").read_text())
+    # Checkpoints from before the flag: only step 0 (saved right after the warm start, before
+    # the first RL step) was written by an optimizer without state.
+    with_optimizer_state = body.get("optimizer_state", body["step"] > 0)
+    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, with_optimizer_state), str(path))
     unwrap(model).load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
     rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng)["torch"])
-    body = json.loads((path / "trainer_state.json").read_text())
     return TrainerState(step=body["step"], data_position=body["data_position"], weight_version=body["weight_version"])
