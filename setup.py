@@ -15,7 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_rl", "megatron_rl.*", "moe_routing", "moe_routing.*"]),
-    package_data={"megatron_rl": ["py.typed"]},
+    package_data={"megatron_rl": ["py.typed", "assets/**/*"]},
     install_requires=[
         "torch>=2.6,<=2.13.0",
         "megatron-core==0.16.1",
