@@ -16,6 +16,7 @@ checkpoint, tokenizer, prompt files, reward import paths) run in
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence, TypeVar
@@ -512,7 +513,7 @@ def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
 
     def anchor(value: Any) -> Any:
         if isinstance(value, str) and value and not Path(value).is_absolute():
-            return str(directory / value)
+            return os.path.normpath(directory / value)
         if isinstance(value, list):
             return [anchor(v) for v in value]
         return value

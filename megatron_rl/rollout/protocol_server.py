@@ -44,7 +44,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import QWEN3_MOE, all_weights, fuse
-from megatron_rl.config import ModelConfig, ParallelConfig, load_config
+from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang_wire import (
     SGLANG_VERSION,
@@ -463,7 +463,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-sequences", type=int, default=64)
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
     args = parser.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    # The run's own loader: a config that starts from a checkpoint takes its model section from it.
+    from megatron_rl.train.prepare import load_run_config
+
+    cfg = load_run_config(args.config, args.overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
     host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences)

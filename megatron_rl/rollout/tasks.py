@@ -1,14 +1,14 @@
-"""Built-in verifiable tasks for the CPU demo: a character tokenizer, problems, rewards.
+"""Built-in verifiable tasks: a character tokenizer and problems with exact answers.
 
 Owns the :class:`CharTokenizer`, the :class:`Problem` record, the task section of the run
-config (:class:`TaskConfig`), the task registry ``TASKS`` ("addition", "reverse"), the
-reward registry ``REWARDS`` ("exact_match", "exact_match_signed") and :func:`score`, which
-turns sampled responses into one reward per sequence.
+config (:class:`TaskConfig`) and the task registry ``TASKS`` ("addition", "reverse").
+Responses are scored by ``megatron_rl.rewards`` on decoded text (``exact_match`` for these
+tasks).
 
 It does not own generation (the rollout engine), reward shaping such as overlong
 penalties (``algos.shaping``), group filtering, or the check that the tokenizer fits the
 model's vocabulary (the trainer validates ``tokenizer.vocab_size <= model.vocab_size``).
-Pure Python and torch: no ``torch.distributed``, no Megatron.
+Pure Python: no ``torch.distributed``, no Megatron.
 
 Each task is a finite space of problems indexed ``0 .. space_size - 1``. Problems are
 drawn without replacement with a seeded ``random.Random``, the held-out set first and the
@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import abc
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
 
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.registry import Registry
@@ -336,70 +335,3 @@ def build_task(cfg: TaskConfig) -> Task:
         ConfigError: a knob of the task is out of range.
     """
     return TASKS.get(cfg.name)(cfg)
-
-
-RewardFn = Callable[[Problem, Sequence[int], CharTokenizer], float]
-"""``reward_fn(problem, response_ids, tokenizer) -> reward``."""
-
-REWARDS: Registry[RewardFn] = Registry("reward")
-"""Reward functions by name; :func:`score` looks them up here."""
-
-
-def response_finished(response_ids: Sequence[int], tokenizer: CharTokenizer) -> bool:
-    """True when the response contains ``eos``; False marks a sample cut at the length limit."""
-    return any(int(token) == tokenizer.eos_id for token in response_ids)
-
-
-def is_correct(problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer) -> bool:
-    """Exact match: the response is finished and its ids before the first ``eos`` spell the answer.
-
-    Ids are compared rather than decoded text, so a stray pad, bos or out-of-alphabet id
-    inside the answer counts as wrong even though :meth:`CharTokenizer.decode` would hide
-    or replace it.
-    """
-    ids = [int(token) for token in response_ids]
-    if tokenizer.eos_id not in ids:
-        return False
-    return ids[: ids.index(tokenizer.eos_id)] == tokenizer.encode(problem.answer_text)
-
-
-@REWARDS.register("exact_match")
-def exact_match(problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer) -> float:
-    """1.0 for an exactly correct, finished response, else 0.0."""
-    return 1.0 if is_correct(problem, response_ids, tokenizer) else 0.0
-
-
-@REWARDS.register("exact_match_signed")
-def exact_match_signed(
-    problem: Problem, response_ids: Sequence[int], tokenizer: CharTokenizer
-) -> float:
-    """+1.0 for an exactly correct, finished response, else -1.0 (DAPO's rule reward)."""
-    return 1.0 if is_correct(problem, response_ids, tokenizer) else -1.0
-
-
-def score(
-    task: Task,
-    problems: Sequence[Problem],
-    responses: Sequence[Sequence[int]],
-    reward_name: str = "exact_match",
-) -> torch.Tensor:
-    """Rewards of sampled responses.
-
-    Args:
-        task: Supplies the tokenizer.
-        problems: The problem each response answers; repeat a problem for each sample.
-        responses: Response token ids (without the prompt), one per problem.
-        reward_name: Registered reward function (``REWARDS``).
-
-    Returns:
-        ``rewards_S``: [S] float32.
-
-    Raises:
-        ValueError: ``problems`` and ``responses`` differ in length.
-        UnknownNameError: no such reward; the message lists the registered ones.
-    """
-    if len(problems) != len(responses):
-        raise ValueError(f"{len(problems)} problems but {len(responses)} responses")
-    reward_fn = REWARDS.get(reward_name)
-    rewards = [reward_fn(p, r, task.tokenizer) for p, r in zip(problems, responses)]
-    return torch.tensor(rewards, dtype=torch.float32)

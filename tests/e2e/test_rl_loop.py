@@ -1,7 +1,10 @@
-"""End to end: the RL loop on CPU in EP2 (R2 + RSPO) and TP2 (R3 + RSPO), and exact resume.
+"""End to end: the README's main road on CPU in EP2 (R2 + RSPO) and TP2 (R3 + RSPO), and exact resume.
 
-Each run is a real 2-process gloo world through the same entry point as the README's
-main command, on a tiny model with a few steps.
+Each run is a real 2-process gloo world through the same entry point as the README's main
+command: the shipped pretrained HF checkpoint streamed into the layout, its tokenizer and
+chat template, the arithmetic prompt files, the math reward in a worker pool, a few RL
+steps, HF checkpoints out. Gradient clipping is off so that a wrongly scaled gradient
+after a resume cannot hide.
 """
 
 import json
@@ -19,12 +22,13 @@ pytestmark = pytest.mark.parallel
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 SMALL = [
-    "train.steps=4", "train.sft_steps=5", "train.save_every=2", "train.eval_every=2",
-    "train.progress=false", "train.mini_batches=1",
-    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=3",
-    "task.num_train_prompts=64", "task.num_eval_prompts=16", "task.max_operand=9",
+    "train.steps=4", "train.save_every=2", "train.eval_every=2", "train.save_hf_every=2",
+    "train.progress=false", "train.mini_batches=1", "optim.clip_grad=0",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
+    "eval.max_prompts=8", "eval.num_samples=2", "eval.pass_k=[1,2]", "reward.num_workers=1",
 ]
 PHASE_KEYS = ["time/rollout", "time/old_logprobs", "time/update", "reward/mean", "rollout/accuracy",
+              "reward/errors", "reward/has_answer",
               "mismatch/train_rollout_abs_diff", "routing/replay_agreement", "routing/flip_rate",
               "gamma/mean", "gamma/min", "optim/grad_norm", "perf/tokens_per_s"]
 
@@ -51,7 +55,9 @@ def tp2_run(tmp_path_factory):
 def test_every_phase_ran_with_finite_metrics_and_files(which, request):
     run_dir, rows = request.getfixturevalue(which)
     assert sorted(rows) == [0, 1, 2, 3, 4]
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[4]
+    for step in (0, 2, 4):
+        assert {"eval/accuracy", "eval/pass@1", "eval/pass@2", "eval/accuracy_greedy"} <= set(rows[step]), step
+    assert rows[0]["data/prompts_over_length"] == 0 and rows[0]["data/train_prompts"] > 100
     for step in (1, 2, 3, 4):
         missing = [k for k in PHASE_KEYS if k not in rows[step]]
         assert not missing, (step, missing)
@@ -64,6 +70,10 @@ def test_every_phase_ran_with_finite_metrics_and_files(which, request):
     assert latest == "step_000004"
     state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["data_position"] >= 16
+    assert sorted(p.name for p in (run_dir / "hf").iterdir()) == ["step_000002", "step_000004"]
+    exported = run_dir / "hf" / "step_000004"
+    assert {"config.json", "tokenizer.json", "generation_config.json", "model.safetensors"} <= {
+        p.name for p in exported.iterdir()}
 
 
 @pytest.mark.parametrize("which", ["ep2_run", "tp2_run"])

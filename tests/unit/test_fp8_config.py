@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl import fp8
-from megatron_rl.config import ConfigError, load_config
+from megatron_rl.config import ConfigError
+from megatron_rl.train.prepare import load_run_config as load_config
 from megatron_rl.fp8 import (
     FP8Config,
     Fp8Environment,

@@ -27,6 +27,8 @@ from megatron_rl.launcher import (
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo_cpu.yaml"
 QWEN = CONFIGS / "qwen3_30b_a3b.yaml"
+ASSET = CONFIGS.parent / "megatron_rl" / "assets" / "tiny_qwen3_moe"
+TRAIN = CONFIGS.parent / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 DEEPSEEK = CONFIGS / "deepseek_v3_style.yaml"
 HOPPER = Fp8Environment(te_version="2.8.0", cuda_available=True, compute_capability=(9, 0), cuda_version="12.9")
 NO_TE = Fp8Environment(te_version=None, cuda_available=True, compute_capability=(9, 0), cuda_version="12.9")
@@ -34,7 +36,8 @@ NO_TE = Fp8Environment(te_version=None, cuda_available=True, compute_capability=
 
 def _preset(path, *overrides, fp8=True):
     """A preset loaded on this CPU machine (FP8 off for loading), FP8 switched back on."""
-    cfg = load_config(path, ["fp8.enabled=false", *overrides])
+    # The real presets name checkpoints on a cluster's file system; their layout is what is checked here.
+    cfg = load_config(path, ["fp8.enabled=false", "init_checkpoint=null", *overrides])
     return dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, enabled=fp8))
 
 
@@ -111,8 +114,13 @@ def no_processes(monkeypatch):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--config", str(QWEN)], "fp8.enabled: FP8 training needs Transformer Engine and a CUDA GPU"),
-        (["--config", str(QWEN), "fp8.enabled=false", "--nnodes", "3", "--rdzv-endpoint", "127.0.0.1:9"],
+        (["--config", str(QWEN)], "init_checkpoint: /data/models/Qwen3-30B-A3B does not exist"),
+        (["--config", str(QWEN), "init_checkpoint=null", "fp8.enabled=false", "data.train_files=[/nowhere/train.parquet]"],
+         "data.train_files[0]: /nowhere/train.parquet"),
+        (["--config", str(QWEN), "init_checkpoint=null", f"data.train_files=[{TRAIN}]", f"data.eval_files=[{TRAIN}]",
+          f"tokenizer.path={ASSET}"], "fp8.enabled: FP8 training needs Transformer Engine and a CUDA GPU"),
+        (["--config", str(QWEN), "init_checkpoint=null", f"data.train_files=[{TRAIN}]", f"data.eval_files=[{TRAIN}]",
+          f"tokenizer.path={ASSET}", "fp8.enabled=false", "--nnodes", "3", "--rdzv-endpoint", "127.0.0.1:9"],
          "parallel.world_size: 16 processes cannot be spread evenly over 3 nodes"),
         (["--config", str(DEMO), "--nproc-per-node", "3"], "parallel.world_size: config expects 2 processes"),
         (["--config", str(DEMO), "--nnodes", "2"], "launch.rdzv_endpoint: 2 nodes need --rdzv-endpoint"),
@@ -209,8 +217,8 @@ def test_sglang_option_adds_a_server_per_node_and_points_the_trainer_at_it(no_pr
 
 
 def test_sglang_option_is_validated_with_the_run(no_processes, capsys):
-    # The demo model routes with sigmoid here: no HF architecture SGLang serves can hold it.
-    argv = ["--config", str(DEMO), "model.moe_router_score_function=sigmoid", "--dry-run",
+    # The model routes with sigmoid here: no HF architecture SGLang serves can hold it.
+    argv = ["--config", str(CONFIGS / "demo_task.yaml"), "model.moe_router_score_function=sigmoid", "--dry-run",
             "--sglang", "--model-path /ckpt/hf"]
     assert launcher.main(argv) == launcher.CONFIG_ERROR_EXIT
     assert "rollout.sglang.hf_architecture: qwen3_moe routes with softmax" in capsys.readouterr().err

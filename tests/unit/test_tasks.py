@@ -11,14 +11,10 @@ from megatron_rl.config import ConfigError
 from megatron_rl.registry import UnknownNameError
 from megatron_rl.rollout.tasks import (
     DEFAULT_ALPHABET,
-    REWARDS,
     TASKS,
     CharTokenizer,
     TaskConfig,
     build_task,
-    is_correct,
-    response_finished,
-    score,
 )
 
 # --------------------------------------------------------------------------- tokenizer
@@ -139,7 +135,6 @@ def test_sft_example_is_prompt_then_answer_and_eos():
     assert prompt_ids == list(problem.prompt_ids)
     assert answer_ids[-1] == task.tokenizer.eos_id and task.tokenizer.eos_id not in answer_ids[:-1]
     assert task.tokenizer.decode(answer_ids) == problem.answer_text
-    assert is_correct(problem, answer_ids, task.tokenizer)
 
 
 def test_unknown_task_lists_the_available_ones():
@@ -179,53 +174,3 @@ def task():
 
 def _ids(task, text, *, eos=True):
     return task.tokenizer.encode(text) + ([task.tokenizer.eos_id] if eos else [])
-
-
-def test_exact_match_rewards(task):
-    tok = task.tokenizer
-    problem = task.eval_prompts[0]
-    answer = problem.answer_text
-    wrong = str(int(answer) + 1)
-    cases = {
-        "correct": (_ids(task, answer), 1.0),
-        "correct, junk after eos": (_ids(task, answer) + tok.encode("77") + [tok.pad_id], 1.0),
-        "unfinished": (_ids(task, answer, eos=False), 0.0),
-        "wrong": (_ids(task, wrong), 0.0),
-        "longer": (_ids(task, answer + "0"), 0.0),
-        "empty": ([tok.eos_id], 0.0),
-        "pad inside": ([tok.pad_id, *_ids(task, answer)], 0.0),
-        "out of vocab": ([*tok.encode(answer), 200, tok.eos_id], 0.0),
-    }
-    exact, signed = REWARDS.get("exact_match"), REWARDS.get("exact_match_signed")
-    for label, (response, expected) in cases.items():
-        assert exact(problem, response, tok) == expected, label
-        assert signed(problem, response, tok) == (1.0 if expected else -1.0), label
-
-
-def test_response_finished(task):
-    tok = task.tokenizer
-    assert response_finished(_ids(task, "12"), tok)
-    assert response_finished(torch.tensor(_ids(task, "12")), tok)
-    assert not response_finished(_ids(task, "12", eos=False), tok)
-    assert not response_finished([], tok)
-
-
-def test_score_returns_one_float32_reward_per_response(task):
-    problems = [task.eval_prompts[0]] * 2 + [task.eval_prompts[1]]
-    responses = [
-        _ids(task, problems[0].answer_text),
-        _ids(task, problems[0].answer_text, eos=False),
-        torch.tensor(_ids(task, problems[2].answer_text)),
-    ]
-    rewards_S = score(task, problems, responses, "exact_match")
-    assert rewards_S.dtype == torch.float32 and rewards_S.shape == (3,)
-    assert rewards_S.tolist() == [1.0, 0.0, 1.0]
-    assert score(task, problems, responses, "exact_match_signed").tolist() == [1.0, -1.0, 1.0]
-    assert score(task, [], [], "exact_match").shape == (0,)
-
-
-def test_score_errors(task):
-    with pytest.raises(ValueError, match="2 problems but 1 responses"):
-        score(task, task.eval_prompts[:2], [[task.tokenizer.eos_id]])
-    with pytest.raises(UnknownNameError, match="available: exact_match, exact_match_signed"):
-        score(task, [], [], "f1")

@@ -1,0 +1,83 @@
+"""Bad inputs to ``megatron-rl-train`` are rejected before any worker or model exists.
+
+Each case runs the real entry point (``main``) on the demo config with one input broken
+and checks: exit code 2, one line on stderr naming the culprit (key, file, row), and that
+no process world was started (``run_world`` is replaced by a function that fails the test).
+"""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+import megatron_rl.parallel.world as world
+from megatron_rl.train.main import main
+
+REPO = Path(__file__).resolve().parents[2]
+DEMO = REPO / "configs" / "demo_cpu.yaml"
+ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
+TRAIN = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
+
+
+@pytest.fixture(scope="module")
+def bad_inputs(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("bad")
+    llama = root / "llama"
+    shutil.copytree(ASSET, llama)
+    config = json.loads((llama / "config.json").read_text())
+    config["model_type"] = "llama"
+    (llama / "config.json").write_text(json.dumps(config))
+    (root / "not_a_checkpoint").mkdir()
+    (root / "a_file").write_text("x")
+    tokenizer = AutoTokenizer.from_pretrained(str(ASSET), local_files_only=True)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(600)])
+    tokenizer.save_pretrained(root / "big_tokenizer")
+    plain = AutoTokenizer.from_pretrained(str(ASSET), local_files_only=True)
+    plain.chat_template = None
+    plain.save_pretrained(root / "no_template")
+    for name in ("chat_template.jinja",):
+        (root / "no_template" / name).unlink(missing_ok=True)
+    rows = TRAIN.read_text().splitlines()[:5]
+    broken = json.loads(rows[3])
+    del broken["answer"]
+    rows[3] = json.dumps(broken)
+    (root / "missing_answer.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "my_rewards.py").write_text(
+        "def two_args(prompt, response):\n    return 0.0\n"
+    )
+    return root
+
+
+CASES = {
+    "missing init dir": (["init_checkpoint={root}/nowhere"], "init_checkpoint: {root}/nowhere does not exist"),
+    "init is a file": (["init_checkpoint={root}/a_file"], "is not a directory"),
+    "not a checkpoint": (["init_checkpoint={root}/not_a_checkpoint"], "is neither an HF checkpoint"),
+    "unsupported architecture": (["init_checkpoint={root}/llama"], "model_type"),
+    "dimensions contradict": (["model.hidden_size=128"], "model.hidden_size: the config sets 128 but the checkpoint"),
+    "tokenizer too large": (["tokenizer.path={root}/big_tokenizer"], "model.vocab_size"),
+    "no chat template": (["tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
+    "missing data file": (["data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
+    "row without answer": (["data.train_files=[{root}/missing_answer.jsonl]"], "row 3 of {root}/missing_answer.jsonl"),
+    "reward does not import": (["reward.function=no_such_module:score"], "reward.function"),
+    "reward wrong signature": (["reward.function=my_rewards:two_args"], "reward.function"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_line_exit_2_and_no_world(case, bad_inputs, capsys, monkeypatch):
+    overrides, expected = CASES[case]
+    root = str(bad_inputs)
+    monkeypatch.syspath_prepend(root)
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("a process world was started for a bad input")
+
+    monkeypatch.setattr(world, "run_world", no_world)
+    code = main(["--config", str(DEMO), *(o.format(root=root) for o in overrides)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1 and err.startswith("megatron-rl-train: error: "), err
+    assert expected.format(root=root) in err, err
