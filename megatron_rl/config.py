@@ -8,7 +8,8 @@ key, a value of the wrong type or a rule that the layout breaks raises
 
 Sections owned elsewhere live next to their code and are imported here (tokenizer and
 prompt data: ``megatron_rl.data``; rewards: ``megatron_rl.rewards``; evaluation:
-``megatron_rl.train.evaluation``; FP8: ``megatron_rl.fp8``); those modules import nothing
+``megatron_rl.train.evaluation``; FP8: ``megatron_rl.fp8``; objective:
+``megatron_rl.algos.section``); those modules import nothing
 from this one, so there is no import cycle. Checks that need files (the starting
 checkpoint, tokenizer, prompt files, reward import paths) run in
 ``megatron_rl.train.prepare`` before any process starts.
@@ -23,6 +24,8 @@ from typing import Any, Literal, Sequence, TypeVar
 
 import yaml
 
+from megatron_rl.algos.config import ObjectiveConfig, ObjectiveConfigError
+from megatron_rl.algos.section import ObjectiveSection
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides, to_dict
 from megatron_rl.data.prompts import DataConfig
 from megatron_rl.data.tokenizer import TokenizerConfig
@@ -276,8 +279,8 @@ class RunConfig:
     """How responses are scored."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation."""
-    objective: dict[str, Any] = field(default_factory=lambda: {"preset": "grpo"})
-    """Objective: ``preset`` plus ObjectiveConfig overrides (megatron_rl.algos.presets)."""
+    objective: ObjectiveSection = field(default_factory=ObjectiveSection)
+    """Objective: ``preset`` plus typed ObjectiveConfig overrides (megatron_rl.algos.section)."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
 
@@ -403,20 +406,12 @@ def validate_layout(
         )
 
 
-def resolve_objective(cfg: RunConfig):
+def resolve_objective(cfg: RunConfig) -> ObjectiveConfig:
     """The run's ``ObjectiveConfig`` (preset + overrides); errors name ``objective.<key>``."""
-    from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
-
-    options = dict(cfg.objective)
-    preset = options.pop("preset", None)
-    if preset not in OBJECTIVE_PRESETS.names():
-        raise ConfigError(
-            f"objective.preset: unknown objective {preset!r}; available: {sorted(OBJECTIVE_PRESETS.names())}"
-        )
     try:
-        return get_preset(preset, **options)
-    except ValueError as err:
-        raise ConfigError(f"objective: {err}") from err
+        return cfg.objective.resolve(prefix="objective")
+    except ObjectiveConfigError as err:
+        raise ConfigError(str(err)) from None
 
 
 def validate_run(cfg: RunConfig) -> None:

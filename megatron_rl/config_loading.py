@@ -39,8 +39,10 @@ def _coerce(value: Any, annotation: Any, key: str) -> Any:
             try:
                 return _coerce(value, option, key)
             except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(f"{key}: {value!r} does not match {annotation}")
+                errors.append(err)
+        # The first member is the field's own type (``int | None``, ``float | Literal["preset"]``);
+        # what it expected says more than the whole union would.
+        raise errors[0] from None
     if origin is Literal:
         allowed = get_args(annotation)
         if value not in allowed:

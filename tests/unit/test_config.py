@@ -1,5 +1,6 @@
 """Config loading: YAML presets, dotted overrides and strict validation with named keys."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,16 @@ def test_malformed_override_is_rejected():
 
 RUN_INVALID = [
     (["objective.preset=ppo2"], "objective.preset", "unknown objective 'ppo2'"),
-    (["objective.eps_hgh=0.3"], "objective", "unknown ObjectiveConfig option"),
+    (["objective.eps_hgh=0.3"], "objective.eps_hgh", "unknown key; ObjectiveSection accepts"),
+    (["objective.eps_low=abc"], "objective.eps_low", "expected a number, got 'abc'"),
+    (["objective.dynamic_sampling=maybe"], "objective.dynamic_sampling", "expected true/false, got 'maybe'"),
+    (["objective.eps_low=null"], "objective.eps_low", "expected a number, got None"),
+    (["objective.aggregation=sum"], "objective.aggregation", "is not one of"),
+    (["objective.eps_low=-0.1"], "objective.eps_low", "must be >= 0, got -0.1"),
+    (["objective.eps_low=nan"], "objective.eps_low", "is NaN"),
+    (["objective.advantage=gae"], "objective.advantage", "advantage='gae' is not one of"),
+    (["objective.preset=dr_grpo", "objective.aggregation=token_mean"], "objective.max_len",
+     "is only used by aggregation='constant_normalizer'"),
     (["rollout.group_size=1"], "rollout.group_size", "group-relative"),
     (["train.routing_replay=R3", "rollout.return_routed_experts=false"], "train.routing_replay", "R3 replays"),
     (["data.task.max_opernd=3"], "data.task.max_opernd", "unknown key"),
@@ -136,7 +146,7 @@ def test_sglang_section_is_checked_only_when_it_is_the_engine():
 def test_demo_config_is_valid():
     cfg = load_run_config(DEMO, world_size=2)
     assert cfg.parallel.expert_model_parallel_size == 2
-    assert cfg.train.routing_replay == "R2" and cfg.objective["rspo_gamma_min"] > 0
+    assert cfg.train.routing_replay == "R2" and cfg.objective.rspo_gamma_min > 0
 
 
 def test_objective_preset_configs_resolve_to_their_presets():
@@ -148,7 +158,7 @@ def test_objective_preset_configs_resolve_to_their_presets():
     assert len(files) == 14
     for path in files:
         cfg = load_run_config(path, world_size=2)
-        assert resolve_objective(cfg) == get_preset(cfg.objective["preset"]), path
+        assert resolve_objective(cfg) == get_preset(cfg.objective.preset), path
         assert cfg.train.run_dir.endswith(path.stem) and cfg.model.num_experts == 8
 
 
@@ -157,3 +167,57 @@ def test_base_chain_loops_are_rejected(tmp_path):
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
     with pytest.raises(ConfigError, match="base chain loops back"):
         load_config(tmp_path / "a.yaml")
+
+
+def test_objective_section_mirrors_objective_config():
+    """One option per ObjectiveConfig field, in order: its type plus the preset marker, its docstring."""
+    import ast
+    import inspect
+    import typing
+
+    from megatron_rl.algos import config as objective_module
+    from megatron_rl.algos import section as section_module
+    from megatron_rl.algos.config import ObjectiveConfig
+    from megatron_rl.algos.section import FROM_PRESET, FromPreset, ObjectiveSection
+
+    def attribute_docs(module, cls_name):
+        (cls,) = [n for n in ast.parse(inspect.getsource(module)).body
+                  if isinstance(n, ast.ClassDef) and n.name == cls_name]
+        return {target.target.id: doc.value.value for target, doc in zip(cls.body, cls.body[1:])
+                if isinstance(target, ast.AnnAssign) and isinstance(doc, ast.Expr)}
+
+    options = [f for f in dataclasses.fields(ObjectiveSection) if f.name != "preset"]
+    assert [f.name for f in options] == [f.name for f in dataclasses.fields(ObjectiveConfig)]
+    config_types = typing.get_type_hints(ObjectiveConfig)
+    section_types = typing.get_type_hints(ObjectiveSection)
+    config_docs = attribute_docs(objective_module, "ObjectiveConfig")
+    section_docs = attribute_docs(section_module, "ObjectiveSection")
+    for f in options:
+        assert section_types[f.name] == typing.Union[config_types[f.name], FromPreset], f.name
+        assert f.default == FROM_PRESET, f.name
+        assert section_docs[f.name] == config_docs[f.name], f.name
+    assert section_docs.keys() == {"preset", *config_docs}
+
+
+def test_each_preset_resolves_to_itself_without_overrides():
+    from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
+    from megatron_rl.config import from_dict, resolve_objective, to_dict
+
+    for name in OBJECTIVE_PRESETS.names():
+        cfg = from_dict(RunConfig, {"objective": {"preset": name}})
+        assert cfg.objective.overrides() == {}
+        assert resolve_objective(cfg) == get_preset(name), name
+        assert from_dict(RunConfig, to_dict(cfg)) == cfg, name
+
+
+def test_objective_null_overrides_a_preset_value():
+    """null keeps ObjectiveConfig's meaning (None), so a preset's non-None value can be unset."""
+    from megatron_rl.config import resolve_objective
+
+    cfg = load_config(None, ["objective.preset=rspo", "objective.rspo_gamma_min=null"])
+    assert resolve_objective(cfg).rspo_gamma_min is None
+    cfg = load_config(None, ["objective.preset=dr_grpo", "objective.aggregation=token_mean",
+                             "objective.max_len=null", "objective.eps_high=1e-3"])
+    objective = resolve_objective(cfg)
+    assert (objective.aggregation, objective.max_len, objective.eps_high) == ("token_mean", None, 1e-3)
+    assert objective.advantage == "dr_grpo"
