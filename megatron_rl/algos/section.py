@@ -59,6 +59,8 @@ class ObjectiveSection:
     """CISPO: IS weight upper bound 1 + eps_high_is (unpublished; verl's example uses 0.2)."""
     cispo_trust_region_mask: bool | FromPreset = FROM_PRESET
     """CISPO unified form: zero tokens with A > 0, r > 1 + eps_high or A < 0, r < 1 - eps_low."""
+    log_ratio_clamp: float | FromPreset = FROM_PRESET
+    """Every exp(log-ratio) clamps its exponent to [-c, c] (zero gradient outside); c > 0."""
     rspo_gamma_min: float | None | FromPreset = FROM_PRESET
     """RSPO: floor of the router-shift weight gamma (applied once); None disables RSPO."""
     rspo_apply: Literal["before_clip", "after_clip"] | FromPreset = FROM_PRESET
