@@ -26,6 +26,11 @@ setup(
         "tqdm",
         "safetensors>=0.4",
         "transformers>=4.51",
+        "tokenizers",
+        # Prompt files (JSONL / Parquet) are read with Hugging Face datasets.
+        "datasets>=3",
+        # The built-in math reward: math-verify with its LaTeX parser's ANTLR runtime.
+        "math-verify[antlr4_13_2]>=0.7",
         "nvidia-ml-py",
         "tensorboard",
         "matplotlib",
