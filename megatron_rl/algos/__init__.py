@@ -12,7 +12,8 @@ Tensors and floats in, tensors out: no ``torch.distributed``, no Megatron, no I/
 Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``loss`` (entry point),
 ``surrogate`` (ratio units and gates), ``weights`` (RSPO, TIS/MIS/IcePop), ``masks``
 (overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``shaping``,
-``segments`` (packed-axis kernels), ``validation``.
+``segments`` (packed-axis kernels), ``log_ratio`` (the overflow-safe exp of every ratio),
+``validation``.
 """
 
 from megatron_rl.algos.advantages import (

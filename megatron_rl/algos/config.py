@@ -13,10 +13,12 @@ This module owns the fields, their meaning and their validation. It owns no tens
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
 from megatron_rl.algos.advantages import ADVANTAGE_ESTIMATORS
+from megatron_rl.algos.log_ratio import DEFAULT_LOG_RATIO_CLAMP
 
 RATIO_UNITS = ("token", "sequence", "sequence_token", "geometric", "none")
 GATES = ("clip", "soft", "cispo", "none")
@@ -54,7 +56,9 @@ class ObjectiveConfig:
     1 + eps_high))``; soft ``-A sigmoid(tau (x - 1)) 4 / tau``; cispo
     ``-sg(clip(r, 1 - eps_low_is, 1 + eps_high_is)) A log pi``; none ``-A x``; ratio unit
     none is REINFORCE, ``-A log pi``. RSPO ``after_clip`` on the geometric unit puts gamma
-    inside the geometric mean (RSPO's ``prod_t (W_t gamma_t)``).
+    inside the geometric mean (RSPO's ``prod_t (W_t gamma_t)``). Every ``exp`` of a
+    log-ratio sees an exponent clamped to ``+-log_ratio_clamp`` (``algos.log_ratio`` says
+    what that changes: nothing inside the clip bands, which must lie within the clamp).
     """
 
     ratio_unit: Literal["token", "sequence", "sequence_token", "geometric", "none"] = "token"
@@ -77,6 +81,8 @@ class ObjectiveConfig:
     """CISPO: IS weight upper bound 1 + eps_high_is (unpublished; verl's example uses 0.2)."""
     cispo_trust_region_mask: bool = False
     """CISPO unified form: zero tokens with A > 0, r > 1 + eps_high or A < 0, r < 1 - eps_low."""
+    log_ratio_clamp: float = DEFAULT_LOG_RATIO_CLAMP
+    """Every exp(log-ratio) clamps its exponent to [-c, c] (zero gradient outside); c > 0."""
     rspo_gamma_min: float | None = None
     """RSPO: floor of the router-shift weight gamma (applied once); None disables RSPO."""
     rspo_apply: Literal["before_clip", "after_clip"] = "after_clip"
@@ -190,6 +196,11 @@ class ObjectiveConfig:
                 f"must be in [0, 1] or None, got {self.eps_low_is}",
             )
         _require(self.eps_high_is >= 0, "eps_high_is", f"must be >= 0, got {self.eps_high_is}")
+        _require(
+            0 < self.log_ratio_clamp < math.inf,
+            "log_ratio_clamp",
+            f"must be a finite number > 0, got {self.log_ratio_clamp}",
+        )
         if self.rspo_gamma_min is not None:
             _require(
                 0 <= self.rspo_gamma_min <= 1,
@@ -239,6 +250,7 @@ class ObjectiveConfig:
             )
         if self.cispo_trust_region_mask:
             _require(self.gate == "cispo", "cispo_trust_region_mask", "needs gate='cispo'")
+        self._validate_bounds_inside_clamp()
         if self.rspo_gamma_min is not None and self.rspo_apply == "before_clip":
             _require(
                 self.ratio_unit != "none",
@@ -265,6 +277,28 @@ class ObjectiveConfig:
                 self.max_len is None,
                 "max_len",
                 f"is only used by aggregation='constant_normalizer', not {self.aggregation!r}",
+            )
+
+    def _validate_bounds_inside_clamp(self) -> None:
+        # A bound past the clamp would be cut by it: the clip would no longer be exact there.
+        c = self.log_ratio_clamp
+        bounds: dict[str, float] = {}
+        if self.gate == "clip" and self.ratio_unit == "geometric":
+            bounds = {"eps_low": self.eps_low, "eps_high": self.eps_high}
+        elif self.gate == "clip":
+            bounds = {"eps_high": math.log1p(self.eps_high)}
+            if self.dual_clip_c is not None:
+                bounds["dual_clip_c"] = math.log(self.dual_clip_c)
+        elif self.gate == "cispo":
+            bounds = {"eps_high_is": math.log1p(self.eps_high_is)}
+            if self.cispo_trust_region_mask:
+                bounds["eps_high"] = math.log1p(self.eps_high)
+        for name, log_bound in bounds.items():
+            _require(
+                log_bound < c,
+                "log_ratio_clamp",
+                f"{c} must exceed the log of the {name} bound ({log_bound:.6g}); "
+                "raise log_ratio_clamp or narrow the clip",
             )
 
 

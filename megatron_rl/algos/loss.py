@@ -41,6 +41,7 @@ from torch import Tensor
 from megatron_rl.algos.aggregation import Count, aggregate_kept
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.kl import kl_estimate_T
+from megatron_rl.algos.log_ratio import exp_log_ratio
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import KeptTokens, segment_sum
 from megatron_rl.algos.surrogate import SurrogateOut, compute_surrogate, rspo_weights_gated_term
@@ -156,7 +157,12 @@ def policy_loss(
     if ref_logprobs_T is not None:
         # Without a KL term the estimate only feeds the metrics: no graph for it.
         kl_logprobs_T = logprobs_T if cfg.kl_coef > 0 else logprobs_T.detach()
-        kl_T = kl_estimate_T(cfg.kl_estimator, kl_logprobs_T, ref_logprobs_T)
+        kl_T = kl_estimate_T(
+            cfg.kl_estimator,
+            kl_logprobs_T,
+            ref_logprobs_T,
+            log_ratio_clamp=cfg.log_ratio_clamp,
+        )
     if cfg.kl_coef > 0:
         metrics["loss/kl"] = aggregate(kl_T)
         loss = loss + cfg.kl_coef * metrics["loss/kl"]
@@ -164,7 +170,7 @@ def policy_loss(
         metrics["loss/entropy"] = aggregate(entropy_T)
         loss = loss - cfg.entropy_coef * metrics["loss/entropy"]
     metrics = {name: value.detach() for name, value in metrics.items()}
-    metrics.update(_diagnostics(tensors, kept, surrogate, gamma_T, kl_T))
+    metrics.update(_diagnostics(tensors, kept, surrogate, gamma_T, kl_T, cfg.log_ratio_clamp))
     return loss, metrics
 
 
@@ -283,6 +289,7 @@ def _diagnostics(
     surrogate: SurrogateOut,
     gamma_T: Tensor | None,
     kl_T: Tensor | None,
+    log_ratio_clamp: float,
 ) -> dict[str, Tensor]:
     num_kept_seqs = (kept.count_S > 0).sum()
     metrics = {"count/kept_tokens": kept.count_S.sum().long(), "count/kept_seqs": num_kept_seqs}
@@ -315,7 +322,9 @@ def _diagnostics(
         )
     if tensors["rollout_logprobs_T"] is not None and tensors["old_logprobs_T"] is not None:
         log_rho_T = tensors["old_logprobs_T"].detach() - tensors["rollout_logprobs_T"].detach()
-        metrics.update(_kept_stats("mismatch/token_ratio", (log_rho_T * kept.weight_T).exp(), kept))
+        # Clamped like every ratio, so one extreme token cannot make the mean inf.
+        rho_T = exp_log_ratio(log_rho_T * kept.weight_T, log_ratio_clamp)
+        metrics.update(_kept_stats("mismatch/token_ratio", rho_T, kept))
     if tensors["truncated_S"] is not None:
         metrics["count/truncated_seqs"] = tensors["truncated_S"].bool().sum()
     return metrics

@@ -35,8 +35,14 @@ RSPO ``before_clip`` multiplies the ratio by ``sg[gamma]`` before the gate (for 
 units: ``log gamma_t`` joins ``d_t`` inside the mean); ``after_clip`` for the geometric
 unit puts ``log gamma_t`` next to the clipped ``d~_t`` inside the geometric mean (RSPO's
 ``prod_t (W_t gamma_t)`` with gamma always down-weighting); for every other unit the
-caller multiplies the gated per-token loss by ``gamma_t`` (see ``algos.loss``). No log-ratio
-clamp is applied (verl clamps to ±20); ratios are exact.
+caller multiplies the gated per-token loss by ``gamma_t`` (see ``algos.loss``).
+
+Every ``exp`` above is ``algos.log_ratio.exp_log_ratio``: the exponent (``d_t``, the
+sequence mean, GMPO's mean of clipped ``d~``) is clamped to ``+-cfg.log_ratio_clamp``
+(default 20, as verl) so no ratio overflows into a NaN gradient; inside the clamp ratios
+are exact, and the clip bands lie inside it (``algos.log_ratio`` lists what changes
+beyond). GMPO's geometric means of the side a sequence does not use are computed on a
+zeroed exponent, so an unused ``torch.where`` branch has nothing to leak.
 
 Shape legend: T tokens, S sequences.
 """
@@ -49,7 +55,8 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algos.config import ObjectiveConfig
-from megatron_rl.algos.segments import KeptTokens
+from megatron_rl.algos.log_ratio import exp_log_ratio
+from megatron_rl.algos.segments import KeptTokens, segment_sum
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,7 @@ def compute_surrogate(
         rspo_inside = log_gamma_T if (log_gamma_T is not None and not rspo_before) else None
         out = _geometric(cfg, log_ratio_T, adv_T, kept, rspo_inside)
     else:
-        ratio_T = _unit_ratio(cfg.ratio_unit, log_ratio_T, logprobs_T, kept)
+        ratio_T = _unit_ratio(cfg, log_ratio_T, logprobs_T, kept)
         out = _GATES[cfg.gate](cfg, ratio_T, adv_T, logprobs_T)
     flags = [
         None if f is None else f & kept.mask_T
@@ -112,14 +119,18 @@ def compute_surrogate(
     return SurrogateOut(out.loss_T * kept.weight_T, out.ratio_T.detach(), *flags)
 
 
-def _unit_ratio(unit: str, log_ratio_T: Tensor, logprobs_T: Tensor, kept: KeptTokens) -> Tensor:
-    if unit == "token":
-        return torch.exp(log_ratio_T)
-    if unit == "sequence":
-        return kept.to_tokens(torch.exp(kept.seq_mean(log_ratio_T)))
-    # sequence_token: value s_i, gradient s_i per token through pi_t / sg[pi_t].
+def _unit_ratio(
+    cfg: ObjectiveConfig, log_ratio_T: Tensor, logprobs_T: Tensor, kept: KeptTokens
+) -> Tensor:
+    c = cfg.log_ratio_clamp
+    if cfg.ratio_unit == "token":
+        return exp_log_ratio(log_ratio_T, c)
+    if cfg.ratio_unit == "sequence":
+        return kept.to_tokens(exp_log_ratio(kept.seq_mean(log_ratio_T), c))
+    # sequence_token: value s_i, gradient s_i per token through pi_t / sg[pi_t]; clamped as
+    # a whole, so a sequence beyond the clamp gives no token a gradient, as GSPO does.
     log_s_T = kept.to_tokens(kept.seq_mean(log_ratio_T.detach()))
-    return torch.exp(log_s_T + (logprobs_T - logprobs_T.detach()))
+    return exp_log_ratio(log_s_T + (logprobs_T - logprobs_T.detach()), c)
 
 
 def _geometric(
@@ -133,16 +144,36 @@ def _geometric(
     pos_T = log_ratio_T.clamp(max=cfg.eps_high) if clipping else log_ratio_T
     if log_gamma_T is not None:
         pos_T = pos_T + log_gamma_T
-    ratio_T = kept.to_tokens(torch.exp(kept.seq_mean(pos_T)))
-    if clipping:
-        neg_T = log_ratio_T.clamp(min=-cfg.eps_low)
-        if log_gamma_T is not None:
-            neg_T = neg_T + log_gamma_T
-        ratio_neg_T = kept.to_tokens(torch.exp(kept.seq_mean(neg_T)))
-        ratio_T = torch.where(adv_T > 0, ratio_T, ratio_neg_T)
-    high_T = (adv_T > 0) & (log_ratio_T > cfg.eps_high) if clipping else None
-    low_T = (adv_T < 0) & (log_ratio_T < -cfg.eps_low) if clipping else None
+    if not clipping:
+        ratio_T = kept.to_tokens(exp_log_ratio(kept.seq_mean(pos_T), cfg.log_ratio_clamp))
+        return SurrogateOut(-adv_T * ratio_T, ratio_T, None, None, None)
+    neg_T = log_ratio_T.clamp(min=-cfg.eps_low)
+    if log_gamma_T is not None:
+        neg_T = neg_T + log_gamma_T
+    ratio_T = torch.where(
+        adv_T > 0,
+        _side_ratio_T(cfg, pos_T, adv_T > 0, kept),
+        _side_ratio_T(cfg, neg_T, adv_T <= 0, kept),
+    )
+    high_T = (adv_T > 0) & (log_ratio_T > cfg.eps_high)
+    low_T = (adv_T < 0) & (log_ratio_T < -cfg.eps_low)
     return SurrogateOut(-adv_T * ratio_T, ratio_T, low_T, high_T, None)
+
+
+def _side_ratio_T(
+    cfg: ObjectiveConfig, side_log_T: Tensor, on_side_T: Tensor, kept: KeptTokens
+) -> Tensor:
+    """[T] GMPO ratio of one pessimistic side: ``exp(mean_t side_log)`` of the token's sequence.
+
+    A sequence with no kept token on this side never selects the ratio, so its exponent is
+    replaced by 0 *before* ``exp`` (double-where): the unselected branch then has an
+    ordinary value and its zero gradient stays zero, whatever the exponent was, instead of
+    relying on the clamp alone (0 * inf = NaN once an exponent passes the dtype's range).
+    """
+    on_side_S = segment_sum((on_side_T & kept.mask_T).long(), kept.seq_ids_T, kept.num_seqs) > 0
+    mean_S = kept.seq_mean(side_log_T)
+    safe_mean_S = torch.where(on_side_S, mean_S, torch.zeros_like(mean_S))
+    return kept.to_tokens(exp_log_ratio(safe_mean_S, cfg.log_ratio_clamp))
 
 
 def _clip_gate(

@@ -19,7 +19,10 @@ contribution. Both are built from frozen quantities and are returned detached:
     ``1/|y_i|`` and MIS define). The two differ only in their default band.
 
   Everything is computed in log space, so a sequence product of many ratios cannot
-  overflow before it is truncated or rejected.
+  overflow before it is truncated or rejected; the exponential is
+  ``algos.log_ratio.exp_log_ratio``, so even an unbounded band (``mismatch_high = inf``)
+  gives weights of at most ``e^log_ratio_clamp``. The weights are constants, so the clamp
+  changes no gradient path, only the weight of a token beyond ``e^+-c``.
 
 Shape legend: T tokens, S sequences.
 """
@@ -32,6 +35,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.algos.config import ObjectiveConfig
+from megatron_rl.algos.log_ratio import exp_log_ratio
 from megatron_rl.algos.segments import KeptTokens
 
 
@@ -75,11 +79,9 @@ def mismatch_weight_T(cfg: ObjectiveConfig, log_rho_T: Tensor) -> tuple[Tensor, 
     low, high = cfg.mismatch_bounds()
     log_low = math.log(low) if low > 0 else float("-inf")
     log_high = math.log(high)
+    banded_T = exp_log_ratio(log_rho_T.clamp(min=log_low, max=log_high), cfg.log_ratio_clamp)
     if cfg.mismatch == "tis":
-        return torch.exp(log_rho_T.clamp(min=log_low, max=log_high)), torch.zeros_like(
-            log_rho_T, dtype=torch.bool
-        )
+        return banded_T, torch.zeros_like(log_rho_T, dtype=torch.bool)
     inside_T = (log_rho_T >= log_low) & (log_rho_T <= log_high)
-    # exp of the clamped value: the rejected entries never overflow, and are then zeroed.
-    weight_T = torch.exp(log_rho_T.clamp(min=log_low, max=log_high)) * inside_T.to(log_rho_T.dtype)
-    return weight_T, ~inside_T
+    # exp of the banded value: the rejected entries never overflow, and are then zeroed.
+    return banded_T * inside_T.to(log_rho_T.dtype), ~inside_T
