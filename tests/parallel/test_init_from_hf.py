@@ -6,7 +6,8 @@ layout (TP1 (DP2), TP2+SP, EP2, PP2), and the forward-only log-prob pass with ro
 records is compared with transformers' forward of the same checkpoint on the same tokens:
 log-probs within 1e-4 (fp32) and the same top-K experts at every position and layer. The
 checkpoints: a tiny random Qwen3-MoE built here with transformers (decisive routers, so
-top-K has no near-ties) and the shipped pretrained one. Then, in EP2, the policy is changed
+top-K has no near-ties), the same converted to a Megatron checkpoint by the converter
+(loaded in EP2 and PP2), and the shipped pretrained one. Then, in EP2, the policy is changed
 (as training would) and exported with ``export_hf``; transformers loads the export as is
 and reproduces the Megatron log-probs within 1e-4.
 
@@ -54,8 +55,11 @@ def _tiny_random_checkpoint(directory: Path) -> None:
     model.float().save_pretrained(directory, max_shard_size="60KB")
 
 
-def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: str) -> dict:
+def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: str, megatron_dir: str) -> dict:
     import torch.distributed as dist
+
+    from megatron_rl.checkpoint.convert import hf_to_megatron_world_entry
+    from megatron_rl.config import ParallelConfig
 
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
     from megatron_rl.checkpoint.parity import megatron_outputs
@@ -67,9 +71,14 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
     from megatron_rl.train.prepare import load_run_config
 
     results: dict = {"layouts": {}, "exported": None}
+    hf_to_megatron_world_entry(checkpoints["random"], megatron_dir, ParallelConfig(), False)
+    checkpoints = {**checkpoints, "megatron": megatron_dir}
+    prompts = {**prompts, "megatron": prompts["random"]}
     with cpu_platform():
         for name, path in checkpoints.items():
             for layout, overrides in LAYOUTS.items():
+                if name == "megatron" and layout not in ("EP2", "PP2"):
+                    continue
                 cfg = load_run_config(None, [f"init_checkpoint={path}", "parallel.world_size=2", *overrides],
                                       world_size=2)
                 with model_parallel(cfg.parallel, cfg.seed) as groups:
@@ -93,14 +102,13 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("init")
     _tiny_random_checkpoint(root / "random")
-    checkpoints = {"random": str(root / "random")}
-    if SHIPPED.is_dir():
-        checkpoints["shipped"] = str(SHIPPED)
+    checkpoints = {"random": str(root / "random"), "shipped": str(SHIPPED)}
     prompts = {
         "random": [p[:n] for p, n in zip(random_prompts(4, 14, 256, seed=5), (14, 9, 11, 6))],
         "shipped": [p[:n] for p, n in zip(random_prompts(4, 14, 300, seed=6), (14, 9, 11, 6))],
     }
-    results = run_world(_worker, 2, checkpoints, prompts, str(root / "export"), timeout_s=600)
+    results = run_world(_worker, 2, checkpoints, prompts, str(root / "export"), str(root / "megatron"),
+                        timeout_s=600)
     return checkpoints, prompts, results[-1], root / "export"
 
 
@@ -108,11 +116,17 @@ def world(tmp_path_factory):
 @pytest.mark.parametrize("name", ["random", "shipped"])
 def test_step0_logprobs_and_routes_match_transformers(world, name, layout):
     checkpoints, prompts, results, _ = world
-    if name not in checkpoints:
-        pytest.skip("the shipped checkpoint is not built")
     reference = hf_reference(checkpoints[name], prompts[name], topk=2)
     report = compare(reference, results["layouts"][(name, layout)])
     assert not report.violations(TOLERANCES), (name, layout, report.to_dict())
+
+
+@pytest.mark.parametrize("layout", ["EP2", "PP2"])
+def test_megatron_checkpoint_of_the_converter_starts_the_same_policy(world, layout):
+    checkpoints, prompts, results, _ = world
+    reference = hf_reference(checkpoints["random"], prompts["random"], topk=2)
+    report = compare(reference, results["layouts"][("megatron", layout)])
+    assert not report.violations(TOLERANCES), (layout, report.to_dict())
 
 
 def test_exported_checkpoint_loads_in_transformers_and_reproduces_the_trainer(world):
