@@ -10,7 +10,9 @@ bad input costs seconds and one line, never a started world. Imports no Megatron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -84,6 +86,7 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     Raises:
         ConfigError: naming the key and the file (and row) at fault.
     """
+    check_run_dir(cfg)
     init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
     if init is not None and init.kind == "hf" and cfg.parallel.expert_tensor_parallel_size != 1:
         raise ConfigError("parallel.expert_tensor_parallel_size: streaming an HF checkpoint splits experts "
@@ -106,3 +109,42 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     evals = load_prompts(cfg.data, "eval", tokenizer, limit)
     return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
                         dropped=train.num_filtered + evals.num_filtered)
+
+
+RESUME_KEYS = ("seed", "model")
+"""Run-config sections a resumed run must share with its checkpoint (the layout may change:
+checkpoints reshard; the seed fixes the data order and sampling; the model fixes the tensors)."""
+
+
+def check_run_dir(cfg: RunConfig) -> None:
+    """The run directory can be written, and a checkpoint in it can be resumed by this config.
+
+    Raises:
+        ConfigError: ``train.run_dir`` is a file or not writable; its latest checkpoint is
+            unreadable, or was written with another seed or model (the key and both values named).
+    """
+    run_dir = Path(cfg.train.run_dir)
+    existing = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        raise ConfigError(f"train.run_dir: {existing} is a file, not a directory")
+    if existing is not None and not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.run_dir: {existing} is not writable")
+    pointer = run_dir / "checkpoints" / "latest"
+    if not cfg.train.resume or not pointer.is_file():
+        return
+    state_file = run_dir / "checkpoints" / pointer.read_text().strip() / "trainer_state.json"
+    try:
+        stored = json.loads(state_file.read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"train.run_dir: cannot resume: {state_file} is unreadable ({type(err).__name__}: "
+                          f"{err}); move the run directory away or set train.resume=false") from None
+    current = {"seed": cfg.seed, "model": asdict(cfg.model)}
+    for key in RESUME_KEYS:
+        if key == "model":
+            for name, value in current["model"].items():
+                if stored.get("model", {}).get(name, value) != value:
+                    raise ConfigError(f"model.{name}: the run directory's checkpoint {state_file.parent.name} was "
+                                      f"trained with {stored['model'][name]!r}, this config says {value!r}")
+        elif stored.get(key, current[key]) != current[key]:
+            raise ConfigError(f"{key}: the run directory's checkpoint {state_file.parent.name} was trained with "
+                              f"{stored[key]!r}, this config says {current[key]!r}")

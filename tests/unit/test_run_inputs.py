@@ -48,6 +48,17 @@ def bad_inputs(tmp_path_factory):
     (root / "my_rewards.py").write_text(
         "def two_args(prompt, response):\n    return 0.0\n"
     )
+    from megatron_rl.config import to_dict
+    from megatron_rl.train.prepare import load_run_config
+
+    stored = to_dict(load_run_config(DEMO, world_size=2))
+    for name, change in (("other_seed", {"seed": 7}), ("other_model", {"model": {**stored["model"], "num_layers": 2}}),
+                         ("truncated_state", None)):
+        step = root / name / "checkpoints" / "step_000002"
+        step.mkdir(parents=True)
+        (root / name / "checkpoints" / "latest").write_text("step_000002\n")
+        text = json.dumps({"step": 2, "config": {**stored, **(change or {})}})
+        (step / "trainer_state.json").write_text(text if change else text[: len(text) // 2])
     return root
 
 
@@ -61,6 +72,11 @@ CASES = {
     "no chat template": (["tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
     "missing data file": (["data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
     "row without answer": (["data.train_files=[{root}/missing_answer.jsonl]"], "row 3 of {root}/missing_answer.jsonl"),
+    "run dir is a file": (["train.run_dir={root}/a_file/run"], "train.run_dir: {root}/a_file is a file"),
+    "resume with another seed": (["train.run_dir={root}/other_seed"], "seed: the run directory's checkpoint"),
+    "resume with another model": (["train.run_dir={root}/other_model"], "model.num_layers: the run directory's"),
+    "truncated trainer state": (["train.run_dir={root}/truncated_state"],
+                                "{root}/truncated_state/checkpoints/step_000002/trainer_state.json is unreadable"),
     "reward does not import": (["reward.function=no_such_module:score"], "reward.function"),
     "reward wrong signature": (["reward.function=my_rewards:two_args"], "reward.function"),
 }
