@@ -166,10 +166,23 @@ class SGLangConfig:
     """Limit for one ``/generate`` attempt."""
     max_concurrency: int = 256
     """Requests in flight at once per model-parallel group (bounds client memory)."""
-    max_retries: int = 4
-    """Retries per sample after its first attempt."""
+    retry_budget_s: float = 300.0
+    """A sample keeps retrying for this long after its first failure: long enough for a
+    killed server to be restarted and load its model (weight syncs wait as long for it)."""
+    max_retries: int = 1000
+    """Cap on retries per sample, a backstop: ``retry_budget_s`` is the limit that normally
+    applies (at the default backoff it spends 40 to 75 retries)."""
     retry_backoff_s: float = 0.5
     """First retry delay; doubles per retry, with jitter."""
+    retry_backoff_max_s: float = 8.0
+    """Longest retry delay."""
+    hang_check_after_s: float = 15.0
+    """A ``/generate`` attempt unanswered this long makes the client probe the server's ``/health``."""
+    health_timeout_s: float = 30.0
+    """A server whose ``/health`` gives no 200 within this is hung: the step fails naming it,
+    within ``hang_check_after_s + health_timeout_s`` of the hang. The startup probe uses it too."""
+    max_resyncs: int = 2
+    """Weight re-pushes per rollout call to servers that came back behind the trainer's version."""
     weight_sync: Literal["tensor", "distributed", "none"] = "tensor"
     """tensor: /update_weights_from_tensor (colocated); distributed: NCCL broadcast group
     (disaggregated); none: the servers' weights are managed elsewhere (no version check)."""
@@ -496,7 +509,21 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     validate_layout(cfg.model, cfg.parallel, world_size)
     check_fp8(cfg.fp8)
     validate_run(cfg)
+    world = cfg.parallel.world_size or world_size
+    if world is not None:
+        validate_batch_split(cfg, cfg.parallel.data_parallel_size(world))
     return cfg
+
+
+def validate_batch_split(cfg: RunConfig, dp_size: int) -> None:
+    """Prompts (and warm-start examples) must split evenly over the data-parallel ranks."""
+    r, t = cfg.rollout, cfg.train
+    _require(r.prompts_per_step % dp_size == 0 and (r.prompts_per_step // dp_size) % t.mini_batches == 0,
+             "rollout.prompts_per_step",
+             f"{r.prompts_per_step} must split evenly over {dp_size} data-parallel ranks and then into "
+             f"train.mini_batches ({t.mini_batches})")
+    _require(t.sft_steps == 0 or t.sft_batch_size % dp_size == 0, "train.sft_batch_size",
+             f"{t.sft_batch_size} must split evenly over {dp_size} data-parallel ranks")
 
 
 PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"))

@@ -103,6 +103,7 @@ RUN_INVALID = [
     (["reward.num_wokers=3"], "reward.num_wokers", "unknown key"),
     (["eval.pass_k=[1, 8]", "eval.num_samples=4"], "eval.pass_k", "k=8 must be between 1 and eval.num_samples"),
     (["rollout.max_new_tokens=200"], "rollout.max_new_tokens", "leaves no room for a prompt"),
+    (["rollout.prompts_per_step=5"], "rollout.prompts_per_step", "must split evenly over 2 data-parallel ranks"),
     (["model.num_layers=2"], "model.num_layers", "the config sets 2 but the checkpoint"),
     (["train.routing_replay=R4"], "train.routing_replay", "is not one of"),
     (["rollout.engine=sglang"], "rollout.sglang.urls", "either server URLs or url_dir"),
