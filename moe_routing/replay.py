@@ -16,17 +16,45 @@ recomputation replays the same ids again in the backward recompute (Megatron's
 ``REPLAY_BACKWARD`` queue, consumed in forward order, which is the order both the
 no-pipelining and the 1F1B schedules run backwards in). Leaving the context clears every
 router's targets and actions.
+
+Replaying a pass's own routing reproduces that pass bit for bit (R2 with unchanged
+weights): rows that no record covers (a micro-batch row's padding) are routed by the
+router's own top-K as in a pass without replay, so every expert's GEMM sees the same
+tokens, and the replayed scores go to the gate function in top-K's descending order.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from megatron.core.tensor_parallel.random import is_checkpointing
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from moe_routing.layout import local_ids_per_call
 from moe_routing.record import find_routers
+
+NATURAL = -1
+"""Expert id that marks a row with nothing to replay: the router routes it by its own top-K."""
+
+
+def replay_ids_per_call(
+    expert_ids_TLK: torch.Tensor,
+    layer_numbers: Sequence[int],
+    local_layer_numbers: Sequence[int],
+    micro_batches: Sequence,
+    groups,
+) -> dict[int, list[torch.Tensor]]:
+    """``local_ids_per_call`` for :class:`RoutingReplay`, padding rows marked ``NATURAL``.
+
+    Padding routed anywhere else changes how many tokens each expert's GEMM gets, and CPU
+    GEMM kernels pick their blocking (hence rounding) by shape, so real tokens would come
+    out a few ulps different from a pass without replay.
+    """
+    pad_ids_K = torch.full((expert_ids_TLK.shape[2],), NATURAL, dtype=torch.int64)
+    return local_ids_per_call(
+        expert_ids_TLK, layer_numbers, local_layer_numbers, micro_batches, groups, pad_ids_K=pad_ids_K
+    )
 
 
 class RoutingReplay:
@@ -89,13 +117,47 @@ class RoutingReplay:
             replay.set_router_replay_action(
                 RouterReplayAction.REPLAY_BACKWARD if recompute else RouterReplayAction.REPLAY_FORWARD
             )
+            _route_natural_rows(replay, recompute, scores, lambda: default_compute_topk(
+                scores, topk, num_groups=num_groups, group_topk=group_topk))
             if recompute:
-                return original(scores, topk, num_groups, group_topk, default_compute_topk)
+                return _descending(*original(scores, topk, num_groups, group_topk, default_compute_topk))
             # A forward that will not be recomputed never pops its ids again: drop them from
             # the recompute queue so it stays aligned with the forwards that will be.
             result = original(scores, topk, num_groups, group_topk, default_compute_topk)
             if not is_checkpointing() and replay.replay_backward_list:
                 replay.replay_backward_list.pop(0)
-            return result
+            return _descending(*result)
 
         return get_replay_topk
+
+
+def _route_natural_rows(replay, recompute: bool, scores: torch.Tensor, natural_topk: Callable) -> None:
+    """Give the ``NATURAL`` rows of the ids Megatron is about to gather the router's own top-K.
+
+    ``natural_topk`` is the very call a pass without replay makes on these scores (all rows:
+    group-limited top-K reshapes by the full token count), so those rows route identically.
+    """
+    queued_NK = replay.replay_backward_list[0] if recompute else replay.target_topk_idx
+    # Ids stay on the host until Megatron moves them, so this test never waits for the device.
+    natural_N = queued_NK[:, 0] == NATURAL
+    if not bool(natural_N.any()):
+        return
+    filled_NK = torch.where(
+        natural_N.to(scores.device)[:, None], natural_topk()[1], queued_NK.to(scores.device)
+    )
+    if recompute:
+        replay.replay_backward_list[0] = filled_NK
+    else:
+        replay.target_topk_idx = filled_NK
+
+
+def _descending(scores_NK: torch.Tensor, ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replayed scores sorted as ``torch.topk`` returns them, ids alongside.
+
+    The gate function (softmax over the K scores, or the sigmoid normalization) sums over K
+    in memory order; a record's order (by rounded log-probability, ties by id) can differ
+    from top-K's near ties, and for K > 2 the sum's rounding with it. Sorted, a replayed
+    set equal to the natural one gives the gate function the same K scores in the same order.
+    """
+    sorted_NK, order_NK = scores_NK.sort(dim=-1, descending=True, stable=True)
+    return sorted_NK, ids_NK.gather(1, order_NK)

@@ -32,7 +32,7 @@ from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
 from moe_routing.record import RouterRecorder
-from moe_routing.replay import RoutingReplay
+from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.shift import router_shift_TL, rspo_gamma_T
 from moe_routing.stats import routing_metrics
 from moe_routing.types import RouterRecord
@@ -183,7 +183,7 @@ def compute_logprobs(
     if replay_ids_TLK is not None:
         replay = RoutingReplay(
             [model],
-            local_ids_per_call(replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers, micro_batches, groups),
+            replay_ids_per_call(replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers, micro_batches, groups),
         )
     with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
         outputs = run_schedule(

@@ -48,9 +48,8 @@ from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-from moe_routing.layout import local_ids_per_call
 from moe_routing.record import find_routers
-from moe_routing.replay import RoutingReplay
+from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.stats import gamma_metrics
 from moe_routing.types import RouterRecord
 from moe_routing.validate import RoutingDataError, validate_expert_ids
@@ -243,7 +242,7 @@ def forward_backward(
     )
     replay = None
     if replay_ids is not None:
-        local = local_ids_per_call(replay_ids, replay_columns, tuple(find_routers([model])), micro_batches, groups)
+        local = replay_ids_per_call(replay_ids, replay_columns, tuple(find_routers([model])), micro_batches, groups)
         replay = RoutingReplay([model], local)
     with replay or nullcontext():
         outputs = run_schedule(

@@ -168,6 +168,22 @@ def _real_rows(calls, micro_batch_tokens):
     return torch.cat([c[:n] for c, n in zip(calls, micro_batch_tokens)])
 
 
+def _unchanged_r2_step(ddp, groups, old):
+    """Metrics of one R2 RSPO forward-backward of the whole batch from the recording weights."""
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+
+    batch = TrainBatch(
+        sequences=SEQUENCES,
+        prompt_lengths=PROMPTS,
+        old_logprobs_T=old.logprobs_T,
+        advantages_T=torch.cat([_advantages(i) for i in range(len(SEQUENCES))]),
+        old_record=old.record,
+    )
+    result = forward_backward(ddp, groups, batch, get_preset("rspo"), RoutingPlan(mode="R2"), micro_batch_sequences=2)
+    return {k: float(v) for k, v in result.metrics.items()}
+
+
 def reference_worker(checkpoint):
     """Single process: semantics checks, then the reference step of every plan."""
     from megatron_rl.parallel.cpu_platform import cpu_platform
@@ -181,14 +197,25 @@ def reference_worker(checkpoint):
     with cpu_platform(), model_parallel(parallel, seed=1234) as groups:
         model, ddp = _build(parallel, checkpoint, save=True)
         run = functools.partial(compute_logprobs, ddp, groups, SEQUENCES, PROMPTS, micro_batch_sequences=2)
+        output_logits = []
+        hook = model.output_layer.register_forward_hook(lambda m, i, o: output_logits.append(o[0].detach()))
         old = run(record_routing=True)
         ids = old.record.expert_ids_TLK
 
-        # R2 with unchanged weights: same log-probs; RSPO gamma exactly 1.
+        # R2 with unchanged weights, exact by construction: the replay pass packs the same
+        # rows, dispatches every real token to the experts it recorded, leaves padding to
+        # the router's own top-K and feeds the gate function the same scores in the same
+        # order, so each layer runs the same kernels on the same inputs as the recorded pass.
         same = run(replay_ids_TLK=ids, replay_layer_numbers=numbers, old_record=old.record)
         out["r2_unchanged_logprob_err"] = float((same.logprobs_T - old.logprobs_T).abs().max())
         out["gamma_unchanged_is_one"] = bool((same.rspo_gamma_T == 1).all())
         out["agreement_unchanged"] = float(same.routing_metrics["routing/replay_agreement"])
+        # The training forward of the step (grad on, after its probe pass) is that pass too.
+        step = _unchanged_r2_step(ddp, groups, old)
+        hook.remove()
+        recorded, trained = output_logits[: len(mb_tokens)], output_logits[-len(mb_tokens) :]
+        out["r2_train_logits_err"] = max(float((a - b).abs().max()) for a, b in zip(trained, recorded))
+        out["r2_train_ratio"] = (step["objective/ratio/min"], step["objective/ratio/max"])
 
         _perturb_routers(model)
         natural = run(record_routing=True)
@@ -291,8 +318,10 @@ def layout(checkpoint_dir, reference):
 
 
 def test_r2_with_unchanged_weights_reproduces_the_recorded_pass(reference):
-    assert reference["r2_unchanged_logprob_err"] <= 1e-6
+    assert reference["r2_unchanged_logprob_err"] == 0.0
     assert reference["agreement_unchanged"] == 1.0
+    assert reference["r2_train_logits_err"] == 0.0
+    assert reference["r2_train_ratio"] == (1.0, 1.0)
 
 
 def test_rspo_gamma_is_one_with_unchanged_weights(reference):
