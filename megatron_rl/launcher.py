@@ -19,8 +19,10 @@ Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, se
    from its last checkpoint when resubmitted) and the worker environment (threads per
    process);
 4. running it: the agent's output goes to this process's stdout and to the per-node log,
-   SIGTERM/SIGINT (Slurm's time limit, ``scancel``) are forwarded, and the exit status is
-   passed on: 0 only when every local worker succeeded, 2 for a rejected config.
+   SIGTERM/SIGINT (Slurm's time limit, ``scancel``, Ctrl-C) are forwarded once, and the
+   exit status is passed on: 0 only when every local worker succeeded, 2 for a rejected
+   config, ``128 + signal`` for a stop. The agent and the server wrapper get SIGTERM from
+   the kernel if this process dies outright, so a killed launcher leaves nothing running.
 
 With ``--sglang ARGS`` each node also runs one SGLang server (``megatron_rl.rollout.
 sglang_server ARGS``) for the run's rollouts, colocated with its workers: the trainer is
@@ -49,7 +51,7 @@ from typing import Mapping, Sequence, TextIO
 from megatron_rl.config import ConfigError, RunConfig, validate_layout
 from megatron_rl.train.prepare import check_inputs, load_run_config
 from megatron_rl.fp8 import Fp8Environment, check_fp8
-from megatron_rl.rollout.sglang_server import FAILED_SUFFIX
+from megatron_rl.rollout.sglang_server import FAILED_SUFFIX, parent_death_signal
 
 DEFAULT_ENTRY = "megatron_rl.train.main"
 """Module every worker runs unless ``--entry`` names another."""
@@ -281,13 +283,18 @@ def run_agent(cmd: Sequence[str], env: Mapping[str, str], log_file: Path, stdout
     """Run the torchrun agent, teeing its output to ``stdout`` and ``log_file``.
 
     SIGTERM and SIGINT are forwarded to the agent, which stops its workers. Returns the
-    agent's exit status, ``128 + signal`` when a signal ended it.
+    agent's exit status, ``128 + signal`` when a signal ended it or was forwarded to it.
     """
     stdout = sys.stdout if stdout is None else stdout
     log_file.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Its own session: the terminal's Ctrl-C reaches only this process, which forwards it
+    # once (a second SIGINT would cut short torchrun's own shutdown of its workers).
+    proc = subprocess.Popen(list(cmd), env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=parent_death_signal(signal.SIGTERM))
+    received: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
+        received.append(signum)
         proc.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -303,6 +310,9 @@ def run_agent(cmd: Sequence[str], env: Mapping[str, str], log_file: Path, stdout
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if received and rc != 0:
+        # torchrun exits 1 after stopping its workers on a signal; the stop is the news.
+        return 128 + received[0]
     return 128 - rc if rc < 0 else rc
 
 
@@ -379,7 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         url_file = Path(server_cmd[server_cmd.index("--url-file") + 1])
         for stale in (url_file, url_file.with_name(url_file.name + FAILED_SUFFIX)):
             stale.unlink(missing_ok=True)
-        server = subprocess.Popen(server_cmd, start_new_session=True)
+        # SIGTERM if this launcher is killed: the wrapper then stops its server and withdraws its URL.
+        server = subprocess.Popen(server_cmd, start_new_session=True, preexec_fn=parent_death_signal(signal.SIGTERM))
     try:
         rc = run_agent(cmd, worker_env, plan.log_file)
     finally:

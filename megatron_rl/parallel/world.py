@@ -8,18 +8,29 @@ rank's traceback; a world that does not finish within ``timeout_s`` is killed an
 seconds (Megatron's import alone takes ~4 s), so callers run many checks per world.
 
 Results travel back serialized with ``torch.save`` (tensors, dicts, lists, numbers).
+
+Lifetime: every rank leads its own process group, so stopping a rank reaches what it
+started (reward pool workers and their forkserver) and the terminal's Ctrl-C reaches only
+the parent. However ``run_world`` ends (results, failure, an exception such as
+:class:`Stopped`), no rank or rank child outlives it: ranks still running are sent
+SIGTERM, then SIGKILL, group by group. A rank whose parent dies abruptly (SIGKILL, OOM
+killer) kills its own group within a second (:func:`exit_with_parent`). Entry points turn
+SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,6 +41,60 @@ class WorldError(RuntimeError):
 
 class WorldTimeout(WorldError):
     """The world did not finish in time and was killed."""
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived (see :func:`raise_on_stop_signals`); exit with ``128 + signum``.
+
+    A BaseException, like KeyboardInterrupt, so that ``except Exception`` on the way out
+    does not swallow a stop.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+"""What schedulers, supervisors (SIGTERM) and the terminal (SIGINT) send to stop a run."""
+
+
+@contextlib.contextmanager
+def raise_on_stop_signals() -> Iterator[None]:
+    """Within the block the first SIGTERM or SIGINT raises :class:`Stopped`; later ones are
+    ignored, so a second Ctrl-C cannot cut short the cleanup the first one started. The
+    previous handlers are restored on exit. Main thread only (Python's signal rule)."""
+
+    def stop(signum: int, _frame: object) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Stopped(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Kill this process, with its process group when it leads one, once ``parent_pid`` is
+    no longer its parent (the parent died and the process was re-parented).
+
+    A daemon thread polls, rather than ``PR_SET_PDEATHSIG``: the kernel signal would end
+    only this process, and the reward workers it started would train on headless. The
+    thread runs while the main thread sits in a collective or a long kernel.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def free_port() -> int:
@@ -54,10 +119,13 @@ def _rank_main(
     world_size: int,
     port: int,
     threads: int,
+    parent_pid: int,
     fn: Callable,
     args: tuple,
     results: "mp.Queue",
 ) -> None:
+    os.setpgid(0, 0)
+    exit_with_parent(parent_pid)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -107,16 +175,19 @@ def run_world(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, fn, args, results),
+            args=(rank, world_size, port, threads_per_rank, os.getpid(), fn, args, results),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
     ]
-    for proc in procs:
-        proc.start()
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
+    # Ranks that finished or failed get a moment to exit on their own; a stop or an
+    # unexpected error ends them at once.
+    wait_s = 0.0
     try:
+        for proc in procs:
+            proc.start()
         while len(outcomes) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -150,16 +221,40 @@ def run_world(
                             f"ranks {lost} exited without reporting (exit codes {codes})"
                             + _failures(outcomes)
                         )
+        wait_s = 10.0
         if any(not ok for ok, _ in outcomes.values()):
             raise WorldError(_failures(outcomes))
         return [_loads(outcomes[r][1]) for r in range(world_size)]
+    except WorldError:
+        wait_s = 10.0
+        raise
     finally:
-        for proc in procs:
-            proc.join(timeout=10)
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        _end_ranks(procs, wait_s)
+
+
+def _end_ranks(procs: list, wait_s: float, grace_s: float = 5.0) -> None:
+    """Let ranks exit for up to ``wait_s``, then SIGTERM and, after ``grace_s``, SIGKILL
+    each rank's process group; the groups are signalled even after their rank exited, as
+    its children may not have."""
+    started = [p for p in procs if p.pid is not None]
+    deadline = time.monotonic() + wait_s
+    for proc in started:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, None)):
+        for proc in started:
+            _signal_rank(proc, sig)
+        deadline = time.monotonic() + (wait or 0.0)
+        for proc in started:
+            proc.join(timeout=None if wait is None else max(0.0, deadline - time.monotonic()))
+
+
+def _signal_rank(proc, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+    # A rank killed before its setpgid has no group of its own yet.
+    if proc.exitcode is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, sig)
 
 
 def _failures(outcomes: dict[int, tuple[bool, Any]]) -> str:

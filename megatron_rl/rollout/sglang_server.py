@@ -10,10 +10,13 @@ Owns: the command line from a typed :class:`SGLangServerConfig` (routed experts 
 tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
 ``--quantization fp8`` and KV cache ``--kv-cache-dtype fp8_e4m3``, initial
 ``--weight-version``); starting it in its own process group (so a stop reaches every
-worker it forks); waiting until ``GET /health`` answers 200 (failing early, with the log
-tail, when the process exits first); stopping with SIGTERM, then SIGKILL after a grace
-period. :class:`ManagedServer` does this for any command with a health URL, which is how
-the tests exercise it against the protocol server.
+worker it forks, and dying with this process if it is killed outright); refusing to start
+on a port something already answers on (its health would be mistaken for ours); waiting
+until ``GET /health`` answers 200 (failing early, with the log tail, when the process exits
+first); stopping with SIGTERM, then SIGKILL after a grace period. :class:`ManagedServer`
+does this for any command with a health URL, which is how the tests exercise it against
+the protocol server. Run as a module, SIGTERM/SIGINT stop the server at any point, startup
+included, and the wrapper exits with ``128 + signal``.
 
 Launch paths: under torchrun, rank 0 (or one rank per node) can hold a
 :class:`SGLangServer` as a context manager; under SLURM, run this module as a step
@@ -27,8 +30,10 @@ Standard library only: it also runs from SGLang's own environment, which pins an
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -37,8 +42,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Mapping, Sequence
-
+from typing import Callable, Literal, Mapping, Sequence
+from urllib.parse import urlsplit
 
 
 @dataclass(kw_only=True)
@@ -114,7 +119,38 @@ def health_status(url: str, timeout_s: float = 2.0) -> int:
 
 
 class ServerStartError(RuntimeError):
-    """The server exited or stayed unhealthy; the message carries its log tail."""
+    """The server exited or stayed unhealthy, or its port was taken; the message says which."""
+
+
+_PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def parent_death_signal(sig: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` after which the kernel sends ``sig`` to the child when this process
+    dies, however it dies (Linux; None elsewhere, and off the main thread, because the
+    kernel ties the signal to the thread that started the child, not to the process)."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not threading.main_thread():
+        return None
+    # Resolved here: between fork and exec the child should only make the system call.
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def arm() -> None:
+        prctl(_PR_SET_PDEATHSIG, sig)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os.kill(os.getpid(), sig)
+
+    return arm
+
+
+def port_in_use(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at ``url``'s host and port."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
 
 
 class ManagedServer:
@@ -135,16 +171,29 @@ class ManagedServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ManagedServer":
-        """Start the process in a new session (its own process group)."""
+        """Start the process in a new session (its own process group).
+
+        Raises:
+            ServerStartError: something already answers on the port (an orphaned server, another
+                job): its ``/health`` would pass for this server's.
+        """
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"server for {self.url} is already running (pid {self.process.pid})")
+        if port_in_use(self.url):
+            port = urlsplit(self.url).port
+            raise ServerStartError(f"port {port} is already in use ({self.url} accepts connections), not by a "
+                                   f"server this process started; stop whatever listens there (ss -ltnp "
+                                   f"'sport = :{port}') or choose another port")
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             out = open(self.log_path, "ab")
         try:
+            # SIGKILL on our death: the server leads its own session, so nothing else would
+            # stop it, and SGLang's own workers already die with it.
             self.process = subprocess.Popen(self.command, env=self.env, stdout=out,
-                                            stderr=subprocess.STDOUT if out else None, start_new_session=True)
+                                            stderr=subprocess.STDOUT if out else None, start_new_session=True,
+                                            preexec_fn=parent_death_signal(signal.SIGKILL))
         finally:
             if out is not None:
                 out.close()
@@ -184,6 +233,11 @@ class ManagedServer:
         # Workers the server forked may outlive it; the group kill reaches them too.
         self._signal_group(signal.SIGKILL)
         return self.process.returncode
+
+    def kill(self) -> None:
+        """SIGKILL the server's whole process group now."""
+        if self.process is not None:
+            self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
         try:
@@ -312,6 +366,14 @@ def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
             *cfg.extra_args]
 
 
+class _Stopped(BaseException):
+    """SIGTERM or SIGINT reached the wrapper (a BaseException: nothing on the way out catches it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, cfg = _parse(argv)
     command = stand_in_command(cfg) if args.stand_in else build_command(cfg)
@@ -319,36 +381,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(" ".join(command))
         return 0
     server = ManagedServer(command, cfg.url, log_path=args.log_file)
-    stop = threading.Event()
+
+    def stop_now(signum: int, _frame: object) -> None:
+        # Raised, not flagged: the startup wait (up to --startup-timeout) must end too.
+        raise _Stopped(signum)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    server.start()
+        signal.signal(sig, stop_now)
+    stopped_by = None
     try:
-        try:
-            server.wait_healthy(args.startup_timeout)
-        except ServerStartError as err:
-            if args.url_file:
-                # The trainer waits for this file: tell it at once instead of at its timeout.
-                first = str(err).splitlines()[0]
-                write_url_file(args.url_file + FAILED_SUFFIX, f"{first} (log: {args.log_file or 'stdout'})")
-            raise
-        url = cfg.url
-        if args.url_file:
-            if cfg.host in ("0.0.0.0", "::"):
-                # Other nodes reach this server by the node's name, not by loopback.
-                url = f"http://{os.uname().nodename}:{cfg.port}"
-            write_url_file(args.url_file, url)
-        print(f"{'stand-in' if args.stand_in else 'SGLang'} server healthy at {url} (pid {server.process.pid})",
-              flush=True)
-        while not stop.wait(1.0):
-            if server.process.poll() is not None:
-                print(f"server exited with code {server.process.returncode}", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return _serve(server, args, cfg)
+    except _Stopped as stop:
+        stopped_by = stop.signum
+        return 128 + stop.signum
+    except ServerStartError as err:
+        print(f"sglang_server: error: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
+        # From here on a signal must not cut the stop short, only skip the server's grace.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.kill())
         server.stop()
         if args.url_file:
             Path(args.url_file).unlink(missing_ok=True)
+        if stopped_by is not None:
+            code = server.process.returncode if server.process is not None else "none: not started"
+            print(f"sglang_server: stopped by {signal.Signals(stopped_by).name}; server stopped (its exit code "
+                  f"{code})", file=sys.stderr, flush=True)
+
+
+def _serve(server: ManagedServer, args: argparse.Namespace, cfg: SGLangServerConfig) -> int:
+    """Start, wait until healthy, publish the URL, then watch the server until it exits."""
+    try:
+        server.start()
+        server.wait_healthy(args.startup_timeout)
+    except ServerStartError as err:
+        if args.url_file:
+            # The trainer waits for this file: tell it at once instead of at its timeout.
+            first = str(err).splitlines()[0]
+            write_url_file(args.url_file + FAILED_SUFFIX, f"{first} (log: {args.log_file or 'stdout'})")
+        raise
+    url = cfg.url
+    if args.url_file:
+        if cfg.host in ("0.0.0.0", "::"):
+            # Other nodes reach this server by the node's name, not by loopback.
+            url = f"http://{os.uname().nodename}:{cfg.port}"
+        write_url_file(args.url_file, url)
+    print(f"{'stand-in' if args.stand_in else 'SGLang'} server healthy at {url} (pid {server.process.pid})",
+          flush=True)
+    while server.process.poll() is None:
+        time.sleep(1.0)
+    print(f"server exited with code {server.process.returncode}", file=sys.stderr, flush=True)
+    return 1
 
 
 if __name__ == "__main__":

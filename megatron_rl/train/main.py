@@ -5,13 +5,18 @@ environment (NCCL on GPUs, gloo on CPU). Started plainly, it spawns a local gloo
 ``parallel.world_size`` processes itself, which is how the CPU demo runs. The config and
 its files (starting checkpoint, tokenizer, prompt files, reward) are checked before any
 process or model starts; a bad one is reported in one line naming the culprit, exit code 2
-(``MEGATRON_RL_TRACEBACK=1`` shows the traceback).
+(``MEGATRON_RL_TRACEBACK=1`` shows the traceback). So is a run directory that another live
+run owns (``train/run_lock.py``). SIGTERM or SIGINT ends every rank and its children and
+exits with ``128 + signal`` after one line; checkpoints are published atomically, so the
+run resumes from the last complete one.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import warnings
 from pathlib import Path
@@ -22,7 +27,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_rl.config import ConfigError, RunConfig, from_dict, to_dict, validate  # noqa: E402
+from megatron_rl.parallel.world import Stopped, exit_with_parent, raise_on_stop_signals, run_world  # noqa: E402
+from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
 from megatron_rl.train.prepare import check_inputs, load_run_config  # noqa: E402
+from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
@@ -57,33 +65,78 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     args = parser.parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    # Under torchrun the agent stops the workers (SIGTERM to each one's process group); the
+    # default action ends a worker at once, even inside a collective, which a Python
+    # handler could not.
+    if launched:
+        return _main(args, launched)
+    try:
+        with raise_on_stop_signals():
+            return _main(args, launched)
+    except Stopped as stop:
+        print(f"megatron-rl-train: stopped by {signal.Signals(stop.signum).name} before the run started",
+              file=sys.stderr, flush=True)
+        return 128 + stop.signum
+
+
+def _main(args: argparse.Namespace, launched: bool) -> int:
     world_size = int(os.environ["WORLD_SIZE"]) if launched else None
+    rank0 = not launched or int(os.environ["RANK"]) == 0
+    lock, busy = None, None
     try:
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
         summary = check_inputs(cfg)
+        if rank0:
+            lock = RunDirLock(cfg.train.run_dir).acquire()
+    except RunDirBusy as err:
+        if not launched:
+            print(f"megatron-rl-train: error: {err}", file=sys.stderr)
+            return 2
+        busy = str(err)  # the other ranks learn it once the group exists
     except ConfigError as err:
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
         print(f"megatron-rl-train: error: {err}", file=sys.stderr)
         return 2
-    if not launched or int(os.environ["RANK"]) == 0:
-        print(summary.describe(), flush=True)
-    if launched:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+    with lock if lock is not None else contextlib.nullcontext():
+        if rank0 and busy is None:
+            print(summary.describe(), flush=True)
+        if launched:
+            return _run_launched(cfg, busy)
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
+        nproc = cfg.parallel.world_size or 1
+        validate(cfg, world_size=nproc)
         try:
-            run_rank(to_dict(cfg))
-        finally:
-            dist.destroy_process_group()
+            run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600)
+        except Stopped as stop:
+            latest = latest_checkpoint(cfg.train.run_dir)
+            where = f"resume from {latest} with the same command" if latest else "no checkpoint was published"
+            print(f"megatron-rl-train: stopped by {signal.Signals(stop.signum).name}: every rank ended; {where}",
+                  file=sys.stderr, flush=True)
+            return 128 + stop.signum
         return 0
-    from megatron_rl.parallel.world import run_world
 
-    os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
-    nproc = cfg.parallel.world_size or 1
-    validate(cfg, world_size=nproc)
-    run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600)
+
+def _run_launched(cfg: RunConfig, busy: str | None) -> int:
+    """One torchrun worker; global rank 0 holds the run directory and tells the others
+    whether it got it, so that a refused run exits 2 on every rank."""
+    # Workers lead their own sessions under torchrun: if the agent dies, nothing else
+    # would stop them (or their reward workers).
+    exit_with_parent(os.getppid())
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    try:
+        verdict = [busy]
+        dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            if dist.get_rank() == 0:
+                print(f"megatron-rl-train: error: {verdict[0]}", file=sys.stderr, flush=True)
+            return 2
+        run_rank(to_dict(cfg))
+    finally:
+        dist.destroy_process_group()
     return 0
 
 
