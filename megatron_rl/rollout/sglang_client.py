@@ -1,12 +1,13 @@
-"""The SGLang rollout backend: an async HTTP client and the engine the trainer calls.
+"""The SGLang rollout client: async HTTP to SGLang servers (the engine is in ``sglang_engine``).
 
 Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POST
 /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``, ``POST
 /flush_cache`` and ``POST /update_weight_version``; the wire format itself is
 :mod:`megatron_rl.rollout.sglang_wire`. Owns request scheduling over one or more servers:
 a bound on requests in flight, per-request timeouts, retries with jittered exponential
-backoff, least-loaded server choice with a cool-down for servers that failed, and the
-exactly-once accounting of samples. Does not own weight transfer
+backoff within a time budget, least-loaded server choice with a cool-down for servers that
+failed, hung-server detection, and the exactly-once accounting of samples. Does not own
+the collective engine (:mod:`~megatron_rl.rollout.sglang_engine`), weight transfer
 (:mod:`~megatron_rl.rollout.weight_sync`) or starting servers
 (:mod:`~megatron_rl.rollout.sglang_server`).
 
@@ -22,6 +23,15 @@ by sample index that keeps the first result and drops duplicates, and the call r
 only when the ledger holds every index exactly once, or raises naming the samples that
 failed. A server killed mid-batch therefore costs retries, never samples.
 
+Restarts and hangs: retries last ``retry_budget_s`` (sized for a server restart) rather
+than a few attempts. A server that comes back serves its launch weights; with
+``resync=True`` a sample answered by a server *behind* the expected version is not retried
+there: the server is set aside and, when no other server is left, the call raises
+:class:`ServersBehindError` carrying the results it has, so the engine can re-push the
+weights (a collective) and ask again for the rest. A server that accepts connections but
+never answers (SIGSTOP, a wedged scheduler) is caught by probing ``/health`` once a request
+has waited ``hang_check_after_s``: no 200 within ``health_timeout_s`` ends the call naming it.
+
 Memory: at most ``max_concurrency`` responses are held at a time; each is decoded as soon
 as it arrives and its int32 routes narrowed to the compact dtype, so host memory grows
 with the compact results, not with the wire payloads.
@@ -36,14 +46,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import Any, Sequence
 
 import aiohttp
-import torch
-import torch.distributed as dist
 
-from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang_wire import (
     SGLANG_VERSION,
     GenerateResult,
@@ -55,11 +64,9 @@ from megatron_rl.rollout.sglang_wire import (
 )
 from moe_routing.validate import RoutingDataError
 
-if TYPE_CHECKING:  # the client itself runs without Megatron
-    from megatron_rl.parallel.groups import ParallelGroups
-
-__all__ = ["SGLANG_VERSION", "SGLangClientConfig", "SGLangClient", "SGLangEngine", "RouteShape",
-           "RolloutRequestError", "StaleWeightVersionError", "SampleLedger", "request_json"]
+__all__ = ["SGLANG_VERSION", "SGLangClientConfig", "SGLangClient", "RouteShape", "ClientStats",
+           "RolloutRequestError", "StaleWeightVersionError", "ServersBehindError", "ServerHungError", "SampleLedger",
+           "probe_servers", "request_json"]
 
 
 @dataclass(kw_only=True)
@@ -74,15 +81,36 @@ class SGLangClientConfig:
     """Limit for opening a connection."""
     max_concurrency: int = 256
     """Requests in flight at once over all servers (bounds client memory)."""
-    max_retries: int = 4
-    """Retries per sample after its first attempt."""
+    retry_budget_s: float = 300.0
+    """A sample keeps retrying for this long after its first failed attempt: long enough for
+    a killed server to be restarted and load its model."""
+    max_retries: int = 1000
+    """Cap on retries per sample, a backstop (tests use it to fail fast): at the default
+    backoff a 300 s budget spends 40 to 75 retries."""
     backoff_s: float = 0.5
     """First retry delay; doubles per retry, with jitter."""
     backoff_max_s: float = 8.0
-    """Longest retry delay."""
+    """Longest retry delay (also bounds how late a sample notices a restarted server)."""
     server_cooldown_s: float = 2.0
     """A server that dropped a connection or answered 5xx gets no new request for this long
     while another server is available."""
+    hang_check_after_s: float = 15.0
+    """A ``/generate`` attempt unanswered for this long (and every such interval after)
+    makes the client probe the server's ``/health``."""
+    health_timeout_s: float = 30.0
+    """A server whose ``/health`` gives no 200 within this is hung, and the call fails naming
+    it; above SGLang's own 20 s health check, so a busy but live server is not mistaken."""
+    max_resyncs: int = 2
+    """Engine: weight re-pushes per ``generate`` call to servers found behind the version."""
+
+    def __post_init__(self) -> None:
+        positive = ("request_timeout_s", "connect_timeout_s", "hang_check_after_s", "health_timeout_s")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SGLangClientConfig.{name}: must be > 0, got {getattr(self, name)}")
+        for name in ("retry_budget_s", "max_retries", "backoff_s", "backoff_max_s", "max_resyncs"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SGLangClientConfig.{name}: must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -105,10 +133,29 @@ class StaleWeightVersionError(RolloutRequestError):
     """A server kept answering with another weight version than the trainer expects."""
 
 
+class ServersBehindError(StaleWeightVersionError):
+    """Servers answered with weights older than expected (restarted); a re-push can fix them.
+
+    Attributes:
+        behind: URL -> the weight version it served.
+        partial: sample index -> result, for the samples that did get a current answer.
+    """
+
+    def __init__(self, message: str, behind: dict[str, str], partial: dict[int, GenerateResult]) -> None:
+        super().__init__(message)
+        self.behind, self.partial = behind, partial
+
+
+class ServerHungError(RolloutRequestError):
+    """A server holds requests but does not answer ``/health`` (stopped or wedged)."""
+
+
 class _Retryable(Exception):
     def __init__(self, cause: str, message: str, *, cool_down: bool = False) -> None:
         super().__init__(message)
         self.cause, self.cool_down = cause, cool_down
+        self.served = ""
+        """The weight version a ``stale_version`` answer carried."""
 
 
 @dataclass
@@ -121,10 +168,26 @@ class ClientStats:
     """Failed attempts by cause (connection, timeout, http_5xx, malformed_json, bad_payload, ...)."""
     duplicates_dropped: int = 0
     """Results that arrived for a sample already accounted for."""
+    timeouts: int = 0
+    """Attempts abandoned for time: ``request_timeout_s`` passed, or the server was hung."""
+    resyncs: int = 0
+    """Engine: weight re-pushes to servers that came back behind the trainer's version."""
     max_in_flight: int = 0
     """Most requests in flight at once."""
     per_server: dict[str, int] = field(default_factory=dict)
     """Successful responses by server URL."""
+
+    def add(self, other: "ClientStats") -> None:
+        """Accumulate ``other`` into these counters."""
+        self.attempts += other.attempts
+        for cause, n in other.retries.items():
+            self.retries[cause] = self.retries.get(cause, 0) + n
+        self.duplicates_dropped += other.duplicates_dropped
+        self.timeouts += other.timeouts
+        self.resyncs += other.resyncs
+        self.max_in_flight = max(self.max_in_flight, other.max_in_flight)
+        for url, n in other.per_server.items():
+            self.per_server[url] = self.per_server.get(url, 0) + n
 
 
 class SampleLedger:
@@ -154,6 +217,10 @@ class SampleLedger:
             )
         return [self._results[i] for i in range(self.count)]
 
+    def received(self) -> dict[int, Any]:
+        """The results so far, by sample index."""
+        return dict(self._results)
+
 
 class SGLangClient:
     """Async client for a set of SGLang servers; use as ``async with SGLangClient(...)``.
@@ -173,6 +240,8 @@ class SGLangClient:
         self._down_until = {u: 0.0 for u in self.urls}
         self._turn = 0
         self._jitter = random.Random()
+        self._behind: dict[str, str] = {}
+        self._probes: dict[str, asyncio.Task] = {}
         self._session: aiohttp.ClientSession | None = None
         self._slots: asyncio.Semaphore | None = None
 
@@ -188,8 +257,9 @@ class SGLangClient:
 
     # ------------------------------------------------------------------ control endpoints
 
-    async def _get(self, url: str, path: str) -> tuple[int, bytes]:
-        async with self._session.get(url + path) as resp:
+    async def _get(self, url: str, path: str, timeout_s: float | None = None) -> tuple[int, bytes]:
+        timeout = None if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        async with self._session.get(url + path, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
     async def health(self, url: str, *, generate: bool = False) -> bool:
@@ -200,9 +270,9 @@ class SGLangClient:
             return False
         return status == 200
 
-    async def model_info(self, url: str) -> dict:
+    async def model_info(self, url: str, *, timeout_s: float | None = None) -> dict:
         """``GET /model_info``: model path, ``weight_version``, architecture."""
-        status, body = await self._get(url, "/model_info")
+        status, body = await self._get(url, "/model_info", timeout_s)
         if status != 200:
             raise RolloutRequestError(f"{url}/model_info: HTTP {status}: {body[:200]!r}")
         return json.loads(body)
@@ -238,6 +308,7 @@ class SGLangClient:
         return_routed_experts: bool,
         expected_version: str | None = None,
         seeds: Sequence[int] | None = None,
+        resync: bool = False,
     ) -> list[GenerateResult]:
         """One result per prompt, in prompt order, each accounted for exactly once.
 
@@ -247,32 +318,60 @@ class SGLangClient:
             return_routed_experts: request and decode routes.
             expected_version: reject (and retry) responses from any other weight version.
             seeds: ``sampling_seed`` per sample (SGLang honors it with deterministic inference).
+            resync: the caller can re-push weights: a server behind ``expected_version`` is
+                set aside instead of retried, and :class:`ServersBehindError` is raised when
+                samples are left with no server.
 
         Raises:
-            RolloutRequestError: a sample failed after its retries, or was refused (4xx).
+            RolloutRequestError: a sample failed within its retry budget, or was refused (4xx).
             StaleWeightVersionError: the last failure of a sample was a version mismatch.
+            ServersBehindError: with ``resync``, servers are behind (the results so far attached).
+            ServerHungError: a server held a request and did not answer ``/health``.
         """
         ledger = SampleLedger(uuid.uuid4().hex[:12], len(prompts))
+        if resync and expected_version is not None:
+            await self._find_behind(expected_version)
         tasks = [
             asyncio.create_task(self._sample(ledger, i, prompt, params, return_routed_experts, expected_version,
-                                             None if seeds is None else seeds[i]))
+                                             None if seeds is None else seeds[i], resync))
             for i, prompt in enumerate(prompts)
         ]
         try:
             await asyncio.gather(*tasks)
         finally:
-            for task in tasks:
+            for task in [*tasks, *self._probes.values()]:
                 task.cancel()
         self.stats.duplicates_dropped += ledger.duplicates
+        received = ledger.received()
+        if self._behind and len(received) < len(prompts):
+            servers = ", ".join(f"{u} (at {v!r})" for u, v in self._behind.items())
+            raise ServersBehindError(f"batch {ledger.batch}: {len(prompts) - len(received)} samples wait for "
+                                     f"servers behind weight version {expected_version!r}: {servers}",
+                                     dict(self._behind), received)
         return ledger.results()
 
-    async def _sample(self, ledger, index, prompt, params, want_routes, expected_version, seed) -> None:
-        last_url, last_error = None, None
-        for attempt in range(self.cfg.max_retries + 1):
+    async def _find_behind(self, expected: str) -> None:
+        """Set aside servers whose ``/model_info`` shows older weights, before any request."""
+        async def version(url: str) -> str | None:
+            try:
+                return str((await self.model_info(url, timeout_s=self.cfg.health_timeout_s)).get("weight_version"))
+            except (RolloutRequestError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return None  # unreachable now: requests to it will retry within their budget
+
+        for url, served in zip(self.urls, await asyncio.gather(*(version(u) for u in self.urls))):
+            if served is not None and _is_behind(served, expected):
+                self._behind[url] = served
+
+    async def _sample(self, ledger, index, prompt, params, want_routes, expected_version, seed, resync) -> None:
+        last_error, first_failure, attempt = None, None, 0
+        url = None
+        while True:
             try:
                 async with self._slots:
                     # Choose the server only once a slot is free, so the choice sees current load.
-                    url = self._pick(avoid=last_url)
+                    url = self._pick(avoid=url)
+                    if url is None:
+                        return  # every server is behind: the engine re-pushes weights and asks again
                     rid = f"{ledger.batch}-{index}.a{attempt}"
                     payload = generate_payload(rid=rid, prompt_ids=prompt, params=params,
                                                return_routed_experts=want_routes, sampling_seed=seed)
@@ -285,20 +384,37 @@ class SGLangClient:
                 self.stats.retries[err.cause] = self.stats.retries.get(err.cause, 0) + 1
                 if err.cool_down:
                     self._down_until[url] = time.monotonic() + self.cfg.server_cooldown_s
-                last_url, last_error = url, err
-            if attempt < self.cfg.max_retries:
-                delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2**attempt)
-                await asyncio.sleep(delay * (0.5 + 0.5 * self._jitter.random()))
+                last_error = err
+                if resync and err.cause == "stale_version" and _is_behind(err.served, expected_version):
+                    # Retrying there cannot help until the engine re-pushes the weights; another
+                    # server, if any is current, can take the sample at once.
+                    self._behind[url] = err.served
+                    attempt += 1
+                    continue
+            now = time.monotonic()
+            first_failure = now if first_failure is None else first_failure
+            spent = now - first_failure
+            if attempt >= self.cfg.max_retries or spent >= self.cfg.retry_budget_s:
+                break
+            delay = min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** min(attempt, 30))
+            delay *= 0.5 + 0.5 * self._jitter.random()
+            await asyncio.sleep(min(delay, self.cfg.retry_budget_s - spent))
+            attempt += 1
         kind = StaleWeightVersionError if last_error.cause == "stale_version" else RolloutRequestError
-        raise kind(f"sample {index} of batch {ledger.batch}: gave up after {self.cfg.max_retries + 1} attempts; "
-                   f"last failure ({last_error.cause}): {last_error}")
+        raise kind(f"sample {index} of batch {ledger.batch}: gave up after {attempt + 1} attempts; "
+                   f"last failure ({last_error.cause}): {last_error}; retried for {spent:.1f}s "
+                   f"(budget {self.cfg.retry_budget_s:g}s or {self.cfg.max_retries} retries)")
 
-    def _pick(self, avoid: str | None) -> str:
-        """Least-loaded server not cooling down, preferring one other than ``avoid``."""
+    def _pick(self, avoid: str | None) -> str | None:
+        """Least-loaded server not cooling down, preferring one other than ``avoid``; servers
+        behind the expected weights are never chosen (None when only those are left)."""
         now = time.monotonic()
-        ready = [u for u in self.urls if self._down_until[u] <= now]
+        usable = [u for u in self.urls if u not in self._behind]
+        if not usable:
+            return None
+        ready = [u for u in usable if self._down_until[u] <= now]
         if not ready:
-            ready = [min(self.urls, key=self._down_until.__getitem__)]
+            ready = [min(usable, key=self._down_until.__getitem__)]
         if avoid in ready and len(ready) > 1:
             ready.remove(avoid)
         least = min(self._in_flight[u] for u in ready)
@@ -306,15 +422,58 @@ class SGLangClient:
         self._turn += 1
         return tied[self._turn % len(tied)]
 
+    async def _post_watched(self, url: str, payload: dict, source: str) -> tuple[int, bytes]:
+        """``POST /generate``; while it waits, ``/health`` tells a slow server from a hung one.
+
+        A non-streaming ``/generate`` sends nothing until the whole response is done, so the
+        silence of a long generation looks like a stopped server; ``/health`` tells them
+        apart.
+        """
+        async def post() -> tuple[int, bytes]:
+            async with self._session.post(url + "/generate", json=payload) as resp:
+                return resp.status, await resp.read()
+
+        request = asyncio.ensure_future(post())
+        try:
+            while True:
+                done, _ = await asyncio.wait({request}, timeout=self.cfg.hang_check_after_s)
+                if done:
+                    return request.result()
+                problem = await self._probe(url)
+                if problem is not None:
+                    self.stats.timeouts += 1
+                    raise ServerHungError(f"{source}: no answer after {self.cfg.hang_check_after_s:g}s and {problem}")
+        finally:
+            request.cancel()
+
+    async def _probe(self, url: str) -> str | None:
+        """Why ``url`` looks hung (None: it answered ``/health``, or it is down, which the
+        request itself will show). One probe per server at a time serves every waiting request."""
+        task = self._probes.get(url)
+        if task is None or task.done():
+            task = self._probes[url] = asyncio.ensure_future(self._health_problem(url))
+        return await asyncio.shield(task)
+
+    async def _health_problem(self, url: str) -> str | None:
+        limit = self.cfg.health_timeout_s
+        try:
+            async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+                status = resp.status
+        except asyncio.TimeoutError:
+            return f"server {url} did not answer /health within {limit:g}s (hung?)"
+        except aiohttp.ClientError:
+            return None
+        return None if status == 200 else f"server {url} answered /health with HTTP {status} (unhealthy)"
+
     async def _attempt(self, url, rid, payload, index, prompt_len, want_routes, expected_version) -> GenerateResult:
         source = f"sample {index} (rid {rid}) from {url}"
         self.stats.attempts += 1
         self._in_flight[url] += 1
         self.stats.max_in_flight = max(self.stats.max_in_flight, sum(self._in_flight.values()))
         try:
-            async with self._session.post(url + "/generate", json=payload) as resp:
-                status, body = resp.status, await resp.read()
+            status, body = await self._post_watched(url, payload, source)
         except asyncio.TimeoutError:
+            self.stats.timeouts += 1
             raise _Retryable("timeout", f"{source}: no response within {self.cfg.request_timeout_s:g}s") from None
         except aiohttp.ClientError as err:
             raise _Retryable("connection", f"{source}: {type(err).__name__}: {err}", cool_down=True) from None
@@ -342,10 +501,56 @@ class SGLangClient:
         except GenerationAborted as err:
             raise _Retryable("aborted", str(err)) from None
         if expected_version is not None and result.weight_version != expected_version:
-            raise _Retryable("stale_version", f"{source}: generated with weight version {result.weight_version!r}, "
-                             f"expected {expected_version!r} (a server restarted without the current weights, "
-                             "or one whose weight sync failed, stays stale)")
+            stale = _Retryable("stale_version", f"{source}: generated with weight version {result.weight_version!r}, "
+                               f"expected {expected_version!r} (a server restarted without the current weights, "
+                               "or one whose weight sync failed, stays stale)")
+            stale.served = str(result.weight_version)
+            raise stale
         return result
+
+
+def _is_behind(served: str, expected: str) -> bool:
+    """Whether a server at ``served`` lacks weights the trainer at ``expected`` pushed: an
+    older number, or a launch tag such as SGLang's "default" (a restarted server). A newer
+    number means another writer, which a re-push would fight, so it is not "behind"."""
+    if not expected.lstrip("-").isdigit():
+        return False
+    return not served.lstrip("-").isdigit() or int(served) < int(expected)
+
+
+def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
+                  poll_s: float = 1.0) -> None:
+    """Fail unless every server answers ``GET /health`` with 200 (blocking; cheap).
+
+    Meant for before any heavy work (building the model, the warm start), so a run whose
+    servers are not there fails in seconds instead of after it.
+
+    Args:
+        urls: server base URLs.
+        timeout_s: limit for each probe.
+        wait_s: keep probing the servers that failed for this long (a restart in progress).
+        poll_s: pause between rounds while waiting.
+
+    Raises:
+        RolloutRequestError: one line per server that did not answer 200, naming it.
+    """
+    pending = [u.rstrip("/") for u in urls]
+    deadline = time.monotonic() + wait_s
+    while True:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
+            answers = list(pool.map(lambda u: (u, *request_json("GET", u + "/health", timeout_s=timeout_s)), pending))
+        failed = [(u, status, body) for u, status, body in answers if status != 200]
+        if not failed:
+            return
+        if time.monotonic() + poll_s > deadline:
+            lines = [f"SGLang server {u} is not healthy: "
+                     + (f"GET /health: {body}" if status == 0 else f"GET /health answered HTTP {status}")
+                     for u, status, body in failed]
+            waited = f" (waited {wait_s:g}s)" if wait_s > 0 else ""
+            raise RolloutRequestError(f"{len(failed)} of {len(urls)} SGLang servers unreachable{waited}:\n"
+                                      + "\n".join(lines))
+        pending = [u for u, _, _ in failed]
+        time.sleep(poll_s)
 
 
 def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float = 60.0) -> tuple[int, Any]:
@@ -369,108 +574,3 @@ def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float
         return status, json.loads(text)
     except ValueError:
         return status, text
-
-
-class WeightSyncer(Protocol):
-    """What the engine needs from :class:`~megatron_rl.rollout.weight_sync.WeightSync`."""
-
-    def sync(self, version: int) -> None:
-        """Collectively push the current weights to every server, tagged ``version``."""
-        ...
-
-    def close(self) -> None:
-        """Release what the transport holds."""
-        ...
-
-
-class SGLangEngine:
-    """The SGLang backend of :class:`~megatron_rl.rollout.engine.RolloutEngine`.
-
-    ``generate`` is called collectively on every rank (like the embedded engine), each
-    data-parallel rank with its own prompts. Only rank 0 of each model-parallel (TP x PP)
-    group sends requests; it broadcasts the samples, or the error, to its model-parallel
-    peers, so peers never duplicate requests and all fail together. ``update_weights`` is
-    collective too: the weights are gathered and pushed by ``weight_sync``, and from then
-    on every sample must carry that version. Without ``weight_sync`` the servers' weights
-    are managed elsewhere and versions are not checked.
-
-    Args:
-        cfg: client configuration.
-        routes: shape of the routed experts of the trained model.
-        groups: this rank's parallel groups (None: a single process, no trainer).
-        weight_sync: pushes weights to the servers; it runs before the first ``generate``
-            too, so servers never serve weights the trainer does not hold.
-    """
-
-    def __init__(self, cfg: SGLangClientConfig, routes: RouteShape, *, groups: ParallelGroups | None = None,
-                 weight_sync: WeightSyncer | None = None) -> None:
-        self.cfg, self.routes, self.groups, self.weight_sync = cfg, routes, groups, weight_sync
-        self.weight_version = 0
-        self.synced = False
-        self.stats = ClientStats()
-        self.server_info: dict[str, dict] = {}
-
-    def update_weights(self, version: int) -> None:
-        """Push the trainer's weights tagged ``version`` (collective when ``weight_sync`` is set)."""
-        if self.weight_sync is not None:
-            self.weight_sync.sync(version)
-            self.synced = True
-        self.weight_version = version
-
-    def close(self) -> None:
-        """Release the weight-sync transport (collective like ``update_weights``)."""
-        if self.weight_sync is not None:
-            self.weight_sync.close()
-
-    def _leader(self) -> bool:
-        return self.groups is None or dist.get_rank(self.groups.mp) == 0
-
-    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
-        """One response per prompt of this DP rank (collective over the model-parallel group)."""
-        if self.weight_sync is not None and not self.synced:
-            self.update_weights(self.weight_version)
-        outcome: tuple[str, Any] | None = None
-        if self._leader():
-            try:
-                outcome = ("ok", asyncio.run(self._generate(prompts, params, return_routed_experts, seed)))
-            except Exception as err:  # noqa: BLE001 - peers must learn about any failure
-                if self.groups is None or self.groups.mp.size() == 1:
-                    raise
-                outcome = ("error", f"{type(err).__name__}: {err}")
-        if self.groups is not None and self.groups.mp.size() > 1:
-            box = [outcome]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.mp, 0), group=self.groups.mp)
-            outcome = box[0]
-        if outcome[0] == "error":
-            raise RolloutRequestError(f"SGLang rollout failed on the model-parallel leader: {outcome[1]}")
-        return outcome[1]
-
-    async def _generate(self, prompts, params, want_routes, seed) -> list[RolloutSample]:
-        dp_rank = 0 if self.groups is None else self.groups.dp_rank
-        seeds = [(seed * 1_000_003 + dp_rank * 7_919 + i) % 2**31 for i in range(len(prompts))]
-        expected = str(self.weight_version) if self.synced else None
-        async with SGLangClient(self.cfg, self.routes) as client:
-            if not self.server_info:
-                self.server_info = await client.check_servers()
-            results = await client.generate(prompts, params, return_routed_experts=want_routes,
-                                            expected_version=expected, seeds=seeds)
-            self.stats = client.stats
-        return [self._sample(prompt, r) for prompt, r in zip(prompts, results)]
-
-    def _sample(self, prompt: Sequence[int], result: GenerateResult) -> RolloutSample:
-        version = result.weight_version
-        number = int(version) if version is not None and version.lstrip("-").isdigit() else self.weight_version
-        return RolloutSample(
-            prompt_ids=list(prompt), output_ids=result.output_ids, output_logprobs=result.output_logprobs,
-            finish_reason=result.finish_reason, weight_version=number, routed_experts=result.routed_experts,
-            meta={"rid": result.rid, "server_weight_version": version, **result.meta},
-        )
-
-
-def route_shape_of(model: torch.nn.Module) -> RouteShape:
-    """:class:`RouteShape` of a Megatron GPT model (every layer MoE)."""
-    from megatron_rl.parallel.schedule import unwrap
-
-    config = unwrap(model).config
-    return RouteShape(num_layers=config.num_layers, topk=config.moe_router_topk, num_experts=config.num_moe_experts)

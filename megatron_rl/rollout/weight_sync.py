@@ -21,6 +21,11 @@ Owns, for one ``sync(version)`` (collective over the trainer's world):
    so a server reports the new version only once every bucket has landed; afterwards
    rank 0 reads ``/model_info`` of every server and fails unless each reports it.
 
+A sync first waits (``server_wait_s``) for every server to answer ``/health``, so a server
+being restarted delays the push instead of failing it; ``sync(..., reconnect=True)`` (the
+engine's re-push to a restarted server) also rebuilds the broadcast group, whose server
+side died with the old process.
+
 :func:`sglang_engine` wires this into the SGLang rollout engine for a trainer. Does not
 own the HF name table (``megatron_rl.checkpoint.mapping``), the rollout client, or when
 syncs happen (the engine and the trainer). Everything funnels through rank 0: right for
@@ -44,7 +49,8 @@ from megatron_rl.checkpoint.megatron_io import global_parameter_names
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.parallel.world import free_port
-from megatron_rl.rollout.sglang_client import SGLangClientConfig, SGLangEngine, request_json, route_shape_of
+from megatron_rl.rollout.sglang_client import SGLangClientConfig, probe_servers, request_json
+from megatron_rl.rollout.sglang_engine import SGLangEngine, route_shape_of
 from megatron_rl.rollout.sglang_wire import serialize_named_tensors
 
 NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
@@ -73,6 +79,9 @@ class WeightSyncConfig:
     """Distributed mode: name of the group on both sides."""
     timeout_s: float = 600.0
     """Limit for one update request and for forming the group."""
+    server_wait_s: float = 300.0
+    """How long a sync waits for servers that do not answer ``/health`` (restarting) before
+    it fails naming them."""
 
 
 class WeightSyncError(RuntimeError):
@@ -247,6 +256,9 @@ class TensorTransport:
                    "flush_cache": version is not None, "abort_all_requests": False, "weight_version": version}
         _post_all(self.urls, "/update_weights_from_tensor", payload, self.cfg.timeout_s)
 
+    def reset(self) -> None:
+        """Nothing to rebuild: every request stands alone."""
+
     def close(self) -> None:
         """Nothing to release."""
 
@@ -306,6 +318,21 @@ class DistributedTransport:
             answers = [f.result() for f in futures]
         _check(answers, "/update_weights_from_distributed")
 
+    def reset(self) -> None:
+        """Drop the group so the next send forms a new one with every server.
+
+        A restarted server lost its side, and the others must leave theirs before they can
+        join a group of the same name; a refusal (a server without the group) is expected.
+        """
+        if self.group is None:
+            return
+        payload = {"group_name": self.cfg.group_name}
+        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+            list(pool.map(lambda u: request_json("POST", u + "/destroy_weights_update_group", payload,
+                                                 timeout_s=self.cfg.timeout_s), self.urls))
+        dist.destroy_process_group(self.group)
+        self.group = None
+
     def close(self) -> None:
         """Leave the group on both sides."""
         if self.group is None:
@@ -334,13 +361,25 @@ class WeightSync:
         if dist.get_rank() == 0:
             self.transport = (TensorTransport if cfg.mode == "tensor" else DistributedTransport)(self.urls, cfg)
 
-    def sync(self, version: int) -> None:
-        """Gather, send and verify; a collective that raises on every rank if rank 0 failed.
+    def sync(self, version: int, *, reconnect: bool = False) -> None:
+        """Wait for the servers, gather, send and verify; a collective that raises on every
+        rank if rank 0 failed.
 
         Every rank runs the gather to its end even after rank 0 failed to send, so that no
         rank is left waiting in a collective; the error is then broadcast.
+
+        Args:
+            version: the version the servers report once every bucket has landed.
+            reconnect: servers restarted since the last sync: rebuild the transport first.
         """
         error, bucket, size = None, [], 0
+        if self.transport is not None:
+            try:
+                probe_servers(self.urls, timeout_s=10.0, wait_s=self.cfg.server_wait_s)
+                if reconnect:
+                    self.transport.reset()
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(err).__name__}: {err}"
         with torch.no_grad():
             for name, tensor in gather_full_params(self.model, self.groups):
                 if self.transport is None or error is not None:

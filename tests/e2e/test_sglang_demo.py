@@ -152,7 +152,7 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.sglang_client import SGLangEngine
+    from megatron_rl.rollout.sglang_engine import SGLangEngine
     from megatron_rl.train.trainer import Trainer
 
     cfg = from_dict(RunConfig, cfg_dict)
@@ -162,7 +162,7 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
         assert isinstance(trainer.engine, SGLangEngine) and trainer.engine.cfg.urls == [url]
         history = trainer.run()
         prompts = [p.prompt_ids for p in trainer._mine(trainer.eval_set.records)]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=(trainer.tokenizer.eos_id,))
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=tuple(trainer.tokenizer.stop_token_ids))
         served = trainer.engine.generate(prompts, greedy, seed=0)
         local = EmbeddedEngine(trainer.ddp, groups, cfg.train.micro_batch_sequences).generate(prompts, greedy, seed=0)
         return {

@@ -1,0 +1,223 @@
+"""The SGLang rollout engine: the trainer's side of :mod:`~megatron_rl.rollout.sglang_client`.
+
+Owns what is collective about SGLang rollouts: model-parallel leaders send the requests
+and share the samples with their peers, weights are pushed with a version every sample
+must then carry, servers found behind that version (restarted) get the weights again
+before their samples are asked for again, and the client's counters become step metrics.
+Does not own HTTP, retries or the ledger (the client), nor how weights travel
+(:mod:`~megatron_rl.rollout.weight_sync`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.comm import all_reduce
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.sglang_client import (
+    ClientStats,
+    RolloutRequestError,
+    RouteShape,
+    ServersBehindError,
+    SGLangClient,
+    SGLangClientConfig,
+    StaleWeightVersionError,
+)
+from megatron_rl.rollout.sglang_wire import GenerateResult
+
+if TYPE_CHECKING:  # the engine is usable without Megatron (a single process, no trainer)
+    from megatron_rl.parallel.groups import ParallelGroups
+
+__all__ = ["SGLangEngine", "WeightSyncer", "STEP_METRICS", "route_shape_of"]
+
+
+class WeightSyncer(Protocol):
+    """What the engine needs from :class:`~megatron_rl.rollout.weight_sync.WeightSync`."""
+
+    def sync(self, version: int, *, reconnect: bool = False) -> None:
+        """Collectively push the current weights to every server, tagged ``version``;
+        ``reconnect``: servers restarted, so transport state they held is rebuilt first."""
+        ...
+
+    def close(self) -> None:
+        """Release what the transport holds."""
+        ...
+
+
+STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts")
+"""Counters :meth:`SGLangEngine.step_metrics` reports, as ``sglang/<name>``."""
+
+
+class SGLangEngine:
+    """The SGLang backend of :class:`~megatron_rl.rollout.engine.RolloutEngine`.
+
+    ``generate`` is called collectively on every rank (like the embedded engine), each
+    data-parallel rank with its own prompts. Only rank 0 of each model-parallel (TP x PP)
+    group sends requests; it broadcasts the samples, or the error, to its model-parallel
+    peers, so peers never duplicate requests and all fail together. ``update_weights`` is
+    collective too: the weights are gathered and pushed by ``weight_sync``, and from then
+    on every sample must carry that version. Without ``weight_sync`` the servers' weights
+    are managed elsewhere and versions are not checked.
+
+    With ``weight_sync``, a server that restarted (it serves its launch weights) is healed:
+    each round of ``generate`` ends with one exchange over the world in which every rank
+    learns the servers any leader found behind (and any failure, so all ranks fail
+    together); the weights are then pushed again, a collective every rank enters, and the
+    samples still missing are asked for again, at most ``cfg.max_resyncs`` times per call.
+
+    Args:
+        cfg: client configuration.
+        routes: shape of the routed experts of the trained model.
+        groups: this rank's parallel groups (None: a single process, no trainer).
+        weight_sync: pushes weights to the servers; it runs before the first ``generate``
+            too, so servers never serve weights the trainer does not hold.
+    """
+
+    def __init__(self, cfg: SGLangClientConfig, routes: RouteShape, *, groups: ParallelGroups | None = None,
+                 weight_sync: WeightSyncer | None = None) -> None:
+        self.cfg, self.routes, self.groups, self.weight_sync = cfg, routes, groups, weight_sync
+        self.weight_version = 0
+        self.synced = False
+        self.stats = ClientStats()
+        """Counters of the last ``generate`` call."""
+        self._totals = ClientStats()
+        self.server_info: dict[str, dict] = {}
+
+    def update_weights(self, version: int) -> None:
+        """Push the trainer's weights tagged ``version`` (collective when ``weight_sync`` is set)."""
+        if self.weight_sync is not None:
+            self.weight_sync.sync(version)
+            self.synced = True
+        self.weight_version = version
+
+    def close(self) -> None:
+        """Release the weight-sync transport (collective like ``update_weights``)."""
+        if self.weight_sync is not None:
+            self.weight_sync.close()
+
+    def _leader(self) -> bool:
+        return self.groups is None or dist.get_rank(self.groups.mp) == 0
+
+    def _shares_outcome(self) -> bool:
+        """Whether other ranks must hear this rank's outcome of a round (so it must not just raise)."""
+        return self.groups is not None and (self.groups.mp.size() > 1 or self.weight_sync is not None)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+        """One response per prompt of this DP rank (collective over the model-parallel group,
+        and over the world when ``weight_sync`` is set)."""
+        if self.weight_sync is not None and not self.synced:
+            self.update_weights(self.weight_version)
+        dp_rank = 0 if self.groups is None else self.groups.dp_rank
+        seeds = [(seed * 1_000_003 + dp_rank * 7_919 + i) % 2**31 for i in range(len(prompts))]
+        self.stats = ClientStats()
+        done: dict[int, RolloutSample] = {}
+        try:
+            while True:
+                todo = [i for i in range(len(prompts)) if i not in done]
+                samples, behind = self._round(prompts, todo, params, return_routed_experts, seeds)
+                done.update(samples)
+                if not behind:
+                    return [done[i] for i in range(len(prompts))]
+                servers = ", ".join(f"{u} (at {v!r})" for u, v in sorted(behind.items()))
+                if self.stats.resyncs >= self.cfg.max_resyncs:
+                    raise StaleWeightVersionError(
+                        f"servers still behind weight version {self.weight_version} after {self.stats.resyncs} "
+                        f"re-pushes of the weights: {servers}")
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    print(f"SGLang servers behind weight version {self.weight_version} (restarted?): {servers}; "
+                          "pushing the weights again", flush=True)
+                self.weight_sync.sync(self.weight_version, reconnect=True)
+                self.stats.resyncs += 1
+        finally:
+            self._totals.add(self.stats)
+
+    def _round(self, prompts, todo, params, want_routes, seeds) -> tuple[dict[int, RolloutSample], dict[str, str]]:
+        """Samples for the indices ``todo``, and every server (on any rank) found behind."""
+        outcome: tuple | None = None
+        if self._leader():
+            try:
+                outcome = ("ok", *asyncio.run(self._generate(prompts, todo, params, want_routes, seeds)))
+            except Exception as err:  # noqa: BLE001 - peers must learn about any failure
+                if not self._shares_outcome():
+                    raise
+                outcome = ("error", f"{type(err).__name__}: {err}")
+        if self.groups is not None and self.groups.mp.size() > 1:
+            box = [outcome]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.mp, 0), group=self.groups.mp)
+            outcome = box[0]
+        failures = [outcome[1]] if outcome[0] == "error" else []
+        behind = {} if outcome[0] == "error" else dict(outcome[2])
+        if self.groups is not None and self.weight_sync is not None:
+            # Small (no samples): which servers each rank found behind, or its failure.
+            mine = ("error", outcome[1]) if outcome[0] == "error" else ("ok", behind)
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            failures = [f"rank {r}: {v}" for r, (kind, v) in enumerate(everyone) if kind == "error"]
+            for kind, value in everyone:
+                if kind == "ok":
+                    behind.update(value)
+        if failures:
+            raise RolloutRequestError(f"SGLang rollout failed on the model-parallel leader: {failures[0]}"
+                                      + (f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""))
+        return outcome[1], behind
+
+    async def _generate(self, prompts, todo, params, want_routes, seeds) -> tuple[dict, dict[str, str]]:
+        if not todo:
+            return {}, {}
+        expected = str(self.weight_version) if self.synced else None
+        async with SGLangClient(self.cfg, self.routes) as client:
+            try:
+                if not self.server_info:
+                    self.server_info = await client.check_servers()
+                try:
+                    results = await client.generate([prompts[i] for i in todo], params,
+                                                    return_routed_experts=want_routes, expected_version=expected,
+                                                    seeds=[seeds[i] for i in todo],
+                                                    resync=self.weight_sync is not None)
+                    got, behind = dict(enumerate(results)), {}
+                except ServersBehindError as err:
+                    got, behind = err.partial, err.behind
+            finally:
+                self.stats.add(client.stats)
+        return {todo[j]: self._sample(prompts[todo[j]], r) for j, r in got.items()}, behind
+
+    def step_metrics(self) -> dict[str, torch.Tensor]:
+        """``sglang/{attempts,retries,duplicates,resyncs,timeouts}`` since the last call.
+
+        Collective over the world when ``groups`` is set, with the same values on every
+        rank: only model-parallel leaders send requests, so their counters are summed over
+        the world; every rank takes part in a re-push, so those are counted once (rank 0).
+        """
+        totals, self._totals = self._totals, ClientStats()
+        leader = self._leader()
+        first = self.groups is None or dist.get_rank() == 0
+        counts = torch.tensor([
+            totals.attempts if leader else 0, sum(totals.retries.values()) if leader else 0,
+            totals.duplicates_dropped if leader else 0, totals.resyncs if first else 0,
+            totals.timeouts if leader else 0,
+        ], dtype=torch.float64)
+        if self.groups is not None:
+            all_reduce(counts, dist.group.WORLD)
+        return {f"sglang/{name}": counts[i].float() for i, name in enumerate(STEP_METRICS)}
+
+    def _sample(self, prompt: Sequence[int], result: GenerateResult) -> RolloutSample:
+        version = result.weight_version
+        number = int(version) if version is not None and version.lstrip("-").isdigit() else self.weight_version
+        return RolloutSample(
+            prompt_ids=list(prompt), output_ids=result.output_ids, output_logprobs=result.output_logprobs,
+            finish_reason=result.finish_reason, weight_version=number, routed_experts=result.routed_experts,
+            meta={"rid": result.rid, "server_weight_version": version, **result.meta},
+        )
+
+
+def route_shape_of(model: torch.nn.Module) -> RouteShape:
+    """:class:`RouteShape` of a Megatron GPT model (every layer MoE)."""
+    from megatron_rl.parallel.schedule import unwrap
+
+    config = unwrap(model).config
+    return RouteShape(num_layers=config.num_layers, topk=config.moe_router_topk, num_experts=config.num_moe_experts)
