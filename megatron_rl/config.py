@@ -488,6 +488,10 @@ def validate_sglang(s: SGLangConfig, model: ModelConfig, prefix: str = "rollout.
     _require(s.max_retries >= 0, f"{prefix}.max_retries", "must be >= 0")
     _require(s.request_timeout_s > 0, f"{prefix}.request_timeout_s", "must be > 0")
     _require(s.retry_backoff_s >= 0, f"{prefix}.retry_backoff_s", "must be >= 0")
+    for key in ("retry_budget_s", "retry_backoff_max_s", "max_resyncs"):
+        _require(getattr(s, key) >= 0, f"{prefix}.{key}", "must be >= 0")
+    for key in ("hang_check_after_s", "health_timeout_s"):
+        _require(getattr(s, key) > 0, f"{prefix}.{key}", "must be > 0")
     _require(
         s.hf_architecture in ARCHITECTURES.names(), f"{prefix}.hf_architecture",
         f"unknown architecture {s.hf_architecture!r}; available: {sorted(ARCHITECTURES.names())}",

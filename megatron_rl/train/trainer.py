@@ -30,7 +30,7 @@ from megatron.core import dist_checkpointing
 from megatron_rl.algos import compute_advantages, dynamic_sampling_keep_S, kl_estimate_T, soft_overlong_penalty_S
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
-from megatron_rl.config import RunConfig, resolve_objective, to_dict
+from megatron_rl.config import RunConfig, resolve_objective, to_dict, validate_batch_split
 from megatron_rl.data.prompts import PromptRecord, load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
@@ -84,14 +84,10 @@ class Trainer:
         self.train_set = load_prompts(cfg.data, "train", self.tokenizer, limit)
         self.eval_set = load_prompts(cfg.data, "eval", self.tokenizer, limit)
         self.init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
-        per_rank, rem = divmod(cfg.rollout.prompts_per_step, groups.dp_size)
-        if rem or per_rank % cfg.train.mini_batches:
-            raise ValueError(
-                f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must split evenly over "
-                f"{groups.dp_size} data-parallel ranks and then into train.mini_batches "
-                f"({cfg.train.mini_batches})"
-            )
-        self.groups_per_rank = per_rank
+        validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
+        self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
+        # Before the model exists: a run whose rollout servers are missing fails in seconds.
+        self.rollout_urls = self._rollout_urls()
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
                                  **transformer_config_fields(cfg.fp8))
         self.resume_path = latest_checkpoint(cfg.train.run_dir) if cfg.train.resume else None
@@ -109,6 +105,33 @@ class Trainer:
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
         self.scorer = RewardScorer(cfg.reward)
 
+    def _rollout_urls(self) -> list[str]:
+        """The SGLang servers' URLs, each checked to answer ``/health`` (none for the embedded engine)."""
+        if self.cfg.rollout.engine != "sglang":
+            return []
+        from megatron_rl.rollout.sglang_server import read_url_files
+
+        s = self.cfg.rollout.sglang
+        urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
+        self._probe_rollout_servers(urls)
+        return urls
+
+    def _probe_rollout_servers(self, urls: list[str]) -> None:
+        """Collective: every rank probes (each model-parallel leader will send requests) and
+        all fail together, with one line per unreachable server."""
+        from megatron_rl.rollout.sglang_client import RolloutRequestError, probe_servers
+
+        try:
+            probe_servers(urls, timeout_s=self.cfg.rollout.sglang.health_timeout_s)
+            problem = None
+        except RolloutRequestError as err:
+            problem = str(err)
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, problem)
+        failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]}: {failed[0][1]}")
+
     def _build_engine(self):
         """The rollout engine the config names (collective: weight sync spans every rank)."""
         cfg = self.cfg
@@ -119,18 +142,18 @@ class Trainer:
         from megatron_rl.rollout.sglang_client import SGLangClientConfig
         from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
 
-        from megatron_rl.rollout.sglang_server import read_url_files
-
         s = cfg.rollout.sglang
-        urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
-        client = SGLangClientConfig(urls=urls, request_timeout_s=s.request_timeout_s,
-                                    max_concurrency=s.max_concurrency, max_retries=s.max_retries,
-                                    backoff_s=s.retry_backoff_s)
+        client = SGLangClientConfig(urls=self.rollout_urls, request_timeout_s=s.request_timeout_s,
+                                    max_concurrency=s.max_concurrency, retry_budget_s=s.retry_budget_s,
+                                    max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
+                                    backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
+                                    health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs)
         sync = None
         if s.weight_sync != "none":
+            # A sync waits for a restarting server as long as a sample would.
             sync = WeightSyncConfig(mode=s.weight_sync, bucket_bytes=s.weight_sync_bucket_mb << 20,
                                     server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
-                                    master_address=s.weight_sync_master_address)
+                                    master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s)
         name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
         return sglang_engine(self.ddp, self.groups, client, sync, name_map=name_map)
 
@@ -383,6 +406,9 @@ class Trainer:
         if self.rank0 and self.init is not None:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
         if t.sft_steps > 0:
+            if self.rollout_urls:
+                # Servers may have died while the model was built; find out before the warm start.
+                self._probe_rollout_servers(self.rollout_urls)
             sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
             per_rank = t.sft_batch_size // self.groups.dp_size
 
@@ -415,6 +441,13 @@ class Trainer:
         self.reference = build_model(self.cfg.model, self.cfg.parallel, **transformer_config_fields(self.cfg.fp8))
         load_model(self.reference, ref_dir)
 
+    def _engine_metrics(self) -> dict[str, torch.Tensor]:
+        """The SGLang client's counters since the last call (``sglang/attempts``, ``retries``,
+        ``duplicates``, ``resyncs``, ``timeouts``), the same on every rank: a collective the
+        engine reduces over the world itself. Nothing for the embedded engine."""
+        step_metrics = getattr(self.engine, "step_metrics", None)
+        return step_metrics() if step_metrics is not None else {}
+
     def _print_warm_start(self, step: int, metrics: dict) -> None:
         if self.rank0:
             values = ", ".join(f"{k}={float(v):.4f}" for k, v in metrics.items())
@@ -437,7 +470,7 @@ class Trainer:
             state = self._start(self._print_warm_start)
             self._setup_reference(state)
             if state.step == 0:
-                log(0, {**self.evaluate(),
+                log(0, {**self.evaluate(), **self._engine_metrics(),
                         "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
                         "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
                         "data/prompts_over_length": torch.tensor(
@@ -450,6 +483,7 @@ class Trainer:
                     metrics.update(self.evaluate())
                 if self.telemetry is not None:
                     metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
+                metrics.update(self._engine_metrics())
                 log(step, metrics)
                 if step % t.save_every == 0 or step == t.steps:
                     save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))

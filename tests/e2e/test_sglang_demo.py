@@ -193,6 +193,8 @@ def test_rl_demo_loop_with_the_sglang_backend(server, tmp_path):
         # Rollout log-probs come from the server; ~0 means it served this step's weights.
         assert row["mismatch/train_rollout_abs_diff"] < 1e-4, (step, row["mismatch/train_rollout_abs_diff"])
         assert row["routing/replay_agreement"] > 0.95 and row["routing/replayed_micro_batches"] > 0, row
+        # Exactly-once is auditable from the metrics: every request answered at first try.
+        assert row["sglang/attempts"] > 0 and row["sglang/retries"] == row["sglang/resyncs"] == 0, row
         assert all(torch.isfinite(torch.tensor(v)) for v in row.values() if isinstance(v, float))
     for rank in results:
         assert all(rank["same_tokens"]) and all(rank["same_routes"]), rank
