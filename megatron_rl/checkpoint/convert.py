@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,6 +42,14 @@ from megatron_rl.checkpoint.hf_io import (
     staging_dir,
     tensor_bytes,
 )
+from megatron_rl.checkpoint.inputs import (
+    check_dist_checkpoint,
+    check_output_dir,
+    missing_parents,
+    read_json,
+    remove_created_parents,
+)
+from megatron_rl.checkpoint.local_world import check_layout, minimal_world_size, run_local
 from megatron_rl.checkpoint.mapping import (
     ARCHITECTURES,
     Architecture,
@@ -57,8 +64,7 @@ from megatron_rl.checkpoint.trainer_source import (
     is_trainer_checkpoint,
     read_trainer_model,
 )
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, from_dict, validate_layout
-from megatron_rl.parallel.world import free_port, run_world
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, from_dict
 
 RECORD_NAME = "conversion.json"
 HF_FILES_DIR = "hf_files"
@@ -156,22 +162,6 @@ def _check_tensors(arch: Architecture, model: ModelConfig, checkpoint: HFCheckpo
         raise CheckpointMismatchError(f"{checkpoint.directory}: " + "; ".join(problems))
 
 
-def minimal_world_size(parallel: ParallelConfig) -> int:
-    """Fewest processes that hold the layout (TP x PP dense, ETP x EP x PP experts)."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    experts = parallel.expert_tensor_parallel_size * parallel.expert_model_parallel_size * pp
-    return math.lcm(tp * pp * parallel.context_parallel_size, experts)
-
-
-def _check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
-    if parallel.expert_tensor_parallel_size != 1:
-        raise ConfigError(
-            "parallel.expert_tensor_parallel_size: conversion splits experts over EP only (ETP=1); "
-            "the checkpoint it writes loads into any ETP"
-        )
-    validate_layout(model, parallel, world_size)
-
-
 # ------------------------------------------------------------------ the conversion record
 
 
@@ -206,6 +196,7 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
             model cannot be expressed in its architecture, or the given HF config
             describes another model than the trainer's (differing fields named).
     """
+    check_dist_checkpoint(megatron_dir)
     trainer = is_trainer_checkpoint(megatron_dir)
     if trainer and hf_config is None and not (Path(megatron_dir) / RECORD_NAME).exists():
         return _trainer_source(megatron_dir)
@@ -239,10 +230,14 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
     source = Path(hf_config) if hf_config is not None else Path(megatron_dir)
     record_path = source / RECORD_NAME
     if record_path.exists():
-        record = json.loads(record_path.read_text())
+        record = read_json(record_path, required=("architecture", "model", "hf_index", "hf_files"))
+        try:
+            model = from_dict(ModelConfig, record["model"], prefix=f"{RECORD_NAME}.model")
+        except ConfigError as err:
+            raise CheckpointMismatchError(f"{record_path}: {err}") from None
         return HFSource(
             architecture=record["architecture"],
-            model=from_dict(ModelConfig, record["model"], prefix=f"{RECORD_NAME}.model"),
+            model=model,
             index=record["hf_index"],
             files=[str(source / HF_FILES_DIR / name) for name in record["hf_files"]],
         )
@@ -349,7 +344,7 @@ def hf_to_megatron_collective(
     from megatron_rl.checkpoint.megatron_io import hf_to_megatron_rank
 
     source = inspect_hf_checkpoint(hf_dir)
-    _check_layout(source.model, parallel, dist.get_world_size())
+    check_layout(source.model, parallel, dist.get_world_size())
     rank0 = dist.get_rank() == 0
     with collective_output_dir(out_dir) as staging:
         if rank0:
@@ -402,36 +397,18 @@ def megatron_to_hf_world_entry(
         megatron_to_hf_collective(megatron_dir, out_dir, hf_config, max_shard_bytes, progress)
 
 
-def _refuse_existing(out_dir: str | Path) -> None:
-    for path in (Path(out_dir), staging_dir(out_dir)):
-        if path.exists():
-            raise FileExistsError(f"{path} already exists; choose a new output directory")
-
-
-def run_local(entry, world_size: int, *args, timeout_s: float) -> list:
-    """``entry(*args)`` on every rank of a new local gloo world; results by rank.
-
-    A world of one runs in this process (no spawn: Megatron is imported once, and a
-    failure raises its own exception); larger worlds are spawned by ``run_world``.
-    """
-    if world_size > 1:
-        return run_world(entry, world_size, *args, timeout_s=timeout_s)
-    if dist.is_initialized():
-        raise RuntimeError("a local world of one needs torch.distributed uninitialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        return [entry(*args)]
-    finally:
-        dist.destroy_process_group()
-
-
 def _run_into(out_dir: str | Path, entry, world_size: int, *args, timeout_s: float) -> Path:
-    _refuse_existing(out_dir)
+    """Run the world that writes ``out_dir``; on any failure nothing of it is left, parents included."""
+    check_output_dir(out_dir)
+    if staging_dir(out_dir).exists():
+        raise FileExistsError(f"{staging_dir(out_dir)} already exists; choose a new output directory")
+    created = missing_parents(out_dir)
     try:
         run_local(entry, world_size, *args, timeout_s=timeout_s)
     except BaseException:
         # A rank killed mid-write cannot clean up; the staging directory is this run's.
         shutil.rmtree(staging_dir(out_dir), ignore_errors=True)
+        remove_created_parents(created)
         raise
     return Path(out_dir)
 
@@ -464,7 +441,7 @@ def convert_hf_to_megatron(
     parallel = parallel or ParallelConfig()
     source = inspect_hf_checkpoint(hf_dir)
     world_size = world_size or minimal_world_size(parallel)
-    _check_layout(source.model, parallel, world_size)
+    check_layout(source.model, parallel, world_size)
     args = (str(hf_dir), str(out_dir), parallel, progress)
     return _run_into(out_dir, hf_to_megatron_world_entry, world_size, *args, timeout_s=timeout_s)
 

@@ -13,11 +13,11 @@ flags) are not read. Does not own tensor names or shapes.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.inputs import read_json
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, Architecture
 from megatron_rl.config import ConfigError, ModelConfig, validate_model
 from megatron_rl.registry import UnknownNameError
@@ -30,7 +30,7 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.exists():
         raise CheckpointMismatchError(f"{path}: no config.json in the HF checkpoint")
-    return json.loads(path.read_text())
+    return read_json(path, required=("model_type",))
 
 
 def architecture_of(config: dict[str, Any]) -> Architecture:

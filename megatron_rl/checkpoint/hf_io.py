@@ -21,11 +21,12 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.inputs import check_output_dir, missing_parents, read_json, remove_created_parents
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -53,11 +54,13 @@ class HFCheckpoint:
         self.directory = Path(directory)
         index_path = self.directory / INDEX_NAME
         if index_path.exists():
-            self.index: dict | None = json.loads(index_path.read_text())
+            self.index: dict | None = read_json(index_path, required=("weight_map",))
+            if not isinstance(self.index["weight_map"], dict):
+                raise CheckpointMismatchError(f"{index_path}: 'weight_map' is not an object")
             self.weight_map: dict[str, str] = dict(self.index["weight_map"])
         elif (self.directory / SINGLE_NAME).exists():
             self.index = None
-            with safe_open(self.directory / SINGLE_NAME, framework="pt") as f:
+            with _open_safetensors(self.directory / SINGLE_NAME) as f:
                 self.weight_map = {name: SINGLE_NAME for name in f.keys()}
         else:
             raise CheckpointMismatchError(f"{self.directory}: neither {INDEX_NAME} nor {SINGLE_NAME} exists")
@@ -78,7 +81,7 @@ class HFCheckpoint:
         if not path.exists():
             named = [n for n, f in self.weight_map.items() if f == file]
             raise CheckpointMismatchError(f"{path} is missing (it holds {format_names(named, 3)})")
-        handle = safe_open(path, framework="pt")
+        handle = _open_safetensors(path)
         self._handles[file] = handle
         for name in handle.keys():
             view = handle.get_slice(name)
@@ -104,12 +107,26 @@ class HFCheckpoint:
         """One tensor, read from its shard."""
         if name not in self.weight_map:
             raise CheckpointMismatchError(f"tensor {name} is not in {self.directory}")
-        return self._handles[self.weight_map[name]].get_tensor(name)
+        file = self.weight_map[name]
+        try:
+            return self._handles[file].get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointMismatchError(f"{self.directory / file}: tensor {name} cannot be read ({err})") from None
 
     def extra_files(self) -> list[Path]:
         """Non-weight files beside the weights (config, generation config, tokenizer)."""
         weights = set(self.weight_map.values()) | {INDEX_NAME}
         return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name not in weights)
+
+
+def _open_safetensors(path: Path):
+    """``safe_open`` that names the file when its header is damaged or the file is truncated."""
+    try:
+        return safe_open(path, framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise CheckpointMismatchError(
+            f"{path}: not a readable safetensors file ({err}); truncated or corrupt?"
+        ) from None
 
 
 @dataclass(kw_only=True)
@@ -244,22 +261,26 @@ def atomic_output_dir(final: str | Path) -> Iterator[Path]:
     exception it is deleted, so ``final`` is either complete or absent. A process killed
     mid-write leaves only the marked staging directory behind.
 
+    Parents that did not exist are created, and removed again on failure.
+
     Raises:
         FileExistsError: ``final`` exists, or a staging directory from an earlier,
             interrupted run is still there (remove it after checking nothing writes to it).
+        CheckpointMismatchError: a parent of ``final`` is a file or cannot be written in.
     """
     final = Path(final)
-    if final.exists():
-        raise FileExistsError(f"{final} already exists; choose a new output directory")
+    check_output_dir(final)
     staging = staging_dir(final)
     if staging.exists():
         raise FileExistsError(f"{staging} exists: another conversion is writing there or one was interrupted")
-    staging.mkdir(parents=True)
-    (staging / INCOMPLETE_MARKER).write_text("written by an unfinished or failed conversion; do not use\n")
+    created = missing_parents(final)
     try:
+        staging.mkdir(parents=True)
+        (staging / INCOMPLETE_MARKER).write_text("written by an unfinished or failed conversion; do not use\n")
         yield staging
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        remove_created_parents(created)
         raise
     (staging / INCOMPLETE_MARKER).unlink()
     os.replace(staging, final)

@@ -12,13 +12,14 @@ at every position. Does not own conversion or prompt tokenization beyond reading
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.inputs import read_json
 from megatron_rl.config import ParallelConfig
 
 if TYPE_CHECKING:
@@ -198,12 +199,22 @@ def check_parity(
     timeout_s: float = 3600.0,
 ) -> ParityReport:
     """Run both sides on ``sequences`` (HF here, Megatron in a local gloo world) and compare."""
-    from megatron_rl.checkpoint.convert import minimal_world_size, read_export_source, run_local
+    from megatron_rl.checkpoint.convert import inspect_hf_checkpoint, read_export_source
+    from megatron_rl.checkpoint.local_world import check_layout, minimal_world_size, run_local
 
     parallel = parallel or ParallelConfig()
     source = read_export_source(megatron_dir)
-    reference = hf_reference(hf_dir, sequences, source.model.moe_router_topk)
+    inspect_hf_checkpoint(hf_dir)
     world_size = world_size or minimal_world_size(parallel)
+    check_layout(source.model, parallel, world_size)
+    vocab = source.model.vocab_size
+    for i, seq in enumerate(sequences):
+        if len(seq) < 2 or int(seq.min()) < 0 or int(seq.max()) >= vocab:
+            raise CheckpointMismatchError(
+                f"prompt {i}: needs at least 2 token ids, each in [0, vocab_size={vocab}); got {len(seq)} "
+                f"tokens in [{int(seq.min()) if len(seq) else '-'}, {int(seq.max()) if len(seq) else '-'}]"
+            )
+    reference = hf_reference(hf_dir, sequences, source.model.moe_router_topk)
     args = (str(megatron_dir), parallel, list(sequences))
     megatron = run_local(_megatron_entry, world_size, *args, timeout_s=timeout_s)
     return compare(reference, megatron[0])
@@ -217,7 +228,9 @@ def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[
 
 def load_prompts(path: str | Path, hf_dir: str | Path) -> list[torch.Tensor]:
     """Prompts from a JSON list: token-id lists as they are, strings through the HF tokenizer."""
-    items = json.loads(Path(path).read_text())
+    items = read_json(path)
+    if not isinstance(items, list):
+        raise CheckpointMismatchError(f"{path}: expected a JSON list of prompts, found {type(items).__name__}")
     tokenizer = None
     prompts = []
     for i, item in enumerate(items):
@@ -228,6 +241,6 @@ def load_prompts(path: str | Path, hf_dir: str | Path) -> list[torch.Tensor]:
                 tokenizer = AutoTokenizer.from_pretrained(str(hf_dir))
             item = tokenizer(item)["input_ids"]
         if len(item) < 2:
-            raise ValueError(f"{path}: prompt {i} has {len(item)} tokens; parity needs at least 2")
+            raise CheckpointMismatchError(f"{path}: prompt {i} has {len(item)} tokens; parity needs at least 2")
         prompts.append(torch.tensor(item, dtype=torch.int64))
     return prompts

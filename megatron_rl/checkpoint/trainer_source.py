@@ -7,23 +7,29 @@ distributed checkpoint holding the model *and* Megatron's optimizer state
 
 Owns: recognizing such a directory, the precise rule for the optimizer's keys (skipped
 only in trainer checkpoints: in a plain model checkpoint they would be unknown tensors),
-the model config and HF architecture the run config names, and the check that an HF
+the model config and HF architecture the run config names, the check that every file of a
+trainer checkpoint is whole before a run resumes from it, and the check that an HF
 config given for the export describes the model the trainer trained. Imports no
 Megatron, like the rest of the validation code.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+import torch
+
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.inputs import check_dist_checkpoint, load_torch_file, read_json
 from megatron_rl.checkpoint.mapping import ARCHITECTURES
 from megatron_rl.config import ConfigError, ModelConfig, from_dict
 
 TRAINER_STATE_NAME = "trainer_state.json"
+TRAINER_STATE_KEYS = ("step", "data_position", "weight_version", "config")
+"""Keys every ``trainer_state.json`` holds (``optimizer_state`` is newer and optional)."""
+RNG_DIR = "rng"
 DEFAULT_ARCHITECTURE = "qwen3_moe"
 """What the trainer's ``rollout.sglang.hf_architecture`` defaults to."""
 
@@ -64,8 +70,7 @@ def read_trainer_model(directory: str | Path) -> TrainerModel:
             unknown architecture, or its model section does not parse (key named).
     """
     path = Path(directory) / TRAINER_STATE_NAME
-    body = json.loads(path.read_text())
-    config = body.get("config")
+    config = read_json(path, required=("config",))["config"]
     if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
         raise CheckpointMismatchError(f"{path}: key 'config.model' is missing")
     try:
@@ -97,3 +102,23 @@ def check_same_model(trained: ModelConfig, exported: ModelConfig, source: str | 
         raise CheckpointMismatchError(
             f"the HF config from {source} does not describe the model the trainer trained: " + "; ".join(differ)
         )
+
+
+def check_trainer_checkpoint(directory: str | Path) -> dict:
+    """Check every file a resume reads, before any rank loads it; the ``trainer_state.json`` body.
+
+    ``trainer_state.json`` must parse and hold :data:`TRAINER_STATE_KEYS`, every ``.distcp``
+    shard be present and as long as ``.metadata`` says, and every ``rng/rank_*.pt`` load
+    (weights only) to ``{"torch": <RNG state tensor>}``.
+
+    Raises:
+        CheckpointMismatchError: naming the first missing, truncated or corrupt file.
+    """
+    directory = Path(directory)
+    body = read_json(directory / TRAINER_STATE_NAME, required=TRAINER_STATE_KEYS)
+    check_dist_checkpoint(directory)
+    for path in sorted((directory / RNG_DIR).glob("rank_*.pt")):
+        state = load_torch_file(path)
+        if not isinstance(state, dict) or not isinstance(state.get("torch"), torch.Tensor):
+            raise CheckpointMismatchError(f"{path}: expected {{'torch': <RNG state tensor>}}")
+    return body

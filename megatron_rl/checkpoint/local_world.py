@@ -1,0 +1,136 @@
+"""The local worlds the checkpoint tools run in, and the layouts they accept.
+
+Owns: the fewest processes a layout needs; the check that a TP/EP/PP layout divides the
+model, naming the dimension and the sizes that would work (before any process starts);
+and running a body on every rank of a local gloo world (in this process for a world of
+one) so that an input problem met inside a rank (a :class:`CheckpointMismatchError`,
+:class:`ConfigError` or OSError) reaches the caller once, as that rank's one-line
+message, instead of every rank's traceback. Does not own what the ranks do.
+
+The vocabulary is never padded: the converters keep V as the HF config says it, so a
+tensor-parallel size must divide it. Padded output rows would enter the log-softmax
+normalizer of every token (a zero row adds ``exp(0)``; the output layer has no bias that
+could push them to -inf), so the Megatron log-probs would no longer be HF's.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.inputs import describe_os_error
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+from megatron_rl.parallel.world import WorldError, free_port, run_world
+
+_INPUT_ERRORS = (CheckpointMismatchError, ConfigError, OSError)
+
+
+def minimal_world_size(parallel: ParallelConfig) -> int:
+    """Fewest processes that hold the layout (TP x PP dense, ETP x EP x PP experts)."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    experts = parallel.expert_tensor_parallel_size * parallel.expert_model_parallel_size * pp
+    return math.lcm(tp * pp * parallel.context_parallel_size, experts)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) -> None:
+    """Refuse a layout that does not divide the model, naming the dimension and the sizes that work.
+
+    Raises:
+        ConfigError: TP does not divide the heads, query groups or vocabulary; EP the
+            experts; PP the layers; expert-TP is not 1; or ``validate_layout`` objects.
+    """
+    p = parallel
+    if p.expert_tensor_parallel_size != 1:
+        raise ConfigError(
+            "parallel.expert_tensor_parallel_size: conversion splits experts over EP only (ETP=1); "
+            "the checkpoint it writes loads into any ETP"
+        )
+    tp, ep, pp = p.tensor_model_parallel_size, p.expert_model_parallel_size, p.pipeline_model_parallel_size
+    for name, size in (("--tp", tp), ("--ep", ep), ("--pp", pp)):
+        if size < 1:
+            raise ConfigError(f"{name} {size}: must be >= 1")
+    tp_dims = {
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups,
+        "vocab_size": model.vocab_size,
+    }
+    for dim, value in tp_dims.items():
+        if value % tp:
+            working = _divisors(math.gcd(*tp_dims.values()))
+            padding = " (the vocabulary is not padded: padded rows would change every log-prob)"
+            raise ConfigError(
+                f"--tp {tp} (tensor_model_parallel_size) does not divide model.{dim}={value}; "
+                f"TP sizes that divide {', '.join(f'{k}={v}' for k, v in tp_dims.items())}: {working}"
+                + (padding if dim == "vocab_size" else "")
+            )
+    if model.num_experts % ep:
+        raise ConfigError(
+            f"--ep {ep} (expert_model_parallel_size) does not divide model.num_experts={model.num_experts}; "
+            f"EP sizes that work: {_divisors(model.num_experts)}"
+        )
+    if model.num_layers % pp:
+        raise ConfigError(
+            f"--pp {pp} (pipeline_model_parallel_size) does not divide model.num_layers={model.num_layers}; "
+            f"PP sizes that work: {_divisors(model.num_layers)}"
+        )
+    validate_layout(model, parallel, world_size)
+
+
+def one_line(err: BaseException) -> str:
+    """The message of an input error, on one line (an OSError names its file)."""
+    text = describe_os_error(err) if isinstance(err, OSError) else str(err)
+    return " ".join(text.split())
+
+
+def _reporting_rank(report_dir: str, entry, *args):
+    """A rank's body: an input error leaves its one-line message for the caller, then raises."""
+    try:
+        return entry(*args)
+    except _INPUT_ERRORS as err:
+        rank = dist.get_rank()
+        (Path(report_dir) / f"rank_{rank:05d}.txt").write_text(f"{type(err).__name__}\n{one_line(err)}")
+        raise
+
+
+def run_local(entry, world_size: int, *args, timeout_s: float) -> list:
+    """``entry(*args)`` on every rank of a new local gloo world; results by rank.
+
+    A world of one runs in this process (no spawn: Megatron is imported once, and a
+    failure raises its own exception); larger worlds are spawned by ``run_world``.
+
+    Raises:
+        CheckpointMismatchError: a rank met an input problem; the message is the lowest
+            such rank's, prefixed with its number (the other ranks' follow-on failures,
+            peers left waiting in a collective, are not repeated).
+        WorldError: a rank failed in any other way (its traceback).
+    """
+    if world_size > 1:
+        report_dir = tempfile.mkdtemp(prefix="megatron-rl-ranks-")
+        try:
+            return run_world(_reporting_rank, world_size, report_dir, entry, *args, timeout_s=timeout_s)
+        except WorldError:
+            reports = sorted(Path(report_dir).glob("rank_*.txt"))
+            if not reports:
+                raise
+            kind, message = reports[0].read_text().split("\n", 1)
+            rank = int(reports[0].stem.split("_")[1])
+            error = ConfigError if kind == "ConfigError" else CheckpointMismatchError
+            raise error(f"rank {rank}: {message}") from None
+        finally:
+            shutil.rmtree(report_dir, ignore_errors=True)
+    if dist.is_initialized():
+        raise RuntimeError("a local world of one needs torch.distributed uninitialized in this process")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        return [entry(*args)]
+    finally:
+        dist.destroy_process_group()

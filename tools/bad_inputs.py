@@ -1,0 +1,295 @@
+"""Run the command-line tools on bad inputs and tabulate how each one fails.
+
+Every case runs one console script of this venv (``megatron-rl-train``, ``megatron-rl-launch``,
+the checkpoint tools) as a subprocess on one broken input, built in a temporary directory
+from the shipped tiny checkpoint (``megatron_rl/assets/tiny_qwen3_moe``), the arithmetic
+prompt files and ``configs/demo_cpu.yaml``. The convention each should meet: exit code 2,
+within 10 s, one line on stderr ``<tool>: error: <message>`` that names the culprit (the
+case's ``expect`` text). The table gives, per case, the exit code, the seconds to fail,
+the stderr line count (argparse's usage lines not counted) and the first line of the message
+(the ``error:`` line when there is one); the verdict column says which part of the convention a case misses. A case that
+runs past ``--timeout`` is killed with its process group.
+
+Usage (from a checkout, with the venv active)::
+
+    python tools/bad_inputs.py                 # table on stdout
+    python tools/bad_inputs.py --only ckpt     # cases whose name contains "ckpt"
+    python tools/bad_inputs.py --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
+TRAIN_ROWS = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
+DEMO = REPO / "configs" / "demo_cpu.yaml"
+QWEN = REPO / "configs" / "qwen3_30b_a3b.yaml"
+BIN = Path(sys.executable).parent
+LIMIT_S = 10.0
+
+
+@dataclass
+class Case:
+    """One bad input: the command (script name first) and the text its message must contain."""
+
+    name: str
+    argv: list[str]
+    expect: str
+
+
+def _truncate(path: Path, keep: float) -> None:
+    os.truncate(path, int(path.stat().st_size * keep))
+
+
+def _copy(root: Path, name: str) -> Path:
+    return Path(shutil.copytree(ASSET, root / name))
+
+
+def build_inputs(root: Path) -> dict[str, Path]:
+    """The broken files and directories the cases point at."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    paths: dict[str, Path] = {}
+    paths["trunc_st"] = _copy(root, "trunc_st")
+    _truncate(paths["trunc_st"] / "model.safetensors", 0.5)
+    paths["bad_json"] = _copy(root, "bad_json")
+    (paths["bad_json"] / "config.json").write_text('{"model_type": "qwen3_moe",\n')
+    paths["no_config"] = _copy(root, "no_config")
+    (paths["no_config"] / "config.json").unlink()
+    paths["llama"] = _copy(root, "llama")
+    config = json.loads((ASSET / "config.json").read_text())
+    (paths["llama"] / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    paths["odd_vocab"] = _copy(root, "odd_vocab")
+    tensors = load_file(ASSET / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        tensors[name] = tensors[name][:511].clone()
+    save_file(tensors, str(paths["odd_vocab"] / "model.safetensors"), metadata={"format": "pt"})
+    (paths["odd_vocab"] / "config.json").write_text(json.dumps({**config, "vocab_size": 511}))
+    (root / "empty_dir").mkdir()
+    (root / "a_file").write_text("x\n")
+    (root / "exists").mkdir()
+    (root / "bad.yaml").write_text("train:\n  steps: [1, 2\n")
+    (root / "prompts_bad.json").write_text("[[1, 2, 3], [4, 5")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(ASSET), local_files_only=True)
+    tokenizer.add_tokens([f"<extra_{i}>" for i in range(600)])
+    tokenizer.save_pretrained(root / "big_tokenizer")
+    plain = AutoTokenizer.from_pretrained(str(ASSET), local_files_only=True)
+    plain.chat_template = None
+    plain.save_pretrained(root / "no_template")
+    (root / "no_template" / "chat_template.jinja").unlink(missing_ok=True)
+    rows = TRAIN_ROWS.read_text().splitlines()[:5]
+    broken = json.loads(rows[3])
+    del broken["answer"]
+    rows[3] = json.dumps(broken)
+    (root / "missing_answer.jsonl").write_text("\n".join(rows) + "\n")
+    state = root / "truncated_state" / "checkpoints" / "step_000002"
+    state.mkdir(parents=True)
+    (root / "truncated_state" / "checkpoints" / "latest").write_text("step_000002\n")
+    (state / "trainer_state.json").write_text('{"step": 2, "config": {"seed": 12')
+
+    megatron = root / "megatron"
+    done = subprocess.run(
+        [str(BIN / "megatron-rl-convert-hf-to-megatron"), str(ASSET), str(megatron), "--no-progress"],
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"setup: converting {ASSET} failed:\n{done.stderr}")
+    for name in ("meg_missing", "meg_trunc", "meg_meta"):
+        paths[name] = Path(shutil.copytree(megatron, root / name))
+    shards = sorted(megatron.glob("*.distcp"))
+    (paths["meg_missing"] / shards[0].name).unlink()
+    _truncate(paths["meg_trunc"] / shards[-1].name, 0.9)
+    _truncate(paths["meg_meta"] / ".metadata", 0.5)
+    paths["megatron"] = megatron
+    paths["resume_shard"] = _trainer_run_dir(root / "resume_shard", megatron)
+    _truncate(paths["resume_shard"] / "checkpoints" / "step_000002" / shards[-1].name, 0.9)
+    return paths
+
+
+def _trainer_run_dir(run_dir: Path, megatron: Path) -> Path:
+    """A run directory whose latest checkpoint holds the demo's config, the converted model and RNG files.
+
+    It has no optimizer state, so only damage found before the optimizer loads is a fair case
+    (a truncated shard: the model and optimizer are read in one pass).
+    """
+    import torch
+
+    from megatron_rl.config import to_dict
+    from megatron_rl.train.prepare import load_run_config
+
+    step = Path(shutil.copytree(megatron, run_dir / "checkpoints" / "step_000002"))
+    (run_dir / "checkpoints" / "latest").write_text("step_000002\n")
+    config = to_dict(load_run_config(DEMO, world_size=2))
+    state = {"step": 2, "data_position": 32, "weight_version": 2, "optimizer_state": False, "config": config}
+    (step / "trainer_state.json").write_text(json.dumps(state, indent=1))
+    (step / "rng").mkdir()
+    for rank in range(2):
+        torch.save({"torch": torch.get_rng_state()}, step / "rng" / f"rank_{rank:05d}.pt")
+    return run_dir
+
+
+def cases(root: Path, p: dict[str, Path]) -> list[Case]:
+    """Every case; ``{run}`` in a train argument becomes a fresh run directory under ``root``."""
+    train = ["megatron-rl-train", "--config", str(DEMO)]
+    launch = ["megatron-rl-launch", "--config", str(DEMO)]
+    to_meg = "megatron-rl-convert-hf-to-megatron"
+    to_hf = "megatron-rl-convert-megatron-to-hf"
+    parity = "megatron-rl-logprob-parity"
+    fp8 = "megatron-rl-export-fp8"
+    out = str(root / "out" / "new")
+    qwen_local = ["init_checkpoint=null", f"data.train_files=[{TRAIN_ROWS}]", f"data.eval_files=[{TRAIN_ROWS}]",
+                  f"tokenizer.path={ASSET}"]
+    return [
+        Case("train: missing init dir", [*train, f"init_checkpoint={root}/nowhere"], f"{root}/nowhere does not exist"),
+        Case("train: init is a file", [*train, f"init_checkpoint={root}/a_file"], "is not a directory"),
+        Case("train: init not a checkpoint", [*train, f"init_checkpoint={root}/empty_dir"], "is neither an HF"),
+        Case("train: unsupported architecture", [*train, f"init_checkpoint={p['llama']}"], "model_type"),
+        Case("train: init truncated safetensors", [*train, f"init_checkpoint={p['trunc_st']}"], "model.safetensors"),
+        Case("train: init config.json not JSON", [*train, f"init_checkpoint={p['bad_json']}"], "config.json"),
+        Case("train: missing YAML file", ["megatron-rl-train", "--config", f"{root}/none.yaml"], "none.yaml"),
+        Case("train: bad YAML file", ["megatron-rl-train", "--config", f"{root}/bad.yaml"], "bad.yaml"),
+        Case("train: unknown key", [*train, "objective.no_such_key=1"], "objective.no_such_key"),
+        Case("train: wrong type eps_low=abc", [*train, "objective.eps_low=abc"], "objective.eps_low"),
+        Case("train: dynamic_sampling=maybe", [*train, "objective.dynamic_sampling=maybe"],
+             "objective.dynamic_sampling"),
+        Case("train: model key contradicts init", [*train, "model.hidden_size=128"], "model.hidden_size"),
+        Case("train: tokenizer too large", [*train, f"tokenizer.path={root}/big_tokenizer"], "vocab_size"),
+        Case("train: no chat template", [*train, f"tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
+        Case("train: missing data file", [*train, f"data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
+        Case("train: row without answer", [*train, f"data.train_files=[{root}/missing_answer.jsonl]"], "row 3"),
+        Case("train: reward does not import", [*train, "reward.function=no_such_module:score"], "reward.function"),
+        Case("train: EP does not divide experts", [*train, "parallel.expert_model_parallel_size=3"],
+             "expert_model_parallel_size"),
+        Case("train: TP does not divide heads", [*train, "parallel.tensor_model_parallel_size=3"],
+             "tensor_model_parallel_size"),
+        Case("train: run_dir is a file", [*train, f"train.run_dir={root}/a_file/run"], "a_file"),
+        Case("train: truncated trainer_state.json", [*train, f"train.run_dir={root}/truncated_state"],
+             "trainer_state.json"),
+        Case("train: resume, truncated .distcp shard", [*train, f"train.run_dir={p['resume_shard']}"], ".distcp"),
+        Case("train: init Megatron ckpt, truncated shard", [*train, f"init_checkpoint={p['meg_trunc']}"], ".distcp"),
+        Case("launch: missing YAML file", ["megatron-rl-launch", "--config", f"{root}/none.yaml"], "none.yaml"),
+        Case("launch: bad YAML file", ["megatron-rl-launch", "--config", f"{root}/bad.yaml"], "bad.yaml"),
+        Case("launch: nproc does not match world", [*launch, "--nproc-per-node", "3"], "parallel.world_size"),
+        Case("launch: 2 nodes, no rendezvous", [*launch, "--nnodes", "2"], "rdzv"),
+        Case("launch: train.steps=-1", [*launch, "train.steps=-1"], "train.steps"),
+        Case("launch: FP8 without TE", ["megatron-rl-launch", "--config", str(QWEN), *qwen_local], "fp8.enabled"),
+        Case("launch: wrong type eps_low=abc", [*launch, "objective.eps_low=abc"], "objective.eps_low"),
+        Case("ckpt hf2meg: truncated safetensors", [to_meg, str(p["trunc_st"]), out], "model.safetensors"),
+        Case("ckpt hf2meg: config.json not JSON", [to_meg, str(p["bad_json"]), out], "config.json"),
+        Case("ckpt hf2meg: no config.json", [to_meg, str(p["no_config"]), out], "config.json"),
+        Case("ckpt hf2meg: unsupported architecture", [to_meg, str(p["llama"]), out], "model_type"),
+        Case("ckpt hf2meg: output parent is a file", [to_meg, str(ASSET), f"{root}/a_file/out"], "a_file"),
+        Case("ckpt hf2meg: output exists", [to_meg, str(ASSET), f"{root}/exists"], f"{root}/exists"),
+        Case("ckpt hf2meg: --ep 3 (8 experts)", [to_meg, str(ASSET), out, "--ep", "3"], "num_experts"),
+        Case("ckpt hf2meg: --pp 3 (4 layers)", [to_meg, str(ASSET), out, "--pp", "3"], "num_layers"),
+        Case("ckpt hf2meg: --tp 2, vocab 511", [to_meg, str(p["odd_vocab"]), out, "--tp", "2"], "vocab_size=511"),
+        Case("ckpt hf2meg: --tp abc (usage)", [to_meg, str(ASSET), out, "--tp", "abc"], "--tp"),
+        Case("ckpt meg2hf: missing .distcp shard", [to_hf, str(p["meg_missing"]), out], ".distcp"),
+        Case("ckpt meg2hf: truncated .distcp shard", [to_hf, str(p["meg_trunc"]), out], ".distcp"),
+        Case("ckpt meg2hf: truncated .metadata", [to_hf, str(p["meg_meta"]), out], ".metadata"),
+        Case("ckpt meg2hf: HF dir given", [to_hf, str(ASSET), out], ".metadata"),
+        Case("ckpt meg2hf: output parent is a file", [to_hf, str(p["megatron"]), f"{root}/a_file/out"], "a_file"),
+        Case("ckpt meg2hf: --max-shard-size abc", [to_hf, str(p["megatron"]), out, "--max-shard-size", "abc"],
+             "not a size"),
+        Case("ckpt parity: --tp 3", [parity, "--hf", str(ASSET), "--megatron", str(p["megatron"]), "--tp", "3"],
+             "num_attention_heads"),
+        Case("ckpt parity: truncated .distcp shard", [parity, "--hf", str(ASSET), "--megatron", str(p["meg_trunc"])],
+             ".distcp"),
+        Case("ckpt parity: prompts not JSON", [parity, "--hf", str(ASSET), "--megatron", str(p["megatron"]),
+                                               "--prompts", f"{root}/prompts_bad.json"], "prompts_bad.json"),
+        Case("ckpt fp8: truncated safetensors", [fp8, str(p["trunc_st"]), out], "model.safetensors"),
+        Case("ckpt fp8: output parent is a file", [fp8, str(ASSET), f"{root}/a_file/out"], "a_file"),
+    ]
+
+
+def run_case(case: Case, run_dir: Path, timeout_s: float) -> dict:
+    """Run one case in its own process group; what it printed and how long it took."""
+    argv = [str(BIN / case.argv[0]), *case.argv[1:]]
+    if case.argv[0] == "megatron-rl-train" and not any(a.startswith("train.run_dir=") for a in argv):
+        argv.append(f"train.run_dir={run_dir}")
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("MEGATRON_RL_TRACEBACK", None)
+    start = time.monotonic()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env, cwd=REPO)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        code: int | str = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        code = "timeout"
+    seconds = time.monotonic() - start
+    # argparse's usage lines ("usage: ..." and its indented continuation) come before its one error line.
+    lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
+    errors = [line for line in lines if "error:" in line]
+    first = (errors or lines or [line for line in stdout.splitlines() if line.strip()] or [""])[0]
+    return {"code": code, "seconds": seconds, "lines": len(lines), "first": first.strip()}
+
+
+def verdict(case: Case, result: dict) -> str:
+    """``ok``, or the parts of the convention the case misses."""
+    misses = []
+    if result["code"] != 2:
+        misses.append(f"exit {result['code']}")
+    if result["seconds"] > LIMIT_S:
+        misses.append(f"{result['seconds']:.0f}s > {LIMIT_S:.0f}s")
+    if result["lines"] != 1:
+        misses.append(f"{result['lines']} stderr lines")
+    if not result["first"].startswith(f"{case.argv[0]}: error: "):
+        misses.append(f"not '{case.argv[0]}: error: ...'")
+    if case.expect not in result["first"]:
+        misses.append("culprit not named")
+    return "ok" if not misses else "; ".join(misses)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="run the cases whose name contains this text")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case is killed")
+    parser.add_argument("--markdown", default=None, help="also write the table here")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    args = parser.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
+    try:
+        paths = build_inputs(root)
+        rows = ["| case | exit | seconds | stderr lines | verdict | first line of the message |",
+                "|---|---|---|---|---|---|"]
+        failed = 0
+        selected = [c for c in cases(root, paths) if args.only in c.name]
+        for i, case in enumerate(selected):
+            result = run_case(case, root / "runs" / f"case_{i:02d}", args.timeout)
+            judged = verdict(case, result)
+            failed += judged != "ok"
+            first = result["first"].replace(str(root), "$TMP").replace("|", "\\|")
+            rows.append(f"| {case.name} | {result['code']} | {result['seconds']:.1f} | {result['lines']} | "
+                        f"{judged} | {first[:220]} |")
+            print(rows[-1] if i else "\n".join(rows), flush=True)
+        summary = f"\n{len(selected) - failed} of {len(selected)} cases meet the convention"
+        print(summary)
+        if args.markdown:
+            Path(args.markdown).write_text("\n".join(rows) + "\n" + summary + "\n")
+        return 0 if failed == 0 else 1
+    finally:
+        if args.keep:
+            print(f"inputs kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
