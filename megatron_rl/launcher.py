@@ -367,7 +367,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cfg = load_run_config(args.config, plan.overrides)  # validates the SGLang section too
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
     except ConfigError as err:
-        print(f"launch: rejected before starting any worker: {err}", file=sys.stderr, flush=True)
+        print(f"megatron-rl-launch: error: {err}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT
     cmd = torchrun_command(plan)
     worker_env = worker_environment(plan, env)

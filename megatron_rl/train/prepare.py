@@ -16,7 +16,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoint, model_section
+from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
 from megatron_rl.config import RunConfig, read_preset, validate
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
 from megatron_rl.data.prompts import check_data_config, load_prompts
@@ -148,3 +150,8 @@ def check_run_dir(cfg: RunConfig) -> None:
         elif stored.get(key, current[key]) != current[key]:
             raise ConfigError(f"{key}: the run directory's checkpoint {state_file.parent.name} was trained with "
                               f"{stored[key]!r}, this config says {current[key]!r}")
+    try:
+        check_trainer_checkpoint(state_file.parent)
+    except CheckpointMismatchError as err:
+        raise ConfigError(f"train.run_dir: cannot resume: {err}; move the run directory away or set "
+                          "train.resume=false") from None

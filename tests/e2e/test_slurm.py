@@ -259,7 +259,7 @@ def test_multinode_sbatch_fails_the_job_on_a_rejected_config(slurm, tmp_path):
     state, exit_code = _wait(slurm, job)
     output = (tmp_path / f"job-{job}.out").read_text()
     assert (state, exit_code) == ("FAILED", "2:0"), output[-4000:]
-    assert "launch: rejected before starting any worker: parallel.expert_model_parallel_size" in output
+    assert "megatron-rl-launch: error: parallel.expert_model_parallel_size" in output
     assert output.rstrip().endswith(f"megatron-rl: job {job} finished with exit code 2")
     assert not (tmp_path / "run" / "logs").exists()
 
