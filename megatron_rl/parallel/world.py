@@ -38,6 +38,10 @@ import torch
 class WorldError(RuntimeError):
     """One or more ranks raised; the message holds each failing rank's traceback."""
 
+    failures: list[tuple[int, str]] = []
+    """``(rank, traceback)`` of each failed rank in the order the failures arrived: the first
+    is usually the cause, the others its peers giving up on a collective."""
+
 
 class WorldTimeout(WorldError):
     """The world did not finish in time and was killed."""
@@ -192,10 +196,11 @@ def run_world(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 running = [r for r in range(world_size) if r not in outcomes]
-                raise WorldTimeout(
+                raise _world_error(
+                    WorldTimeout,
                     f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in "
-                    f"{timeout_s:.0f}s; ranks still running: {running}"
-                    + _failures(outcomes)
+                    f"{timeout_s:.0f}s; ranks still running: {running}",
+                    outcomes,
                 )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
@@ -217,13 +222,12 @@ def run_world(
                     lost = [r for r in dead if r not in outcomes]
                     if lost:
                         codes = {r: procs[r].exitcode for r in lost}
-                        raise WorldError(
-                            f"ranks {lost} exited without reporting (exit codes {codes})"
-                            + _failures(outcomes)
+                        raise _world_error(
+                            WorldError, f"ranks {lost} exited without reporting (exit codes {codes})", outcomes
                         )
         wait_s = 10.0
         if any(not ok for ok, _ in outcomes.values()):
-            raise WorldError(_failures(outcomes))
+            raise _world_error(WorldError, "", outcomes)
         return [_loads(outcomes[r][1]) for r in range(world_size)]
     except WorldError:
         wait_s = 10.0
@@ -255,6 +259,12 @@ def _signal_rank(proc, sig: int) -> None:
     if proc.exitcode is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(proc.pid, sig)
+
+
+def _world_error(cls: type[WorldError], message: str, outcomes: dict[int, tuple[bool, Any]]) -> WorldError:
+    error = cls(message + _failures(outcomes))
+    error.failures = [(rank, payload) for rank, (ok, payload) in outcomes.items() if not ok]
+    return error
 
 
 def _failures(outcomes: dict[int, tuple[bool, Any]]) -> str:

@@ -27,7 +27,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_rl.config import ConfigError, RunConfig, from_dict, to_dict, validate  # noqa: E402
-from megatron_rl.parallel.world import Stopped, exit_with_parent, raise_on_stop_signals, run_world  # noqa: E402
+from megatron_rl.parallel.world import (  # noqa: E402
+    Stopped,
+    WorldError,
+    exit_with_parent,
+    raise_on_stop_signals,
+    run_world,
+)
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
 from megatron_rl.train.prepare import check_inputs, load_run_config  # noqa: E402
 from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
@@ -108,6 +114,15 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         validate(cfg, world_size=nproc)
         try:
             run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600)
+        except WorldError as err:
+            if os.environ.get("MEGATRON_RL_TRACEBACK") or not err.failures:
+                raise
+            # The first rank to fail is the cause; its peers only report the broken collective.
+            rank, trace = err.failures[0]
+            last = trace.strip().splitlines()[-1] if trace.strip() else "no traceback"
+            print(f"megatron-rl-train: error: rank {rank} failed: {last} "
+                  "(MEGATRON_RL_TRACEBACK=1 prints every rank's traceback)", file=sys.stderr, flush=True)
+            return 1
         except Stopped as stop:
             latest = latest_checkpoint(cfg.train.run_dir)
             where = f"resume from {latest} with the same command" if latest else "no checkpoint was published"

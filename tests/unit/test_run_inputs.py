@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import megatron_rl.parallel.world as world
+import megatron_rl.train.main as train_main
 from megatron_rl.train.main import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,9 +91,20 @@ def test_bad_input_is_one_line_exit_2_and_no_world(case, bad_inputs, capsys, mon
     def no_world(*args, **kwargs):
         raise AssertionError("a process world was started for a bad input")
 
-    monkeypatch.setattr(world, "run_world", no_world)
+    monkeypatch.setattr(train_main, "run_world", no_world)
     code = main(["--config", str(DEMO), *(o.format(root=root) for o in overrides)])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("megatron-rl-train: error: "), err
     assert expected.format(root=root) in err, err
+
+
+def test_the_world_guard_is_live(monkeypatch, tmp_path):
+    """Control: with valid inputs the guarded ``run_world`` is what main calls."""
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("world started")
+
+    monkeypatch.setattr(train_main, "run_world", no_world)
+    with pytest.raises(AssertionError, match="world started"):
+        main(["--config", str(DEMO), f"train.run_dir={tmp_path}"])
