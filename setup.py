@@ -29,8 +29,8 @@ setup(
         "tokenizers",
         # Prompt files (JSONL / Parquet) are read with Hugging Face datasets.
         "datasets>=3",
-        # The built-in math reward: math-verify with its LaTeX parser's ANTLR runtime.
-        "math-verify[antlr4_13_2]>=0.7",
+        # The built-in math reward (brings its LaTeX parser and the ANTLR runtime).
+        "math-verify>=0.7",
         "nvidia-ml-py",
         "tensorboard",
         "matplotlib",
