@@ -47,7 +47,9 @@ INVALID = [
     (["parallel.tensor_model_parallel_size=3"], "parallel.tensor_model_parallel_size", "must divide model.num_attention_heads"),
     (["parallel.tensor_model_parallel_size=4"], "parallel.tensor_model_parallel_size", "must divide model.num_query_groups"),
     (["model.moe_router_topk=9"], "model.moe_router_topk", "must not exceed model.num_experts"),
-    (["model.vocab_size=255", "parallel.tensor_model_parallel_size=2", "parallel.world_size=2"], "parallel.tensor_model_parallel_size", "must divide model.vocab_size"),
+    (["model.vocab_size=255", "parallel.tensor_model_parallel_size=2", "parallel.world_size=2"], "parallel.tensor_model_parallel_size", "must divide the padded vocabulary 255"),
+    (["model.vocab_size=255", "model.vocab_padding_multiple=3", "parallel.tensor_model_parallel_size=2", "parallel.world_size=2"], "parallel.tensor_model_parallel_size", "set model.vocab_padding_multiple=128 (pads to 256)"),
+    (["model.vocab_padding_multiple=0"], "model.vocab_padding_multiple", "must be a positive integer"),
     (["parallel.pipeline_model_parallel_size=3"], "parallel.pipeline_model_parallel_size", "must divide model.num_layers"),
     (["parallel.world_size=3", "parallel.tensor_model_parallel_size=2"], "parallel.world_size", "not divisible by TP x PP x CP"),
     (["parallel.moe_token_dispatcher_type=flex"], "parallel.moe_token_dispatcher_type", "is not one of"),
@@ -222,3 +224,12 @@ def test_objective_null_overrides_a_preset_value():
     objective = resolve_objective(cfg)
     assert (objective.aggregation, objective.max_len, objective.eps_high) == ("token_mean", None, 1e-3)
     assert objective.advantage == "dr_grpo"
+
+
+def test_malformed_yaml_names_its_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train:\n  steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=f"^{bad}: not valid YAML"):
+        load_run_config(bad)
+    with pytest.raises(ConfigError, match="--config: .* is not a file"):
+        load_run_config(tmp_path / "missing.yaml")
