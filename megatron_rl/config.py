@@ -17,6 +17,7 @@ checkpoint, tokenizer, prompt files, reward import paths) run in
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,9 @@ class ModelConfig:
     """A Qwen3-MoE-style decoder: RMSNorm, RoPE, QK-norm, SwiGLU experts, no biases."""
 
     vocab_size: int = 256
-    """Vocabulary size V; must be divisible by the tensor-parallel size."""
+    """Vocabulary size V (the HF config's): token ids in [0, V); padding rows are never ids."""
+    vocab_padding_multiple: int = 1
+    """Megatron's vocabulary is V rounded up to a multiple of this (1: no padding); TP must divide it."""
     hidden_size: int = 64
     """Model width H."""
     num_layers: int = 4
@@ -80,6 +83,17 @@ class ModelConfig:
     """Separate output layer (Qwen3-MoE) instead of reusing the input embedding."""
     qk_layernorm: bool = True
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3-MoE: true; Mixtral: false)."""
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of Megatron's embedding and output layer: V rounded up to ``vocab_padding_multiple``.
+
+        The padding depends on the config alone, never on TP, so that a checkpoint (which
+        stores global shapes) loads into every layout whose TP divides this size. The rows
+        past V are zeros on import, dropped on export, and masked out of every softmax.
+        """
+        multiple = self.vocab_padding_multiple
+        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass(kw_only=True)
@@ -310,6 +324,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
     """Check the architecture's own consistency rules."""
     for name in (
         "vocab_size",
+        "vocab_padding_multiple",
         "hidden_size",
         "num_layers",
         "num_attention_heads",
@@ -340,6 +355,14 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         f"{prefix}.moe_router_pre_softmax",
         "only applies to softmax routing (model.moe_router_score_function=softmax)",
     )
+
+
+def vocab_padding_hint(m: ModelConfig, tp: int) -> str:
+    """How to pad the vocabulary so that ``tp`` divides it, with the size that gives."""
+    # 128 is Megatron's make_vocab_size_divisible_by: it keeps every power-of-two TP up to 128.
+    multiple = math.lcm(128, tp)
+    padded = -(-m.vocab_size // multiple) * multiple
+    return f"set model.vocab_padding_multiple={multiple} (pads to {padded})"
 
 
 def validate_layout(
@@ -373,9 +396,11 @@ def validate_layout(
         f"TP ({tp}) must divide model.num_query_groups ({m.num_query_groups})",
     )
     _require(
-        m.vocab_size % tp == 0,
+        m.padded_vocab_size % tp == 0,
         f"{prefix}.tensor_model_parallel_size",
-        f"TP ({tp}) must divide model.vocab_size ({m.vocab_size}); pad the vocabulary",
+        f"TP ({tp}) must divide the padded vocabulary {m.padded_vocab_size} (model.vocab_size "
+        f"{m.vocab_size} rounded up to model.vocab_padding_multiple {m.vocab_padding_multiple}); "
+        f"{vocab_padding_hint(m, tp)}",
     )
     _require(
         m.moe_ffn_hidden_size % etp == 0,

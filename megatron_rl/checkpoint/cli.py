@@ -115,13 +115,18 @@ def _run(tool: str, args: argparse.Namespace, body: Callable[[], int]) -> int:
 
 
 def hf_to_megatron_main(argv: Sequence[str] | None = None) -> int:
-    """``convert_hf_to_megatron HF_DIR OUT_DIR [--tp N --ep N --pp N]``."""
+    """``convert_hf_to_megatron HF_DIR OUT_DIR [--tp N --ep N --pp N] [--vocab-padding-multiple N]``."""
     from megatron_rl.checkpoint.convert import convert_hf_to_megatron
 
     parser = _parser("megatron-rl-convert-hf-to-megatron", "HF safetensors -> Megatron distributed checkpoint")
     parser.add_argument("hf_dir", help="HF checkpoint directory (config.json + safetensors)")
     parser.add_argument("out_dir", help="new directory for the distributed checkpoint")
     _layout_args(parser)
+    parser.add_argument(
+        "--vocab-padding-multiple", type=int, default=1,
+        help="pad the vocabulary to a multiple of this (model.vocab_padding_multiple; e.g. 128 when TP "
+        "does not divide it); the padding is masked and dropped again on export",
+    )
     parser.add_argument("--no-progress", action="store_true", help="hide progress bars")
     args = parser.parse_args(argv)
 
@@ -132,6 +137,7 @@ def hf_to_megatron_main(argv: Sequence[str] | None = None) -> int:
             _layout(args),
             world_size=args.world_size,
             progress=not args.no_progress,
+            vocab_padding_multiple=args.vocab_padding_multiple,
         )
         print(f"wrote {path}")
         return 0

@@ -92,8 +92,13 @@ class HFSource:
         return ARCHITECTURES.get(self.architecture)
 
 
-def inspect_hf_checkpoint(hf_dir: str | Path) -> HFSource:
+def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -> HFSource:
     """Validate an HF checkpoint against its config and the mapping table, reading headers only.
+
+    Args:
+        hf_dir: the HF checkpoint.
+        vocab_padding_multiple: the Megatron model's ``model.vocab_padding_multiple`` (HF
+            configs have no such key; 1 keeps the vocabulary unpadded).
 
     Raises:
         CheckpointMismatchError: unsupported config, expert count that disagrees with the
@@ -111,6 +116,11 @@ def inspect_hf_checkpoint(hf_dir: str | Path) -> HFSource:
             f"{hf_dir}: tensors must share one dtype of {list(_DTYPE_NAMES.values())}; found {found}"
         )
     model = model_config_from_hf(config, _DTYPE_NAMES[next(iter(by_dtype))])
+    if isinstance(vocab_padding_multiple, bool) or not (
+        isinstance(vocab_padding_multiple, int) and vocab_padding_multiple >= 1
+    ):
+        raise ConfigError(f"--vocab-padding-multiple {vocab_padding_multiple!r}: must be an integer >= 1")
+    model.vocab_padding_multiple = vocab_padding_multiple
     _check_expert_count(arch, config, model, checkpoint)
     _check_tensors(arch, model, checkpoint)
     return HFSource(
@@ -189,7 +199,8 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
         hf_config: another converted Megatron checkpoint, or an HF checkpoint directory
             (its config.json, side files and index; the dtype is the Megatron checkpoint's).
             It wins over both defaults, but for a trainer checkpoint it must describe the
-            model the trainer trained.
+            model the trainer trained. The vocabulary padding (``vocab_padding_multiple``)
+            is always the checkpoint's own (its run config or conversion record).
 
     Raises:
         CheckpointMismatchError: neither source has a record or an HF config, the run's
@@ -203,7 +214,16 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
     source = _recorded_or_hf_source(megatron_dir, hf_config)
     if trainer:
         where = Path(hf_config) if hf_config is not None else Path(megatron_dir) / RECORD_NAME
-        check_same_model(read_trainer_model(megatron_dir).model, source.model, where)
+        trained = read_trainer_model(megatron_dir).model
+        check_same_model(trained, source.model, where)
+        stored = trained
+    elif hf_config is not None and (Path(megatron_dir) / RECORD_NAME).exists():
+        stored = _recorded_or_hf_source(megatron_dir, None).model
+    else:
+        stored = source.model
+    # The stored rows are padded as the checkpoint's own run or conversion padded them; an
+    # HF config knows no padding, and the export strips it anyway.
+    source.model.vocab_padding_multiple = stored.vocab_padding_multiple
     return source
 
 
@@ -335,15 +355,16 @@ def hf_to_megatron_collective(
     tp_rank: int,
     tp_size: int,
     progress: bool = False,
+    vocab_padding_multiple: int = 1,
 ) -> None:
     """Every rank of a world whose Megatron parallel state is ``parallel`` calls this.
 
     Validates the HF checkpoint, then writes the distributed checkpoint (plus the
-    conversion record) to ``out_dir`` all-or-nothing.
+    conversion record, which keeps ``vocab_padding_multiple``) to ``out_dir`` all-or-nothing.
     """
     from megatron_rl.checkpoint.megatron_io import hf_to_megatron_rank
 
-    source = inspect_hf_checkpoint(hf_dir)
+    source = inspect_hf_checkpoint(hf_dir, vocab_padding_multiple)
     check_layout(source.model, parallel, dist.get_world_size())
     rank0 = dist.get_rank() == 0
     with collective_output_dir(out_dir) as staging:
@@ -376,14 +397,18 @@ def megatron_to_hf_collective(
         writer.finish()
 
 
-def hf_to_megatron_world_entry(hf_dir: str, out_dir: str, parallel: ParallelConfig, progress: bool) -> None:
+def hf_to_megatron_world_entry(
+    hf_dir: str, out_dir: str, parallel: ParallelConfig, progress: bool, vocab_padding_multiple: int = 1
+) -> None:
     """Per-rank body of a conversion world: CPU platform, parallel state, then the conversion."""
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
 
     enable = parallel.use_cpu_platform is not False
     with cpu_platform(enable=enable), model_parallel(parallel, seed=0) as groups:
-        hf_to_megatron_collective(hf_dir, out_dir, parallel, groups.tp_rank, groups.tp_size, progress)
+        hf_to_megatron_collective(
+            hf_dir, out_dir, parallel, groups.tp_rank, groups.tp_size, progress, vocab_padding_multiple
+        )
 
 
 def megatron_to_hf_world_entry(
@@ -421,6 +446,7 @@ def convert_hf_to_megatron(
     world_size: int | None = None,
     progress: bool = True,
     timeout_s: float = 24 * 3600.0,
+    vocab_padding_multiple: int = 1,
 ) -> Path:
     """Convert an HF checkpoint into a Megatron distributed checkpoint, in a local gloo world.
 
@@ -433,16 +459,19 @@ def convert_hf_to_megatron(
         world_size: processes to start; defaults to the fewest the layout needs.
         progress: show progress bars.
         timeout_s: wall-clock limit for the world.
+        vocab_padding_multiple: pad the vocabulary rows to a multiple of this (zeros,
+            stripped again on export); TP must divide the padded size.
 
     Raises:
         CheckpointMismatchError: the HF checkpoint does not fit its config or the table.
+        ConfigError: the layout does not divide the model (padded vocabulary included).
         FileExistsError: ``out_dir`` (or its staging directory) exists.
     """
     parallel = parallel or ParallelConfig()
-    source = inspect_hf_checkpoint(hf_dir)
+    source = inspect_hf_checkpoint(hf_dir, vocab_padding_multiple)
     world_size = world_size or minimal_world_size(parallel)
     check_layout(source.model, parallel, world_size)
-    args = (str(hf_dir), str(out_dir), parallel, progress)
+    args = (str(hf_dir), str(out_dir), parallel, progress, vocab_padding_multiple)
     return _run_into(out_dir, hf_to_megatron_world_entry, world_size, *args, timeout_s=timeout_s)
 
 

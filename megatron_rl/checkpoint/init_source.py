@@ -6,7 +6,8 @@ which carries ``conversion.json``; or a trainer checkpoint), validating it with 
 converter's own checks (every tensor mapped, shapes as the config says), and turning its
 config into the run's ``model`` section. A ``model`` key that the YAML or the command line
 sets must agree with the checkpoint: the error names the key and both values. Only run
-choices that do not change what the weights compute may differ (:data:`RUN_CHOICES`).
+choices that do not change what the weights compute may differ (:data:`RUN_CHOICES`; over
+an HF checkpoint also :data:`HF_RUN_CHOICES`).
 
 Runs before any process group or model exists (headers and JSON only, no Megatron import).
 Does not own filling the model (``megatron_rl.checkpoint.megatron_io.fill_from_hf``, called
@@ -28,6 +29,11 @@ RUN_CHOICES = ("params_dtype", "init_method_std", "moe_aux_loss_coeff")
 """``model`` keys a run may set freely on top of a checkpoint: the dtype it trains in (weights
 are cast on load), the initialization scale (unused: every weight is loaded) and the
 load-balancing loss coefficient (a training choice that HF configs do not record faithfully)."""
+
+HF_RUN_CHOICES = ("vocab_padding_multiple",)
+"""``model`` keys a run may also set on top of an HF checkpoint: the vocabulary padding (HF
+has none; the padded rows are zeros, masked out of every softmax). A Megatron checkpoint
+stores its padded rows, so there it must agree like any other key."""
 
 
 @dataclass(kw_only=True)
@@ -87,7 +93,7 @@ def model_section(source: InitSource, requested: dict[str, Any] | None) -> dict[
     for key, value in (requested or {}).items():
         if key not in section:
             raise ConfigError(f"model.{key}: unknown key; ModelConfig accepts {sorted(section)}")
-        if key in RUN_CHOICES:
+        if key in RUN_CHOICES or (source.kind == "hf" and key in HF_RUN_CHOICES):
             section[key] = value
             continue
         if not _same(value, section[key]):

@@ -7,10 +7,11 @@ one) so that an input problem met inside a rank (a :class:`CheckpointMismatchErr
 :class:`ConfigError` or OSError) reaches the caller once, as that rank's one-line
 message, instead of every rank's traceback. Does not own what the ranks do.
 
-The vocabulary is never padded: the converters keep V as the HF config says it, so a
-tensor-parallel size must divide it. Padded output rows would enter the log-softmax
-normalizer of every token (a zero row adds ``exp(0)``; the output layer has no bias that
-could push them to -inf), so the Megatron log-probs would no longer be HF's.
+The vocabulary: a tensor-parallel size must divide Megatron's padded vocabulary
+(``ModelConfig.padded_vocab_size``: V rounded up to ``model.vocab_padding_multiple``, 1
+unless the conversion was asked to pad). When it does not, the message says which
+multiple pads V to a size it divides. Padding never changes a log-prob: the padded rows
+are masked out of every softmax (``megatron_rl.parallel.vocab_parallel``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.inputs import describe_os_error
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, validate_layout, vocab_padding_hint
 from megatron_rl.parallel.world import WorldError, free_port, run_world
 
 _INPUT_ERRORS = (CheckpointMismatchError, ConfigError, OSError)
@@ -45,7 +46,7 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) 
     """Refuse a layout that does not divide the model, naming the dimension and the sizes that work.
 
     Raises:
-        ConfigError: TP does not divide the heads, query groups or vocabulary; EP the
+        ConfigError: TP does not divide the heads, query groups or padded vocabulary; EP the
             experts; PP the layers; expert-TP is not 1; or ``validate_layout`` objects.
     """
     p = parallel
@@ -61,16 +62,20 @@ def check_layout(model: ModelConfig, parallel: ParallelConfig, world_size: int) 
     tp_dims = {
         "num_attention_heads": model.num_attention_heads,
         "num_query_groups": model.num_query_groups,
-        "vocab_size": model.vocab_size,
+        "padded_vocab_size": model.padded_vocab_size,
     }
     for dim, value in tp_dims.items():
         if value % tp:
             working = _divisors(math.gcd(*tp_dims.values()))
-            padding = " (the vocabulary is not padded: padded rows would change every log-prob)"
+            what = f"model.{dim}={value}"
+            hint = ""
+            if dim == "padded_vocab_size":
+                what = (f"the vocabulary (model.vocab_size={model.vocab_size} rounded up to "
+                        f"model.vocab_padding_multiple={model.vocab_padding_multiple}: {value})")
+                hint = f"; {vocab_padding_hint(model, tp)}, converting with --vocab-padding-multiple"
             raise ConfigError(
-                f"--tp {tp} (tensor_model_parallel_size) does not divide model.{dim}={value}; "
-                f"TP sizes that divide {', '.join(f'{k}={v}' for k, v in tp_dims.items())}: {working}"
-                + (padding if dim == "vocab_size" else "")
+                f"--tp {tp} (tensor_model_parallel_size) does not divide {what}; TP sizes that divide "
+                f"{', '.join(f'{k}={v}' for k, v in tp_dims.items())}: {working}{hint}"
             )
     if model.num_experts % ep:
         raise ConfigError(

@@ -11,6 +11,11 @@ and tensor-parallel-shard those layouts. Megatron names are those of a TP1/EP1/P
 (global 0-based layer and expert indices), so any rank can map its local parameters after
 offsetting its layer and expert indices. Used by the converters, the FP8 export and
 weight sync. Does not own files, process groups or Megatron modules.
+
+The vocabulary: HF tensors have V rows, Megatron's embedding and output layer
+``ModelConfig.padded_vocab_size`` rows. :func:`fuse` appends zero rows (no softmax, sample
+or loss ever reads them: they are masked) and :func:`split` drops the rows past V, so HF
+-> Megatron -> HF gives the same bytes and weight sync sends HF shapes.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class WeightRule:
     """Axis of the Megatron tensor split over tensor parallelism (None: replicated)."""
     fp8: bool = False
     """A linear weight the FP8 export quantizes; router, norms, embeddings, output stay high precision."""
+    pads_vocab: bool = False
+    """Rows are the vocabulary: Megatron holds ``padded_vocab_size`` of them, HF ``vocab_size``."""
 
     @property
     def scope(self) -> Literal["model", "layer", "expert"]:
@@ -105,7 +112,7 @@ QWEN3_MOE = Architecture(
         "hidden_act": "silu",
     },
     rules=(
-        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0),
+        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
         _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
         _rule(
             _L + "self_attention.linear_qkv.weight",
@@ -129,7 +136,7 @@ QWEN3_MOE = Architecture(
             _H + "mlp.experts.{expert}.down_proj.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
         ),
         _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0),
+        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
     ),
 )
 
@@ -148,7 +155,7 @@ MIXTRAL = Architecture(
         "hidden_act": "silu",
     },
     rules=(
-        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0),
+        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
         _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
         _rule(
             _L + "self_attention.linear_qkv.weight",
@@ -171,7 +178,7 @@ MIXTRAL = Architecture(
             _MIXTRAL_EXPERT + "w2.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
         ),
         _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0),
+        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
     ),
 )
 
@@ -219,7 +226,9 @@ def bind(
     """Instantiate ``rule`` at one layer (and expert) with the shapes ``cfg`` implies."""
     dims = dimensions(cfg)
     hf_shapes = tuple(tuple(dims[d] for d in shape) for shape in rule.hf_dims)
-    if rule.fuse == "copy":
+    if rule.pads_vocab:
+        megatron_shape = (cfg.padded_vocab_size, *hf_shapes[0][1:])
+    elif rule.fuse == "copy":
         megatron_shape = hf_shapes[0]
     else:  # qkv and gate_up stack their parts along the output dimension
         megatron_shape = (sum(s[0] for s in hf_shapes), *hf_shapes[0][1:])
@@ -304,6 +313,9 @@ def bound_for_megatron_name(arch: Architecture, cfg: ModelConfig, name: str) -> 
 def fuse(weight: BoundWeight, tensors: list[torch.Tensor], cfg: ModelConfig) -> torch.Tensor:
     """The full Megatron tensor made of ``weight``'s HF tensors (exact copies, no arithmetic)."""
     if weight.rule.fuse == "copy":
+        padding = weight.megatron_shape[0] - tensors[0].shape[0]
+        if weight.rule.pads_vocab and padding > 0:
+            return torch.cat([tensors[0], tensors[0].new_zeros(padding, *tensors[0].shape[1:])])
         return tensors[0]
     if weight.rule.fuse == "gate_up":
         return torch.cat(tensors, dim=0)
@@ -315,9 +327,9 @@ def fuse(weight: BoundWeight, tensors: list[torch.Tensor], cfg: ModelConfig) -> 
 
 
 def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
-    """Inverse of :func:`fuse`: the HF tensors, each its own contiguous copy."""
+    """Inverse of :func:`fuse`: the HF tensors, each its own contiguous copy (vocabulary padding dropped)."""
     if weight.rule.fuse == "copy":
-        return [tensor.clone()]
+        return [tensor[: weight.hf_shapes[0][0]].clone()]
     rows = [shape[0] for shape in weight.hf_shapes]
     if weight.rule.fuse == "gate_up":
         return [part.clone() for part in tensor.split(rows, dim=0)]

@@ -103,7 +103,8 @@ def fill_from_hf(
     """Copy every local parameter from its HF tensors; returns the HF names used.
 
     Experts are not split over tensor parallelism (expert-TP 1); every other weight takes
-    its ``tp_axis`` shard. ``cast`` converts each tensor to the parameter's dtype (a run
+    its ``tp_axis`` shard. The embedding and output layer get zero rows past the vocabulary
+    up to ``model.padded_vocab_size`` (``mapping.fuse``). ``cast`` converts each tensor to the parameter's dtype (a run
     that trains a bf16 checkpoint in fp32); without it a dtype difference is an error.
 
     Raises:

@@ -37,9 +37,9 @@ DEFAULT_ARCHITECTURE = "qwen3_moe"
 # prefixed ``chained_<i>.`` for each member of a ChainedOptimizer (dense + experts).
 _OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
-# ModelConfig fields that only matter to training: they do not change the forward pass an
-# exported HF model computes, and HF configs do not record them faithfully.
-_TRAINING_ONLY = ("moe_aux_loss_coeff", "init_method_std")
+# ModelConfig fields that do not change the forward pass an exported HF model computes and
+# that HF configs do not record faithfully (or at all: the vocabulary padding is Megatron's).
+_TRAINING_ONLY = ("moe_aux_loss_coeff", "init_method_std", "vocab_padding_multiple")
 
 
 @dataclass(frozen=True)

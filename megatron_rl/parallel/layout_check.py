@@ -89,18 +89,20 @@ def micro_batches_for_rank(
     ]
 
 
-def _cross_entropy_loss(groups: ParallelGroups):
+def _cross_entropy_loss(groups: ParallelGroups, vocab_size: int):
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         targets_T, mask_T = next_token_targets(mb)
         logits_TV = logits_1TV[0].float()
-        logprobs_T, _ = vocab_parallel_logprobs_entropy(logits_TV, targets_T, groups.tp, compute_entropy=False)
+        logprobs_T, _ = vocab_parallel_logprobs_entropy(
+            logits_TV, targets_T, groups.tp, compute_entropy=False, vocab_size=vocab_size
+        )
         per_token_T = -logprobs_T
         loss_sum = (per_token_T * mask_T).sum()
         num_tokens = mask_T.sum().to(torch.int)
         # Gathering the vocabulary is for the comparison only; the RL path never does it.
         full_TV = tensor_parallel.gather_from_tensor_model_parallel_region(
             logits_TV.detach(), group=groups.tp
-        )
+        )[:, :vocab_size]
         samples = {
             int(sid): full_TV[mb.cu_seqlens[i] : mb.cu_seqlens[i + 1]].clone()
             for i, sid in enumerate(mb.sample_ids)
@@ -141,7 +143,7 @@ def layout_worker(run: LayoutRun) -> dict:
                 run.sequences, groups, run.micro_batch_sequences
             )
             outputs = run_schedule(
-                ddp, micro_batches, _cross_entropy_loss(groups), forward_only=False
+                ddp, micro_batches, _cross_entropy_loss(groups, run.model.vocab_size), forward_only=False
             )
             samples: dict[int, torch.Tensor] = {}
             for out in outputs:

@@ -160,13 +160,14 @@ def compute_logprobs(
             the current router log-probs at its experts and returns RSPO weights.
     """
     gpt = unwrap(model)
-    validate_samples(sequences, prompt_lengths, gpt.vocab_size, gpt.max_sequence_length)
+    vocab = gpt.true_vocab_size
+    validate_samples(sequences, prompt_lengths, vocab, gpt.max_sequence_length)
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
         logprobs, entropy = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens
+            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens, vocab_size=vocab
         )
         zero = logits_1TV.new_zeros(())
         return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}

@@ -5,6 +5,10 @@ Owns: the mapping from :class:`~megatron_rl.config.ModelConfig` and
 spec (Transformer Engine when TE and CUDA are present, Megatron's local modules otherwise)
 and the pipeline-stage model itself. Does not own process groups (see ``groups.py``) or
 weights on disk (see ``checkpoint.py``).
+
+The vocabulary is built padded (``ModelConfig.padded_vocab_size``: Megatron's
+``vocab_size``); the model carries the true size as ``true_vocab_size``, which every
+consumer of its logits passes on so that padded ids never enter a softmax or a sample.
 """
 
 from __future__ import annotations
@@ -169,6 +173,9 @@ def build_model(
 ) -> GPTModel:
     """The ``GPTModel`` stage owned by this rank (parallel state must be initialized).
 
+    Its ``vocab_size`` is the padded one; ``true_vocab_size`` is ``model.vocab_size``, the
+    ids that are tokens (logit columns past it are padding).
+
     Args:
         model: architecture.
         parallel: layout, matching the initialized parallel state.
@@ -183,7 +190,7 @@ def build_model(
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(config, use_te),
-        vocab_size=model.vocab_size,
+        vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
@@ -192,6 +199,7 @@ def build_model(
         rotary_base=int(model.rotary_base),
         parallel_output=True,
     )
+    gpt.true_vocab_size = model.vocab_size
     if config.moe_enable_routing_replay:
         _forget_global_replay_instances(gpt)
     return gpt

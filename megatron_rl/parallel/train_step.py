@@ -238,7 +238,8 @@ def forward_backward(
 
     micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences)
     loss_fn = _objective_loss_fn(
-        batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens
+        batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
+        gpt.true_vocab_size,
     )
     replay = None
     if replay_ids is not None:
@@ -313,8 +314,9 @@ def _global_loss_mask(
     return kept_T[start : start + num_tokens], metrics
 
 
-def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens):
-    """Per-micro-batch loss: vocab-parallel log-probs, then the objective on its tokens."""
+def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
+                       vocab_size):
+    """Per-micro-batch loss: vocab-parallel log-probs over the true vocabulary, then the objective."""
     first_sample = [int(mb.sample_ids[0]) for mb in micro_batches]
     by_first = {s: i for i, s in enumerate(first_sample)}
 
@@ -325,7 +327,7 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
         rows, targets = response_targets(mb, batch.prompt_lengths, device)
         logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens,
-            entropy_requires_grad=objective.entropy_coef > 0,
+            entropy_requires_grad=objective.entropy_coef > 0, vocab_size=vocab_size,
         )
         local_cu = cu_S1[samples[0] : samples[-1] + 2] - lo
 

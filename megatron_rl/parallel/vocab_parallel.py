@@ -27,6 +27,12 @@ and ``p = softmax(z)``::
     d logprob / dz = onehot(target) - p
     d entropy / dz = -p (log p + entropy)
 
+Padded vocabulary: Megatron may hold more columns than there are tokens (``V_pad =
+V_local * tp_size >= V``, see ``ModelConfig.padded_vocab_size``). Given the true ``V``, each
+shard treats its columns at global ids ``>= V`` as ``-inf`` logits inside its local math:
+they add nothing to ``m``, ``s`` or the entropy, and their gradient is exactly zero, so the
+results are those of the unpadded ``V``-way softmax.
+
 Saved for backward: a reference to the input logits (no copy), the targets, and two ``[T]``
 vectors in the compute dtype: the log-normalizer ``lse = m + log s`` and the entropy (the
 latter only when the entropy needs a gradient). The softmax is not kept; backward
@@ -37,8 +43,8 @@ Precision: the math runs in fp32 for fp32/bf16/fp16 logits (fp64 for fp64 logits
 gradients can be checked in double); each chunk is cast on its own, never the whole input.
 Outputs are in that compute dtype; the logits gradient comes back in the logits' dtype.
 
-Shape legend: T tokens, V vocabulary (global, ``V = V_local * tp_size``), V_local this rank's
-vocabulary shard, C tokens in one chunk.
+Shape legend: T tokens, V vocabulary (global, ``V <= V_local * tp_size``: the rest is padding),
+V_local this rank's vocabulary shard, C tokens in one chunk.
 """
 
 from __future__ import annotations
@@ -65,7 +71,26 @@ class VocabParallelLogProbMath:
 
     ``z`` denotes logits, ``m`` the per-token max over the whole vocabulary (after the MAX
     all-reduce) and ``lse = m + log sum_v exp(z_v - m)`` the per-token log-normalizer.
+    ``num_valid`` is how many leading columns of the shard are real ids (see
+    :meth:`valid_columns`); the columns after them are padding, taken as ``-inf`` logits.
+    ``None`` means every column is real.
     """
+
+    @staticmethod
+    def valid_columns(vocab_start: int, v_local: int, vocab_size: int) -> int:
+        """How many leading columns of the shard at ``vocab_start`` hold ids below ``vocab_size``.
+
+        Padding sits at the end of the global vocabulary, so only the last shard(s) hold
+        any; with little vocabulary and much padding a shard may hold nothing but padding (0).
+        """
+        return max(0, min(v_local, vocab_size - vocab_start))
+
+    @staticmethod
+    def mask_padding_(values_CV: torch.Tensor, num_valid: int | None) -> torch.Tensor:
+        """Sets the padding columns of a scratch buffer to ``-inf`` in place; returns it."""
+        if num_valid is not None and num_valid < values_CV.shape[1]:
+            values_CV[:, num_valid:] = float("-inf")
+        return values_CV
 
     @staticmethod
     def local_targets(
@@ -88,12 +113,17 @@ class VocabParallelLogProbMath:
         return local_ids_C.masked_fill(~in_shard_C, 0), in_shard_C
 
     @staticmethod
-    def chunk_max(logits_CV: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
-        """Per-token max over this shard, shape [C], in ``compute_dtype``.
+    def chunk_max(
+        logits_CV: torch.Tensor, compute_dtype: torch.dtype, num_valid: int | None = None
+    ) -> torch.Tensor:
+        """Per-token max over this shard's real ids, shape [C], in ``compute_dtype``.
 
-        The max is exact in any dtype, so only the [C] result is cast, not the chunk.
+        The max is exact in any dtype, so only the [C] result is cast, not the chunk. A
+        shard of padding only gives ``-inf``, which the MAX all-reduce over shards ignores.
         """
-        return logits_CV.amax(dim=-1).to(compute_dtype)
+        if num_valid == 0:
+            return logits_CV.new_full((logits_CV.shape[0],), float("-inf"), dtype=compute_dtype)
+        return logits_CV[:, :num_valid].amax(dim=-1).to(compute_dtype)
 
     @staticmethod
     def chunk_partial_stats(
@@ -103,6 +133,7 @@ class VocabParallelLogProbMath:
         in_shard_C: torch.Tensor,
         scratch_CV: torch.Tensor,
         entropy_scratch_CV: torch.Tensor | None = None,
+        num_valid: int | None = None,
     ) -> torch.Tensor:
         """This shard's share of the per-token statistics, packed for one SUM all-reduce.
 
@@ -114,6 +145,7 @@ class VocabParallelLogProbMath:
             scratch_CV: buffer [C, V_local] in the compute dtype; overwritten.
             entropy_scratch_CV: a second such buffer, or ``None`` to skip the entropy term
                 (row 1 is then zero).
+            num_valid: leading columns that are real ids; padding adds nothing to any row.
 
         Returns:
             Shape [3, C] in ``max_C``'s dtype: row 0 ``sum_v exp(z_v - m)``, row 1
@@ -121,11 +153,12 @@ class VocabParallelLogProbMath:
             shard holds the target). Summed over shards, each row is the full-vocabulary value.
         """
         shifted_CV = scratch_CV.copy_(logits_CV).sub_(max_C[:, None])
+        VocabParallelLogProbMath.mask_padding_(shifted_CV, num_valid)
         if entropy_scratch_CV is None:
             sum_exp_C = shifted_CV.exp_().sum(dim=-1)
             weighted_C = torch.zeros_like(sum_exp_C)
         else:
-            # Keeps 0 * (z - m) at 0, not nan, for logits at -inf (masked vocabulary entries).
+            # Keeps 0 * (z - m) at 0, not nan, for logits at -inf (masked or padding entries).
             shifted_CV.clamp_min_(_EXP_UNDERFLOW)
             exp_CV = torch.exp(shifted_CV, out=entropy_scratch_CV)
             sum_exp_C = exp_CV.sum(dim=-1)
@@ -165,6 +198,7 @@ class VocabParallelLogProbMath:
         entropy_C: torch.Tensor | None = None,
         grad_entropy_C: torch.Tensor | None = None,
         entropy_scratch_CV: torch.Tensor | None = None,
+        num_valid: int | None = None,
     ) -> torch.Tensor:
         """Gradient of the chunk's logits: ``g_lp (onehot - p) - g_H p (log p + H)``.
 
@@ -181,11 +215,13 @@ class VocabParallelLogProbMath:
                 the entropy term.
             entropy_scratch_CV: a second buffer like ``scratch_CV``; only with
                 ``grad_entropy_C``.
+            num_valid: leading columns that are real ids; padding columns get exactly 0.
 
         Returns:
             The gradient, shape [C, V_local] in the compute dtype, in one of the scratch buffers.
         """
         log_probs_CV = scratch_CV.copy_(logits_CV).sub_(lse_C[:, None])
+        VocabParallelLogProbMath.mask_padding_(log_probs_CV, num_valid)
         if grad_entropy_C is None:
             grad_CV = log_probs_CV.exp_().mul_(-grad_logprobs_C[:, None])
         else:
@@ -233,11 +269,13 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         chunk_tokens: int,
         compute_entropy: bool,
         entropy_requires_grad: bool,
+        vocab_size: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         math = VocabParallelLogProbMath
         tp_rank, tp_size = _group_rank_and_size(tp_group)
         num_tokens, v_local = logits_TV.shape
         vocab_start = tp_rank * v_local
+        num_valid = math.valid_columns(vocab_start, v_local, vocab_size)
         dtype = _compute_dtype(logits_TV.dtype)
         logprobs_T = logits_TV.new_empty(num_tokens, dtype=dtype)
         lse_T = logits_TV.new_empty(num_tokens, dtype=dtype)
@@ -248,12 +286,12 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             chunk = slice(start, min(start + chunk_tokens, num_tokens))
             logits_CV = logits_TV[chunk]
             local_ids_C, in_shard_C = math.local_targets(targets_T[chunk], vocab_start, v_local)
-            max_C = math.chunk_max(logits_CV, dtype)
+            max_C = math.chunk_max(logits_CV, dtype, num_valid)
             if tp_size > 1:
                 dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=tp_group)
             buffers = [buf[: chunk.stop - start] for buf in scratch]
             stats_3C = math.chunk_partial_stats(
-                logits_CV, max_C, local_ids_C, in_shard_C, *buffers
+                logits_CV, max_C, local_ids_C, in_shard_C, *buffers, num_valid=num_valid
             )
             if tp_size > 1:
                 dist.all_reduce(stats_3C, op=dist.ReduceOp.SUM, group=tp_group)
@@ -266,6 +304,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
 
         ctx.chunk_tokens = chunk_tokens
         ctx.vocab_start = vocab_start
+        ctx.num_valid = num_valid
         ctx.entropy_grad = compute_entropy and entropy_requires_grad
         ctx.save_for_backward(
             logits_TV, targets_T, lse_T, entropy_T if ctx.entropy_grad else None
@@ -309,16 +348,22 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 grad_logprobs_T[chunk],
                 buffers[0],
                 **entropy_terms,
+                num_valid=ctx.num_valid,
             )
             if result_CV.data_ptr() != grad_CV.data_ptr():
                 grad_CV.copy_(result_CV)  # also casts back to the logits' dtype
-        return grad_TV, None, None, None, None, None
+        return grad_TV, None, None, None, None, None, None
 
 
 def _check_inputs(
-    logits_TV: torch.Tensor, targets_T: torch.Tensor, tp_size: int, chunk_tokens: int
-) -> None:
-    """Raises with the offending tensor (and token) named; all ranks raise alike."""
+    logits_TV: torch.Tensor,
+    targets_T: torch.Tensor,
+    tp_size: int,
+    chunk_tokens: int,
+    vocab_size: int | None,
+) -> int:
+    """The true vocabulary size; raises naming the offending tensor (and token)."""
+    # All ranks see the same shapes, targets and sizes, so all raise alike.
     if not isinstance(logits_TV, torch.Tensor) or logits_TV.dim() != 2:
         shape = tuple(logits_TV.shape) if isinstance(logits_TV, torch.Tensor) else type(logits_TV)
         raise ValueError(f"logits_TV must be a 2-D tensor [T, V_local]; got {shape}")
@@ -340,14 +385,22 @@ def _check_inputs(
         )
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}")
-    vocab = logits_TV.shape[1] * tp_size
+    columns = logits_TV.shape[1] * tp_size
+    if vocab_size is not None and (isinstance(vocab_size, bool) or not 0 < vocab_size <= columns):
+        raise ValueError(
+            f"vocab_size must be an int in [1, {columns}] (V_local {logits_TV.shape[1]} x tp_size "
+            f"{tp_size}); got {vocab_size!r}"
+        )
+    vocab = columns if vocab_size is None else vocab_size
     outside_T = (targets_T < 0) | (targets_T >= vocab)
     if outside_T.any():
         token = int(outside_T.nonzero()[0, 0])
+        padding = f", {columns - vocab} padding columns after it" if vocab < columns else ""
         raise ValueError(
             f"targets_T[{token}] = {int(targets_T[token])} is outside the vocabulary "
-            f"[0, {vocab}) (V_local {logits_TV.shape[1]} x tp_size {tp_size})"
+            f"[0, {vocab}) (V_local {logits_TV.shape[1]} x tp_size {tp_size}{padding})"
         )
+    return vocab
 
 
 def vocab_parallel_logprobs_entropy(
@@ -358,6 +411,7 @@ def vocab_parallel_logprobs_entropy(
     chunk_tokens: int = 1024,
     compute_entropy: bool = True,
     entropy_requires_grad: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probability of the target and full-vocabulary entropy, vocab-parallel.
 
@@ -375,6 +429,9 @@ def vocab_parallel_logprobs_entropy(
         compute_entropy: also compute the entropy (costs one more pass over each chunk).
         entropy_requires_grad: make the entropy differentiable; otherwise it is returned
             detached and backward skips the entropy term.
+        vocab_size: the true vocabulary V when Megatron's is padded (``V_local * tp_size >
+            V``): ids ``>= V`` take no part in the softmax, the entropy or the gradient.
+            ``None``: every column is a real id.
 
     Returns:
         ``(logprobs_T, entropy_T)``: shape [T] each, fp32 (fp64 for fp64 logits);
@@ -383,11 +440,12 @@ def vocab_parallel_logprobs_entropy(
 
     Raises:
         ValueError: a tensor of the wrong shape, a target outside ``[0, V)`` (the message
-            names the first such token and its id), or a non-positive ``chunk_tokens``.
+            names the first such token and its id), a non-positive ``chunk_tokens``, or a
+            ``vocab_size`` outside ``[1, V_local * tp_size]``.
         TypeError: non-float logits or non-integer targets.
     """
     _, tp_size = _group_rank_and_size(tp_group)
-    _check_inputs(logits_TV, targets_T, tp_size, chunk_tokens)
+    vocab = _check_inputs(logits_TV, targets_T, tp_size, chunk_tokens, vocab_size)
     logprobs_T, entropy_T = _VocabParallelLogProbEntropy.apply(
         logits_TV,
         targets_T.long(),
@@ -395,5 +453,6 @@ def vocab_parallel_logprobs_entropy(
         chunk_tokens,
         compute_entropy,
         entropy_requires_grad,
+        vocab,
     )
     return logprobs_T, (entropy_T if compute_entropy else None)

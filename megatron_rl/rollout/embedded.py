@@ -6,7 +6,8 @@ Every rank of the world calls ``generate`` together (it runs the same Megatron s
 as training, so it works in every TP/EP/PP layout): each data-parallel rank generates for
 its own prompts. A decode step runs one forward-only pass over the packed sequences and
 takes the last position's vocab-sharded logits, gathering the vocabulary only for those B
-rows to sample. All ranks of a model-parallel group hold identical logits and the same
+rows to sample; the padding columns of Megatron's padded vocabulary are dropped there, so
+a padded id is never sampled. All ranks of a model-parallel group hold identical logits and the same
 counter-seeded generator, so they draw identical tokens with no extra communication; data
 parallel ranks keep stepping together until all of them are done, because expert dispatch
 is a collective across them.
@@ -108,6 +109,7 @@ class EmbeddedEngine:
         """Full-vocabulary logits ``[B, V]`` of each sequence's last position, on every rank."""
         groups = self.groups
         micro_batches = pack_for_rank(sequences, groups, self.micro_batch_sequences)
+        vocab = unwrap(self.model).true_vocab_size
 
         def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
             last_rows = (mb.cu_seqlens[1:] - 1).to(logits_1TV.device)
@@ -115,11 +117,11 @@ class EmbeddedEngine:
             if groups.tp_size > 1:
                 # Only B rows: the vocabulary is gathered for sampling, never for the loss.
                 local_BV = all_gather_cat(local_BV, groups.tp, dim=-1)
-            return logits_1TV.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logits": local_BV}
+            full_BV = local_BV[:, :vocab]  # padding columns are no tokens: never sampled
+            return logits_1TV.new_zeros(()), torch.tensor(0, dtype=torch.int), {"logits": full_BV}
 
         with torch.no_grad():
             outputs = run_schedule(self.model, micro_batches, loss_fn, forward_only=True)
-        vocab = unwrap(self.model).vocab_size
         logits_BV = torch.empty(len(sequences), vocab, dtype=torch.float32)
         if groups.is_last_stage:
             logits_BV.copy_(torch.cat([o["logits"] for o in outputs]))

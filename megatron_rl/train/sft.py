@@ -15,7 +15,7 @@ from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
-from megatron_rl.parallel.schedule import run_schedule
+from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
@@ -37,11 +37,12 @@ def sft_step(
     if groups.dp_size > 1:
         all_reduce(count, groups.dp)
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
+    vocab = unwrap(model).true_vocab_size
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
         logprobs_T, _ = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, compute_entropy=False
+            logits_1TV[0, rows], targets, groups.tp, compute_entropy=False, vocab_size=vocab
         )
         loss = -logprobs_T.sum() / float(count[0])
         return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}

@@ -5,8 +5,10 @@ world at all when the input is refused first) on a copy of the shipped tiny Qwen
 checkpoint, damaged one way: the tool must print exactly one line,
 ``<tool>: error: <message>``, naming the file, tensor or dimension, return 2, and leave
 nothing at the output location (no directory, no staging directory, no created parents).
-A vocabulary that TP does not divide is refused by name with the TP sizes that work (it is
-never padded), and such a vocabulary round-trips byte for byte where TP divides it. Also:
+A vocabulary that TP does not divide is refused by name with the TP sizes that work and
+the ``--vocab-padding-multiple`` that pads it to a size TP divides (the padded conversion
+itself: ``tests/parallel/test_vocab_padding.py``), and such a vocabulary round-trips byte
+for byte unpadded. Also:
 the traceback on request, a failure inside one rank of a spawned world reported once by
 that rank, and the helpers a resuming run uses on a damaged trainer checkpoint.
 """
@@ -204,14 +206,22 @@ def test_layout_that_does_not_divide_the_model(flag, needle, tmp_path, capsys):
     _nothing_at(out)
 
 
-def test_vocab_not_divisible_by_tp_is_refused_with_the_sizes_that_work(odd_vocab, tmp_path, capsys):
+def test_vocab_not_divisible_by_tp_is_refused_with_the_padding_that_fits(odd_vocab, tmp_path, capsys):
     out = tmp_path / "out"
     code = hf_to_megatron_main([str(odd_vocab[0]), str(out), "--tp", "2", "--no-progress"])
-    line = _fails_with_one_line(capsys, code, TO_MEGATRON, f"model.vocab_size={ODD_VOCAB}", "not padded")
-    assert line.split("vocab_size=511: ")[1].startswith("1 ")
+    line = _fails_with_one_line(
+        capsys, code, TO_MEGATRON, f"model.vocab_size={ODD_VOCAB}", "model.vocab_padding_multiple=1",
+        "set model.vocab_padding_multiple=128 (pads to 512), converting with --vocab-padding-multiple",
+    )
+    assert line.split("padded_vocab_size=511: ")[1].startswith("1;")
     _nothing_at(out)
+    # The TP1 checkpoint stores 511 rows: padding it takes a new conversion, which the message names.
     code = parity_main(["--hf", str(odd_vocab[0]), "--megatron", str(odd_vocab[1]), "--tp", "2"])
-    _fails_with_one_line(capsys, code, "megatron-rl-logprob-parity", f"model.vocab_size={ODD_VOCAB}")
+    _fails_with_one_line(capsys, code, "megatron-rl-logprob-parity", f"model.vocab_size={ODD_VOCAB}",
+                         "--vocab-padding-multiple")
+    code = hf_to_megatron_main([str(odd_vocab[0]), str(out), "--vocab-padding-multiple", "0", "--no-progress"])
+    _fails_with_one_line(capsys, code, TO_MEGATRON, "--vocab-padding-multiple 0: must be an integer >= 1")
+    _nothing_at(out)
 
 
 def test_odd_vocab_round_trips_byte_for_byte_at_tp1(odd_vocab, tmp_path):
