@@ -214,8 +214,10 @@ class SGLangConfig:
 class RolloutConfig:
     """How responses are sampled each step."""
 
-    engine: Literal["embedded", "sglang"] = "embedded"
-    """embedded: the training model generates in-process; sglang: SGLang servers."""
+    engine: Literal["hf", "megatron", "sglang"] = "hf"
+    """hf: a transformers replica per rank, KV-cached (megatron_rl.rollout.hf_engine; CPU and
+    small GPU runs); megatron: the training model itself generates, the exact train = rollout
+    mode for debugging mismatch (no KV cache); sglang: SGLang servers."""
     group_size: int = 8
     """Responses per prompt (G)."""
     prompts_per_step: int = 16

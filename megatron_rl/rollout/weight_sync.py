@@ -149,7 +149,9 @@ def _natural_key(name: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
 
 
-def gather_full_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterator[tuple[str, torch.Tensor]]:
+def gather_full_params(
+    model: torch.nn.Module, groups: ParallelGroups, *, everywhere: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter, whole and under its layout-free name, yielded on global rank 0.
 
     A collective over the world: every rank must iterate it to the end (other ranks yield
@@ -158,6 +160,9 @@ def gather_full_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterat
     Args:
         model: this rank's model stage (bare or DDP-wrapped).
         groups: this rank's parallel groups.
+        everywhere: yield on every rank instead (the owner broadcasts each whole tensor
+            over the world): each rank then holds one whole tensor at a time (the HF engine's
+            per-rank replicas).
     """
     shards = _local_shards(model, groups)
     rank = dist.get_rank()
@@ -180,6 +185,13 @@ def gather_full_params(model: torch.nn.Module, groups: ParallelGroups) -> Iterat
         in_owner_group = group is not None and owner in dist.get_process_group_ranks(group)
         if mine is not None and (rank == owner or in_owner_group):
             full = _gather(mine)
+        if everywhere:
+            if full is None:
+                shape, dtype = meta[name]
+                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+            dist.broadcast(full, src=owner)
+            yield name, full
+            continue
         if owner != 0:
             if rank == owner:
                 dist.send(full.contiguous(), dst=0)

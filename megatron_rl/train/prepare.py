@@ -96,6 +96,8 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     if init is not None and cfg.rollout.engine == "sglang" and init.hf.architecture != cfg.rollout.sglang.hf_architecture:
         raise ConfigError(f"rollout.sglang.hf_architecture: {cfg.rollout.sglang.hf_architecture!r}, but the "
                           f"starting checkpoint is {init.hf.architecture!r}")
+    if cfg.rollout.engine == "hf":
+        _check_hf_engine(cfg, init)
     check_data_config(cfg.data)
     check_reward_config(cfg.reward)
     if cfg.data.source == "files":
@@ -111,6 +113,17 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     evals = load_prompts(cfg.data, "eval", tokenizer, limit)
     return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
                         dropped=train.num_filtered + evals.num_filtered)
+
+
+def _check_hf_engine(cfg: RunConfig, init: InitSource | None) -> None:
+    """The hf rollout engine can build the policy as a transformers model (before any process)."""
+    from megatron_rl.rollout.hf_model import UnsupportedArchitecture, check_servable
+
+    architecture = init.hf.architecture if init is not None else cfg.rollout.sglang.hf_architecture
+    try:
+        check_servable(architecture, cfg.model)
+    except (UnsupportedArchitecture, CheckpointMismatchError) as err:
+        raise ConfigError(f"rollout.engine: {err}") from None
 
 
 RESUME_KEYS = ("seed", "model")

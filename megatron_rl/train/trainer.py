@@ -106,7 +106,7 @@ class Trainer:
         self.scorer = RewardScorer(cfg.reward)
 
     def _rollout_urls(self) -> list[str]:
-        """The SGLang servers' URLs, each checked to answer ``/health`` (none for the embedded engine)."""
+        """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines)."""
         if self.cfg.rollout.engine != "sglang":
             return []
         from megatron_rl.rollout.sglang_server import read_url_files
@@ -135,9 +135,13 @@ class Trainer:
     def _build_engine(self):
         """The rollout engine the config names (collective: weight sync spans every rank)."""
         cfg = self.cfg
-        if cfg.rollout.engine == "embedded":
+        if cfg.rollout.engine == "megatron":
             return EmbeddedEngine(self.ddp, self.groups, cfg.train.micro_batch_sequences)
-        # Imported here so that runs with the embedded engine need no HTTP client.
+        if cfg.rollout.engine == "hf":
+            from megatron_rl.rollout.hf_engine import HFEngine
+
+            return HFEngine(self.ddp, self.groups, architecture=self.hf_architecture(), model_config=cfg.model)
+        # Imported here so that runs with a local engine need no HTTP client.
         from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
         from megatron_rl.rollout.sglang_client import SGLangClientConfig
         from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
@@ -156,6 +160,10 @@ class Trainer:
                                     master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s)
         name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
         return sglang_engine(self.ddp, self.groups, client, sync, name_map=name_map)
+
+    def hf_architecture(self) -> str:
+        """The policy's HF ``model_type``: the starting checkpoint's, else ``rollout.sglang.hf_architecture``."""
+        return self.init.hf.architecture if self.init is not None else self.cfg.rollout.sglang.hf_architecture
 
     # ------------------------------------------------------------------ data
 
@@ -424,6 +432,8 @@ class Trainer:
 
             run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
                            t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
+            # The warm start changed the weights the engine was built with (same version 0).
+            self.engine.update_weights(state.weight_version)
         save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
         return state
 
@@ -444,7 +454,7 @@ class Trainer:
     def _engine_metrics(self) -> dict[str, torch.Tensor]:
         """The SGLang client's counters since the last call (``sglang/attempts``, ``retries``,
         ``duplicates``, ``resyncs``, ``timeouts``), the same on every rank: a collective the
-        engine reduces over the world itself. Nothing for the embedded engine."""
+        engine reduces over the world itself. Nothing for the local engines."""
         step_metrics = getattr(self.engine, "step_metrics", None)
         return step_metrics() if step_metrics is not None else {}
 
@@ -505,7 +515,7 @@ class Trainer:
         side_files = [Path(f) for f in self.init.hf.files] if self.init is not None else []
         own_tokenizer = cfg.data.source == "files" and cfg.tokenizer.path is not None
         spec = HFExportSpec(
-            architecture=self.init.hf.architecture if self.init is not None else cfg.rollout.sglang.hf_architecture,
+            architecture=self.hf_architecture(),
             model=cfg.model, side_files=side_files,
             save_tokenizer=self.tokenizer.hf_tokenizer.save_pretrained if own_tokenizer else None,
         )

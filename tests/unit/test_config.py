@@ -141,7 +141,7 @@ def test_invalid_run_config_is_rejected_before_any_model(overrides, key, rule):
 
 
 def test_sglang_section_is_checked_only_when_it_is_the_engine():
-    assert load_run_config(DEMO, ["rollout.sglang.max_retries=-1"], world_size=2).rollout.engine == "embedded"
+    assert load_run_config(DEMO, ["rollout.sglang.max_retries=-1"], world_size=2).rollout.engine == "hf"
     cfg = load_run_config(DEMO, ["rollout.engine=sglang", "rollout.sglang.url_dir=/tmp/urls"], world_size=2)
     assert cfg.rollout.sglang.url_dir == "/tmp/urls" and cfg.rollout.sglang.num_servers == 1
 

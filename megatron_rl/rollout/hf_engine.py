@@ -1,0 +1,154 @@
+"""The HF rollout engine: KV-cached generation with transformers' model code, in every rank.
+
+Shape legend: N prompt+response tokens of a sample, L MoE layers, K top-K.
+
+The default engine for CPU and small GPU runs (``rollout.engine: hf``). Every rank holds
+a transformers replica of the policy (``hf_model``) and generates with a KV cache
+(``hf_generate``), so responses cost linear time in their length, and its numerics are
+transformers' (SDPA attention, its MoE block, its RoPE), not the trainer's: the
+train-versus-rollout log-prob gap, the routes R3 replays and the TIS/MIS/IcePop
+corrections see a real, small mismatch, as against SGLang on GPUs. The exact
+"train = rollout" mode (slime's and miles' true-on-policy) is ``rollout.engine: megatron``.
+
+Weights: ``update_weights(version)`` (collective over the world) rebuilds each Megatron
+parameter whole with the SGLang weight sync's gather (``gather_full_params``, here with
+``everywhere=True``: the owner broadcasts each whole tensor to every rank), renames it
+with the same HF table (``mapping.hf_name_map``) that names SGLang's tensors and the HF
+export's, and copies it into the replica; every replica parameter must be written exactly
+once, and all ranks must then hold bit-identical weights (an fp64 fingerprint is compared
+over the world) under the same version, or the push fails. Works in every TP/SP/EP/PP
+layout because the gather does.
+
+Data parallelism: each data-parallel rank generates its own prompts. The ranks of one
+model-parallel group (TP x PP) share a DP rank's prompts: each generates a contiguous
+share with its own generator stream (seed, DP rank, MP rank) and the group all-gathers the
+samples, so every rank of the group returns the same samples, and TP/PP ranks add
+generation throughput instead of repeating it. No collective runs inside decoding, so
+ranks finish independently. Does not own sampling math (``sampling``), the HF name table
+or when pushes happen (the trainer).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
+from megatron_rl.config import ModelConfig
+from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.hf_generate import check_lengths, generate
+from megatron_rl.rollout.hf_model import HFWeightLoader, build_hf_model, check_architecture
+from megatron_rl.rollout.weight_sync import gather_full_params
+
+
+class HFEngine:
+    """Generate with a transformers replica of the Megatron policy on every rank.
+
+    Construction is collective (it pushes the model's current weights as version 0).
+
+    Args:
+        model: this rank's Megatron model stage (bare or DDP-wrapped); its weights are pushed.
+        groups: this rank's parallel groups.
+        architecture: HF ``model_type`` the replica is built as (``qwen3_moe`` or ``mixtral``).
+        model_config: the Megatron model's config.
+        device: where the replica lives (default: the current CUDA device, else CPU).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: ParallelGroups,
+        *,
+        architecture: str,
+        model_config: ModelConfig,
+        device: torch.device | str | None = None,
+    ) -> None:
+        check_architecture(architecture)
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.model, self.groups = model, groups
+        self.architecture = architecture
+        self.max_length = model_config.max_position_embeddings
+        self.hf_model = build_hf_model(architecture, model_config, device)
+        self._name_map = hf_name_map(ARCHITECTURES.get(architecture), model_config)
+        self._loader = HFWeightLoader(self.hf_model, architecture)
+        self.weight_version = -1
+        self.update_weights(0)
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def update_weights(self, version: int) -> None:
+        """Collective over the world: load the Megatron model's weights into every replica as ``version``."""
+        for name, full in gather_full_params(self.model, self.groups, everywhere=True):
+            for hf_name, tensor in self._name_map(name, full):
+                self._loader.load(hf_name, tensor)
+        self._loader.finish()
+        self._check_replicas(version)
+        self.weight_version = version
+
+    def fingerprint(self) -> float:
+        """fp64 sum over every replica parameter (equal bytes give equal sums)."""
+        return float(sum(p.detach().double().sum() for p in self.hf_model.parameters()))
+
+    def _check_replicas(self, version: int) -> None:
+        """Every rank holds the same bytes under the same version, or the push fails."""
+        mine = torch.tensor([self.fingerprint(), float(version)], dtype=torch.float64)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        differ = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        if differ:
+            raise RuntimeError(
+                f"HF engine weight push to version {version}: rank {differ[0]} holds fingerprint/version "
+                f"{everyone[differ[0]].tolist()}, rank 0 {everyone[0].tolist()}"
+            )
+
+    def close(self) -> None:
+        """Release the replica."""
+        self.hf_model = None
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        *,
+        return_routed_experts: bool = True,
+        seed: int = 0,
+    ) -> list[RolloutSample]:
+        """One response per prompt of this DP rank (collective over the model-parallel group).
+
+        Args:
+            prompts: token ids of each prompt.
+            params: sampling parameters.
+            return_routed_experts: also return SGLang-layout routes ``[N - 1, L, K]`` per sample.
+            seed: generator seed; combine the step and round into it for reproducibility.
+        """
+        check_lengths(prompts, params.max_new_tokens, self.max_length)
+        mp = self.groups.mp
+        mp_size, mp_rank = dist.get_world_size(mp), dist.get_rank(mp)
+        per, extra = divmod(len(prompts), mp_size)
+        start = mp_rank * per + min(mp_rank, extra)
+        share = range(start, start + per + (mp_rank < extra))
+        generator = torch.Generator(device=next(self.hf_model.parameters()).device)
+        generator.manual_seed(seed * 1_000_003 + self.groups.dp_rank * mp_size + mp_rank)
+        mine = []
+        if len(share):
+            mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
+                            return_routes=return_routed_experts, max_length=self.max_length)
+        if mp_size > 1:
+            everyone: list = [None] * mp_size
+            dist.all_gather_object(everyone, mine, group=mp)
+            mine = [g for part in everyone for g in part]
+        return [
+            RolloutSample(
+                prompt_ids=list(prompt), output_ids=g.output_ids, output_logprobs=g.logprobs,
+                finish_reason="stop" if g.stopped else "length", weight_version=self.weight_version,
+                routed_experts=g.routes_NLK,
+            )
+            for prompt, g in zip(prompts, mine)
+        ]

@@ -1,0 +1,200 @@
+"""Batched KV-cached generation with a transformers MoE causal LM, on one process.
+
+Shape legend: B rows still decoding, P longest prompt, V vocabulary, L MoE layers,
+K top-K, N prompt+response tokens of a sample.
+
+One prefill forward over the left-padded prompts fills the KV cache; then each step
+samples one token per row from the last position's logits with
+:func:`~megatron_rl.rollout.sampling.sample_next_tokens` (the math every engine shares)
+and forwards only those B new tokens. A row that produced a stop token, or its last
+token, leaves the batch: its cache rows are dropped, so finished samples cost nothing.
+
+Log-probs follow the trainer's convention (what ``compute_logprobs`` returns and
+``mismatch/*`` compares): the log-softmax of the model's raw fp32 logits at the sampled
+token, full vocabulary, before temperature, top-k or top-p. Routes are the top-K experts
+each MoE router chose for each forwarded position (by descending router probability,
+transformers' ``torch.topk`` order), read from the router modules' outputs with forward
+hooks keyed by layer number: the experts the block actually computed with. In SGLang's
+layout a sample of N tokens has ``[N - 1, L, K]`` routes: the last token is never
+forwarded.
+
+Does not own the model or its weights (``hf_model``), data-parallel splitting or
+versions (``hf_engine``).
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sampling import sample_next_tokens
+from moe_routing.types import compact_id_dtype
+
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+
+
+@dataclass
+class Generation:
+    """One prompt's response."""
+
+    output_ids: list[int]
+    """Generated ids (the stop token included when one was produced)."""
+    logprobs: torch.Tensor
+    """``[len(output_ids)]`` fp32 log-probs of those ids (raw logits, full vocabulary)."""
+    stopped: bool
+    """Ended on a stop token (else on ``max_new_tokens``)."""
+    routes_NLK: torch.Tensor | None
+    """``[N - 1, L, K]`` experts of every forwarded position (compact integer dtype), when asked."""
+
+
+def moe_routers(hf_model: torch.nn.Module) -> dict[int, torch.nn.Module]:
+    """The router module of every MoE layer, keyed by 0-based layer number."""
+    routers = {}
+    for name, module in hf_model.named_modules():
+        match = _ROUTER_NAME.search(name)
+        if match is not None and type(module).__name__.endswith("TopKRouter"):
+            routers[int(match[1])] = module
+    return dict(sorted(routers.items()))
+
+
+@contextmanager
+def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Per layer, each forward's ``[rows * positions, K]`` top-K ids, in call order."""
+    captured: dict[int, list[torch.Tensor]] = {}
+    handles = []
+    if enabled:
+        for layer, router in moe_routers(hf_model).items():
+            calls = captured.setdefault(layer, [])
+            # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
+            handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
+        if not handles:
+            raise ValueError(f"{type(hf_model).__name__}: found no MoE router (model.layers.N.mlp.gate) to read routes from")
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _pop_step_routes(captured: dict[int, list[torch.Tensor]], rows: int, positions: int) -> torch.Tensor | None:
+    """The last forward's routes as ``[rows, positions, L, K]`` (and forget them)."""
+    if not captured:
+        return None
+    per_layer = [captured[layer].pop().view(rows, positions, -1) for layer in sorted(captured)]
+    return torch.stack(per_layer, dim=2)
+
+
+def check_lengths(prompts: Sequence[Sequence[int]], max_new_tokens: int, max_length: int) -> None:
+    """Every prompt has a token and fits with ``max_new_tokens`` (error names the sample)."""
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"sample {i}: empty prompt")
+        if len(prompt) + max_new_tokens > max_length:
+            raise ValueError(
+                f"sample {i}: prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} = "
+                f"{len(prompt) + max_new_tokens} exceeds the model's maximum sequence length {max_length} "
+                "(rollout.max_new_tokens or model.max_position_embeddings)"
+            )
+
+
+@torch.no_grad()
+def generate(
+    hf_model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    generator: torch.Generator,
+    return_routes: bool,
+    max_length: int,
+    pad_id: int = 0,
+) -> list[Generation]:
+    """One response per prompt, decoded together with a KV cache.
+
+    Args:
+        hf_model: a transformers MoE causal LM (eval mode).
+        prompts: token ids of each prompt.
+        params: sampling parameters (``max_new_tokens >= 1``).
+        generator: draws the samples (same generator state and logits: same tokens).
+        return_routes: also collect SGLang-layout routes per sample.
+        max_length: the model's longest sequence; longer requests fail naming the sample.
+        pad_id: id written in left-padding positions (masked out of attention).
+    """
+    if params.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
+    check_lengths(prompts, params.max_new_tokens, max_length)
+    device = next(hf_model.parameters()).device
+    B, P = len(prompts), max(len(p) for p in prompts)
+    lengths_B = torch.tensor([len(p) for p in prompts], device=device)
+    input_BP = torch.full((B, P), pad_id, dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompts):
+        input_BP[i, P - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+    mask_BP = (torch.arange(P, device=device) >= (P - lengths_B)[:, None]).long()
+    # Left padding: positions count real tokens only, so RoPE sees what an unpadded pass sees.
+    positions_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+    stops = set(params.stop_token_ids)
+    outputs: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
+    routes: list[list[torch.Tensor]] = [[] for _ in prompts]
+    stopped = [False] * B
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=hf_model.config)
+    with _capture_routes(hf_model, return_routes) as captured:
+        out = hf_model(input_ids=input_BP, attention_mask=mask_BP, position_ids=positions_BP, cache=cache,
+                       use_cache=True, logits_to_keep=1)
+        step_routes = _pop_step_routes(captured, B, P)
+        if step_routes is not None:
+            for i in range(B):
+                routes[i].append(step_routes[i, P - len(prompts[i]):])
+        rows = torch.arange(B, device=device)  # sample index of each batch row
+        next_pos_B = lengths_B.clone()
+        for step in range(params.max_new_tokens):
+            logits_BV = out.logits[:, -1].float()
+            tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
+                                          top_k=params.top_k, generator=generator)
+            token_lp_B = logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]
+            keep = []
+            for r, (i, token) in enumerate(zip(rows.tolist(), tokens_B.tolist())):
+                outputs[i].append(token)
+                logprobs[i].append(token_lp_B[r])
+                stopped[i] = token in stops
+                if not stopped[i] and step + 1 < params.max_new_tokens:
+                    keep.append(r)
+            if not keep:
+                break
+            if len(keep) < len(rows):
+                index = torch.tensor(keep, device=device)
+                for layer in cache.layers:
+                    layer.batch_select_indices(index)
+                rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
+                next_pos_B = next_pos_B[index]
+            mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
+            out = hf_model(input_ids=tokens_B[:, None], attention_mask=mask_BP, position_ids=next_pos_B[:, None],
+                           cache=cache, use_cache=True)
+            next_pos_B = next_pos_B + 1
+            step_routes = _pop_step_routes(captured, len(rows), 1)
+            if step_routes is not None:
+                for r, i in enumerate(rows.tolist()):
+                    routes[i].append(step_routes[r])
+    id_dtype = compact_id_dtype(_num_experts(hf_model.config))
+    return [
+        Generation(
+            output_ids=outputs[i], logprobs=torch.stack(logprobs[i]).float().cpu(), stopped=stopped[i],
+            routes_NLK=torch.cat(routes[i]).to(id_dtype).cpu() if return_routes else None,
+        )
+        for i in range(B)
+    ]
+
+
+def _num_experts(config) -> int:
+    """E from a transformers MoE config (Qwen3-MoE: num_experts; Mixtral: num_local_experts)."""
+    for key in ("num_experts", "num_local_experts"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    raise ValueError(f"{type(config).__name__}: no expert count (num_experts / num_local_experts)")
