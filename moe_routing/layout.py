@@ -1,6 +1,7 @@
 """Move routing data between the global token axis and each rank's shards.
 
-Shape legend: T tokens of this data-parallel rank's samples (packed, sample order),
+Shape legend: T tokens of this data-parallel rank's samples (sample order: sample 0's
+tokens, then sample 1's, whatever micro-batch each sample was packed into),
 T_pad padded tokens of one micro-batch row, N = T_pad / TP tokens one router call sees
 under sequence parallelism, L MoE layers (L_local on this pipeline stage), K top-K.
 
@@ -36,6 +37,29 @@ def _call_per_micro_batch(recorder: RouterRecorder, num_micro_batches: int) -> d
     return calls
 
 
+def sample_cu_seqlens(micro_batches: Sequence) -> torch.Tensor:
+    """``[S + 1]`` token offsets of the samples in sample order, from the micro-batches that hold them.
+
+    Raises:
+        ValueError: the micro-batches do not hold each of samples ``0..S-1`` exactly once.
+    """
+    ids = torch.cat([mb.sample_ids for mb in micro_batches])
+    lengths = torch.cat([mb.cu_seqlens.diff() for mb in micro_batches])
+    if not torch.equal(ids.sort().values, torch.arange(ids.numel())):
+        raise ValueError("the micro-batches must hold samples 0..S-1 exactly once each")
+    cu = torch.zeros(ids.numel() + 1, dtype=torch.int64)
+    by_sample = torch.zeros(ids.numel(), dtype=torch.int64)
+    by_sample[ids] = lengths
+    torch.cumsum(by_sample, 0, out=cu[1:])
+    return cu
+
+
+def packed_rows(mb, cu_S1: torch.Tensor) -> torch.Tensor:
+    """Sample-order token rows of one micro-batch's real tokens, in the micro-batch's order."""
+    parts = [torch.arange(int(cu_S1[s]), int(cu_S1[s + 1])) for s in mb.sample_ids.tolist()]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
 def _gather_tokens(local_NLK: torch.Tensor, tp_group, tp_size: int) -> torch.Tensor:
     return local_NLK if tp_size == 1 else all_gather_cat(local_NLK, tp_group, dim=0)
 
@@ -55,15 +79,19 @@ def gather_call_field(
     calls = _call_per_micro_batch(recorder, len(micro_batches))
     numbers = recorder.layer_numbers
     tp_size = groups.tp_size if groups.sequence_parallel else 1
-    rows = []
+    cu_S1 = sample_cu_seqlens(micro_batches)
+    out = None
     for m, mb in enumerate(micro_batches):
         values = [getattr(calls[n][m], field) for n in numbers]
         if any(v is None for v in values):
             raise RuntimeError(f"router calls of micro-batch {m} did not record {field}")
         # Records live in host memory: move each call's rows off the accelerator once.
         local_NL = torch.stack(values, dim=1).cpu()
-        rows.append(_gather_tokens(local_NL, groups.tp, tp_size)[: mb.num_tokens])
-    return _gather_layers(torch.cat(rows, dim=0), groups.pp, groups.pp_size)
+        real = _gather_tokens(local_NL, groups.tp, tp_size)[: mb.num_tokens]  # padding dropped
+        if out is None:
+            out = real.new_empty(int(cu_S1[-1]), *real.shape[1:])
+        out[packed_rows(mb, cu_S1)] = real
+    return _gather_layers(out, groups.pp, groups.pp_size)
 
 
 def gathered_layer_numbers(recorder: RouterRecorder, groups) -> tuple[int, ...]:
@@ -86,9 +114,7 @@ def assemble_record(
         groups: ``ParallelGroups`` of this rank (tp/pp groups and sizes, SP flag).
         num_experts: experts per layer.
     """
-    lengths = [int(n) for mb in micro_batches for n in mb.cu_seqlens.diff()]
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    torch.cumsum(torch.tensor(lengths, dtype=torch.int64), 0, out=cu[1:])
+    cu = sample_cu_seqlens(micro_batches)
     return RouterRecord(
         expert_ids_TLK=gather_call_field(recorder, micro_batches, groups, "expert_ids_NK"),
         probs_TLK=gather_call_field(recorder, micro_batches, groups, "probs_NK"),
@@ -110,7 +136,7 @@ def local_ids_per_call(
     """Cut global ids ``[T, L, K]`` into each local router call's ``[N, K]`` ids.
 
     Args:
-        expert_ids_TLK: ids for this DP rank's samples, rows in packed sample order.
+        expert_ids_TLK: ids for this DP rank's samples, rows in sample order.
         layer_numbers: global layer number of each of the L columns.
         local_layer_numbers: layers whose routers live on this rank.
         micro_batches: the micro-batches that will run, in order (they define padding).
@@ -129,18 +155,18 @@ def local_ids_per_call(
         pad_ids_K = torch.arange(k)
     tp_size = groups.tp_size if groups.sequence_parallel else 1
     out: dict[int, list[torch.Tensor]] = {n: [] for n in local_layer_numbers}
-    offset = 0
+    cu_S1 = sample_cu_seqlens(micro_batches)
+    offset = int(cu_S1[-1])
+    if offset != expert_ids_TLK.shape[0]:
+        raise ValueError(
+            f"routing data covers {expert_ids_TLK.shape[0]} tokens but the micro-batches hold {offset}"
+        )
     for mb in micro_batches:
-        rows_TLK = expert_ids_TLK[offset : offset + mb.num_tokens].to(torch.int64)
-        offset += mb.num_tokens
+        rows_TLK = expert_ids_TLK[packed_rows(mb, cu_S1)].to(torch.int64)
         padded_TLK = pad_ids_K.to(torch.int64).expand(mb.padded_length, len(layer_numbers), k).clone()
         padded_TLK[: mb.num_tokens] = rows_TLK
         shard = mb.padded_length // tp_size
         start = (groups.tp_rank if tp_size > 1 else 0) * shard
         for number in local_layer_numbers:
             out[number].append(padded_TLK[start : start + shard, column[number]])
-    if offset != expert_ids_TLK.shape[0]:
-        raise ValueError(
-            f"routing data covers {expert_ids_TLK.shape[0]} tokens but the micro-batches hold {offset}"
-        )
     return out

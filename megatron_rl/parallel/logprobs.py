@@ -1,7 +1,7 @@
 """Forward-only log-prob pass over packed prompt+response samples, with routing records.
 
-Shape legend: S samples of this data-parallel rank, T_resp response tokens (packed,
-sample order), T_all prompt+response tokens, L MoE layers, K top-K.
+Shape legend: S samples of this data-parallel rank, T_resp response tokens (sample
+order, whatever micro-batch each sample was packed into), T_all prompt+response tokens, L MoE layers, K top-K.
 
 ``compute_logprobs`` packs the samples into micro-batches, runs them through Megatron's
 forward-only pipeline schedule, computes on the last stage each response token's
@@ -12,8 +12,11 @@ every rank of the model-parallel group returns the same tensors. With
 router and the result carries one :class:`~moe_routing.types.RouterRecord` over all
 prompt+response positions.
 
-Data parallelism is the caller's: each DP rank passes its own samples. All DP ranks must
-run the same number of micro-batches (expert dispatch is a collective across them).
+Data parallelism is the caller's: each DP rank passes its own samples. All DP ranks run
+the same number of micro-batches (expert dispatch is a collective across them): they agree
+on the count and a rank short of samples runs padding-only rows. With a token budget
+(``micro_batch_tokens``) samples are packed into as few balanced micro-batches as fit, in
+any order; every result comes back in sample order.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences, response_targets
+from megatron_rl.parallel.balance import plan_micro_batches
+from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences, padded_row_length, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
@@ -91,29 +95,83 @@ def validate_samples(
             )
 
 
+def needs_common_length(model: torch.nn.Module, groups: ParallelGroups) -> bool:
+    """Whether micro-batch rows must have one length across data-parallel ranks.
+
+    Megatron's allgather token dispatcher all-gathers equal-sized token blocks over the
+    expert-parallel group, whose ranks hold different samples; alltoall exchanges counts.
+    """
+    config = unwrap(model).config
+    return config.moe_token_dispatcher_type == "allgather" and groups.ep_size > 1
+
+
 def pack_for_rank(
-    sequences: Sequence[torch.Tensor], groups: ParallelGroups, per_micro_batch: int
+    sequences: Sequence[torch.Tensor],
+    groups: ParallelGroups,
+    per_micro_batch: int,
+    *,
+    max_tokens: int | None = None,
+    common_length: bool = False,
 ) -> list[PackedMicroBatch]:
-    """Consecutive samples per micro-batch, padded to one length across data-parallel ranks."""
-    chunks = [list(range(i, min(i + per_micro_batch, len(sequences)))) for i in range(0, len(sequences), per_micro_batch)]
-    longest = max(sum(int(sequences[j].numel()) for j in chunk) for chunk in chunks)
-    stats = torch.tensor([longest, len(chunks), -len(chunks)], dtype=torch.int64)
+    """This rank's samples packed into micro-batches; every DP rank runs the same number.
+
+    Args:
+        sequences: this DP rank's samples.
+        groups: parallel groups.
+        per_micro_batch: consecutive samples per micro-batch (when ``max_tokens`` is None).
+        max_tokens: token budget per micro-batch: samples are planned into as few
+            micro-batches of at most this many tokens as fit, with balanced token counts
+            (``megatron_rl.parallel.balance.plan_micro_batches``), in any order.
+        common_length: pad every row to the longest row of any DP rank (see
+            :func:`needs_common_length`).
+
+    Ranks with fewer micro-batches than the most loaded DP rank get balanced extra ones or,
+    when they run out of samples, padding-only rows: expert dispatch is a collective, so
+    every DP rank must enter the same number of forwards.
+    """
+    pad_multiple = groups.tp_size if groups.sequence_parallel else 1
+    lengths = [int(s.numel()) for s in sequences]
+    if max_tokens is None:
+        chunks = [list(range(i, min(i + per_micro_batch, len(sequences)))) for i in range(0, len(sequences), per_micro_batch)]
+    else:
+        if max_tokens % pad_multiple:
+            raise ValueError(f"micro-batch token budget {max_tokens} is not a multiple of the TP size {pad_multiple} (SP)")
+        chunks = plan_micro_batches(lengths, max_tokens)
+    longest = max((padded_row_length(sum(lengths[j] for j in c), pad_multiple) for c in chunks), default=pad_multiple)
+    stats = torch.tensor([longest, len(chunks)], dtype=torch.int64)
     if groups.dp_size > 1:
         all_reduce(stats, groups.dp, op=dist.ReduceOp.MAX)
-    if int(stats[1]) != -int(stats[2]):
-        raise ValueError(
-            f"data-parallel ranks hold different micro-batch counts ({-int(stats[2])}..{int(stats[1])}); "
-            "give every DP rank the same number of samples"
-        )
+    count = int(stats[1])
+    if len(chunks) < count:
+        if max_tokens is not None:
+            chunks = plan_micro_batches(lengths, max_tokens, num_micro_batches=count)
+        chunks = chunks + [[] for _ in range(count - len(chunks))]
     return [
         pack_sequences(
             [sequences[j] for j in chunk],
             sample_ids=chunk,
-            pad_multiple=groups.tp_size if groups.sequence_parallel else 1,
-            pad_to=int(stats[0]),
+            pad_multiple=pad_multiple,
+            pad_to=int(stats[0]) if common_length else None,
         )
         for chunk in chunks
     ]
+
+
+def to_sample_order(values_per_mb: Sequence[torch.Tensor], micro_batches: Sequence[PackedMicroBatch],
+                    cu_S1: torch.Tensor) -> torch.Tensor:
+    """Concatenate per-micro-batch response values into sample order.
+
+    Args:
+        values_per_mb: for each micro-batch, its samples' response values in its own order.
+        micro_batches: the micro-batches, in the order the values come.
+        cu_S1: ``[S + 1]`` response-token offsets of the samples in sample order.
+    """
+    out = values_per_mb[0].new_empty(int(cu_S1[-1]), *values_per_mb[0].shape[1:]) if values_per_mb else None
+    for values, mb in zip(values_per_mb, micro_batches):
+        rows = [torch.arange(int(cu_S1[s]), int(cu_S1[s + 1])) for s in mb.sample_ids.tolist()]
+        if rows:
+            out[torch.cat(rows).to(values.device)] = values
+    return out
 
 
 def response_positions(cu_seqlens_S1: torch.Tensor, prompt_lengths: Sequence[int]) -> torch.Tensor:
@@ -136,6 +194,7 @@ def compute_logprobs(
     prompt_lengths: Sequence[int],
     *,
     micro_batch_sequences: int = 4,
+    micro_batch_tokens: int | None = None,
     record_routing: bool = False,
     probs_dtype: torch.dtype = torch.float32,
     chunk_tokens: int = 1024,
@@ -150,7 +209,8 @@ def compute_logprobs(
         groups: this rank's parallel groups.
         sequences: prompt+response token ids per sample, ``[len_s]``.
         prompt_lengths: prompt tokens at the start of each sample.
-        micro_batch_sequences: samples packed per micro-batch.
+        micro_batch_sequences: samples packed per micro-batch (without a token budget).
+        micro_batch_tokens: token budget per micro-batch (balanced token-budget packing).
         record_routing: also return the routing record of every position.
         probs_dtype: dtype of recorded router probabilities and gates.
         chunk_tokens: tokens per chunk of the vocab-parallel log-softmax.
@@ -162,7 +222,8 @@ def compute_logprobs(
     gpt = unwrap(model)
     vocab = gpt.true_vocab_size
     validate_samples(sequences, prompt_lengths, vocab, gpt.max_sequence_length)
-    micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
+    micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
+                                  common_length=needs_common_length(model, groups))
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
@@ -193,14 +254,14 @@ def compute_logprobs(
         )
     response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
     total = int(response_lengths.sum())
-    packed = torch.empty(2, total, dtype=torch.float32)
-    if groups.is_last_stage:
-        packed[0] = torch.cat([o["lp"] for o in outputs])
-        packed[1] = torch.cat([o["ent"] for o in outputs])
-    if groups.pp_size > 1:
-        broadcast(packed, groups.pp_size - 1, groups.pp)
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     torch.cumsum(response_lengths, 0, out=cu[1:])
+    packed = torch.empty(2, total, dtype=torch.float32)
+    if groups.is_last_stage:
+        per_mb = [torch.stack([o["lp"].float(), o["ent"].float()], dim=1).cpu() for o in outputs]
+        packed.copy_(to_sample_order(per_mb, micro_batches, cu).T)
+    if groups.pp_size > 1:
+        broadcast(packed, groups.pp_size - 1, groups.pp)
     result = LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
     if recorder is not None:
         record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)

@@ -13,22 +13,23 @@ consumer of its logits passes on so that padded ids never enter a softmax or a s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
-from megatron.core.transformer import TransformerConfig
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.parallel.families import family_fields
+from megatron_rl.parallel.packed_attention import PackedCoreAttention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,7 +84,7 @@ def build_transformer_config(
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
         kv_channels=model.head_dim,
-        # Every layer is MoE; ffn_hidden_size only sizes a dense MLP that is never built.
+        # The dense MLP width; families.family_fields sets it when there are dense layers.
         ffn_hidden_size=model.moe_ffn_hidden_size,
         num_moe_experts=model.num_experts,
         moe_router_topk=model.moe_router_topk,
@@ -127,16 +128,21 @@ def build_transformer_config(
         apply_rope_fusion=False,
         use_cpu_initialization=not on_gpu,
     )
+    fields.update(family_fields(model))
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
+    return config_class(**fields)
 
 
 def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
-    """Copy of a local layer spec whose norms are ``norm`` (q/k norms only if ``qk_norm``)."""
+    """Copy of a local layer spec whose norms are ``norm`` (q/k norms only if ``qk_norm``)
+    and whose core attention consumes THD ``PackedSeqParams`` (no dense mask)."""
     layer = spec.submodules
     attn = layer.self_attention.submodules
     qk = norm if qk_norm else IdentityOp
-    attn = dataclasses.replace(attn, q_layernorm=qk, k_layernorm=qk)
+    # MLA's submodules norm the q and kv latents (q_layernorm, kv_layernorm) instead.
+    norms = {name: qk for name in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(attn, name)}
+    attn = dataclasses.replace(attn, **norms, core_attention=PackedCoreAttention)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     layer = dataclasses.replace(
         layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention
@@ -145,24 +151,20 @@ def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
 
 
 def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
-    """Transformer-block spec: TE modules on GPU with TE, Megatron local modules otherwise."""
+    """Transformer-block spec: TE modules on GPU with TE, Megatron local modules otherwise.
+
+    Both attend over THD-packed rows: TE's fused attention reads ``PackedSeqParams`` itself;
+    the local spec's core attention is :class:`PackedCoreAttention`, which reads the same.
+    """
     if use_te is None:
         use_te = transformer_engine_available()
+    # Megatron's block spec picks, per layer of this pipeline stage, the dense or the MoE
+    # layer (config.moe_layer_freq) with GQA or MLA attention (config.multi_latent_attention).
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(
-            num_experts=config.num_moe_experts, moe_grouped_gemm=True, qk_layernorm=config.qk_layernorm
-        )
-    local = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=config.qk_layernorm,
-        normalization="RMSNorm",
-    )
-    layer = _with_norm(local, SequenceParallelRMSNorm, config.qk_layernorm)
-    num_local_layers = config.num_layers // config.pipeline_model_parallel_size
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * num_local_layers, layer_norm=SequenceParallelRMSNorm
-    )
+        return block
+    layers = [_with_norm(spec, SequenceParallelRMSNorm, config.qk_layernorm) for spec in block.layer_specs]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
 
 
 def build_model(
@@ -187,7 +189,16 @@ def build_model(
     config = build_transformer_config(model, parallel, use_te=use_te, **config_overrides)
     if config.fp8 and not use_te:
         raise ValueError("fp8.enabled: FP8 training needs the Transformer Engine layer spec (TE + CUDA)")
-    gpt = GPTModel(
+    with _mla_without_transformer_engine():
+        gpt = _build_gpt(model, parallel, config, use_te)
+    gpt.true_vocab_size = model.vocab_size
+    if config.moe_enable_routing_replay:
+        _forget_global_replay_instances(gpt)
+    return gpt
+
+
+def _build_gpt(model: ModelConfig, parallel: ParallelConfig, config: TransformerConfig, use_te: bool) -> GPTModel:
+    return GPTModel(
         config=config,
         transformer_layer_spec=build_layer_spec(config, use_te),
         vocab_size=model.padded_vocab_size,
@@ -197,12 +208,30 @@ def build_model(
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
         position_embedding_type="rope",
         rotary_base=int(model.rotary_base),
+        rotary_percent=model.rotary_percent,
         parallel_output=True,
     )
-    gpt.true_vocab_size = model.vocab_size
-    if config.moe_enable_routing_replay:
-        _forget_global_replay_instances(gpt)
-    return gpt
+
+
+@contextlib.contextmanager
+def _mla_without_transformer_engine() -> Iterator[None]:
+    """Build MLA layers where Transformer Engine is absent.
+
+    Megatron-Core 0.16.1's ``multi_latent_attention`` sets ``HAVE_TE`` when its TE extension
+    module imports, which it does without TE, with a placeholder (not a class) for
+    ``TELinear``; its constructor then calls ``isinstance`` on that placeholder. The flag
+    is corrected for the build only.
+    """
+    from megatron.core.transformer import multi_latent_attention as mla
+
+    wrong = mla.HAVE_TE and not isinstance(mla.TELinear, type)
+    if wrong:
+        mla.HAVE_TE = False
+    try:
+        yield
+    finally:
+        if wrong:
+            mla.HAVE_TE = True
 
 
 def _forget_global_replay_instances(gpt: GPTModel) -> None:

@@ -1,16 +1,21 @@
-"""Pack variable-length sequences into one model row per micro-batch.
+"""Pack variable-length sequences into one THD model row per micro-batch.
 
 Shape legend: T packed tokens of a micro-batch (after padding), S sequences.
 
-A micro-batch of S sequences becomes a single row ``[1, T]`` with a block-diagonal causal
-attention mask, so no token attends across a sequence boundary and nothing is padded to
-``[S, max_len]``. RoPE depends only on the distance between query and key, and the mask
-only admits pairs inside one sequence, so a packed sequence computes exactly what it would
-alone. The row is padded at its end to a multiple of ``pad_multiple`` (the TP size under
-sequence parallelism); padding forms its own masked block and carries no loss.
+A micro-batch of S sequences becomes a single row ``[1, T]`` plus Megatron's
+``PackedSeqParams`` in the THD format: cumulative segment boundaries and the longest
+segment. Attention runs per segment (Transformer Engine's fused THD attention on a GPU,
+:mod:`megatron_rl.parallel.packed_attention` elsewhere), so no token attends across a
+sequence boundary and no ``[T, T]`` mask exists. RoPE restarts at every segment, exactly as
+each sequence would see it alone.
 
-The block mask is the local (CPU) attention path; a Transformer Engine run would hand the
-same boundaries to TE as ``PackedSeqParams`` instead.
+Padding is explicit and has one reason each: the row is padded at its end to a multiple of
+``pad_multiple`` (the TP size under sequence parallelism: the row is split over TP ranks)
+and, with the allgather token dispatcher, to one common length across data-parallel ranks
+(``pad_to``: that dispatcher all-gathers equal-sized token blocks). The padding tail is a
+segment of its own, so attention stays block-causal, and it is never a loss row, a routing
+record row or a metric. A micro-batch may hold no sequence at all: ranks that must run the
+same number of micro-batches (expert dispatch is a collective) run such a padding-only row.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 
 @dataclass
@@ -28,9 +34,7 @@ class PackedMicroBatch:
     tokens: torch.Tensor
     """Input ids ``[1, T]`` (int64), padding at the end."""
     position_ids: torch.Tensor
-    """Positions ``[1, T]``, restarting at 0 for every sequence."""
-    attention_mask: torch.Tensor
-    """``[1, 1, T, T]`` bool, True where attention is *blocked* (Megatron's convention)."""
+    """Positions ``[1, T]``, restarting at 0 for every segment."""
     cu_seqlens: torch.Tensor
     """``[S + 1]`` int64 start offsets of the real sequences in the row."""
     sample_ids: torch.Tensor
@@ -43,17 +47,36 @@ class PackedMicroBatch:
         """Row length T including padding."""
         return int(self.tokens.shape[1])
 
+    @property
+    def num_sequences(self) -> int:
+        """Real sequences S in the row (0 for a padding-only micro-batch)."""
+        return int(self.sample_ids.numel())
 
-def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
-    """``[T, T]`` bool, True where query t may NOT attend key u (different block or u > t).
+    @property
+    def segment_cu_seqlens(self) -> torch.Tensor:
+        """``[S + 1]`` or ``[S + 2]`` int32 attention segments: the sequences, then the padding tail."""
+        if self.num_tokens == self.padded_length:
+            return self.cu_seqlens.to(torch.int32)
+        return torch.cat([self.cu_seqlens, self.cu_seqlens.new_tensor([self.padded_length])]).to(torch.int32)
 
-    Positions at or beyond ``cu_seqlens[-1]`` form one extra (padding) block.
-    """
-    boundaries = torch.cat([cu_seqlens, cu_seqlens.new_tensor([length])]).unique_consecutive()
-    block_id_T = torch.bucketize(torch.arange(length), boundaries[1:], right=True)
-    same_block = block_id_T[:, None] == block_id_T[None, :]
-    causal = torch.ones(length, length, dtype=torch.bool).tril_()
-    return ~(same_block & causal)
+    def packed_seq_params(self, device: torch.device | str = "cpu") -> PackedSeqParams:
+        """Megatron's THD ``PackedSeqParams`` of the row's attention segments, on ``device``."""
+        cu_32 = self.segment_cu_seqlens
+        longest = int(cu_32.diff().max())
+        cu_32 = cu_32.to(device)
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=cu_32,
+            cu_seqlens_kv=cu_32,
+            max_seqlen_q=longest,
+            max_seqlen_kv=longest,
+        )
+
+
+def padded_row_length(num_tokens: int, pad_multiple: int = 1, pad_to: int | None = None) -> int:
+    """Row length for ``num_tokens`` real tokens: at least one token, ``pad_to``, a multiple."""
+    length = max(num_tokens, pad_to or 0, 1)
+    return -(-length // pad_multiple) * pad_multiple
 
 
 def pack_sequences(
@@ -63,17 +86,15 @@ def pack_sequences(
     pad_to: int | None = None,
     pad_id: int = 0,
 ) -> PackedMicroBatch:
-    """Pack 1-D token tensors into one padded row with a block-diagonal causal mask.
+    """Pack 1-D token tensors into one padded THD row.
 
     Args:
-        sequences: S token-id tensors of shape ``[len_s]``.
+        sequences: S token-id tensors of shape ``[len_s]`` (S may be 0: a padding-only row).
         sample_ids: batch index of each sequence (defaults to ``range(S)``).
         pad_multiple: pad the row length up to a multiple of this (TP size under SP).
-        pad_to: pad the row to at least this length (aligns micro-batches across ranks).
+        pad_to: pad the row to at least this length (the allgather dispatcher's common length).
         pad_id: token id written into padding positions.
     """
-    if len(sequences) == 0:
-        raise ValueError("pack_sequences: got no sequences")
     for i, seq in enumerate(sequences):
         if seq.dim() != 1 or seq.numel() == 0:
             raise ValueError(f"pack_sequences: sequence {i} must be a non-empty 1-D tensor")
@@ -81,19 +102,17 @@ def pack_sequences(
     cu_seqlens = torch.zeros(len(sequences) + 1, dtype=torch.int64)
     torch.cumsum(lengths, 0, out=cu_seqlens[1:])
     num_tokens = int(cu_seqlens[-1])
-    length = -(-max(num_tokens, pad_to or 0) // pad_multiple) * pad_multiple
+    length = padded_row_length(num_tokens, pad_multiple, pad_to)
     tokens = torch.full((length,), pad_id, dtype=torch.int64)
-    tokens[:num_tokens] = torch.cat([s.to(torch.int64) for s in sequences])
-    starts_T = torch.repeat_interleave(cu_seqlens[:-1], lengths)
-    position_ids = torch.zeros(length, dtype=torch.int64)
-    position_ids[:num_tokens] = torch.arange(num_tokens) - starts_T
-    position_ids[num_tokens:] = torch.arange(length - num_tokens)
+    position_ids = torch.arange(length, dtype=torch.int64) - num_tokens  # the padding segment
+    if sequences:
+        tokens[:num_tokens] = torch.cat([s.to(torch.int64) for s in sequences])
+        position_ids[:num_tokens] = torch.arange(num_tokens) - torch.repeat_interleave(cu_seqlens[:-1], lengths)
     if sample_ids is None:
         sample_ids = range(len(sequences))
     return PackedMicroBatch(
         tokens=tokens[None],
         position_ids=position_ids[None],
-        attention_mask=block_causal_mask(cu_seqlens, length)[None, None],
         cu_seqlens=cu_seqlens,
         sample_ids=torch.as_tensor(list(sample_ids), dtype=torch.int64),
         num_tokens=num_tokens,
@@ -123,7 +142,7 @@ def response_rows(mb: PackedMicroBatch, prompt_lengths: Sequence[int]) -> torch.
     Response token t of a sample is predicted by the row of token t - 1, so a sample of
     prompt length P and length N contributes rows ``[start + P - 1, start + N - 1)``.
     """
-    rows = []
+    rows = [torch.zeros(0, dtype=torch.int64)]
     for i, sample in enumerate(mb.sample_ids.tolist()):
         start, end = int(mb.cu_seqlens[i]), int(mb.cu_seqlens[i + 1])
         rows.append(torch.arange(start + prompt_lengths[sample] - 1, end - 1))
@@ -142,4 +161,3 @@ def response_targets(
     # The target of row r is the token at r + 1 (rows never include a sequence's last token).
     targets_R = mb.tokens[0, rows_R + 1]
     return rows_R.to(device), targets_R.to(device=device, dtype=torch.int64)
-

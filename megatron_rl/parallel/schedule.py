@@ -76,10 +76,12 @@ def run_schedule(
         if before_forward is not None:
             before_forward(index)
         device = next(stage.parameters()).device
+        # THD packing: attention reads the segment boundaries; there is no dense mask.
         output = stage(
             input_ids=mb.tokens.to(device),
             position_ids=mb.position_ids.to(device),
-            attention_mask=mb.attention_mask.to(device),
+            attention_mask=None,
+            packed_seq_params=mb.packed_seq_params(device),
         )
 
         def loss_func(output_tensor: torch.Tensor):

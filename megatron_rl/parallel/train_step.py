@@ -44,7 +44,7 @@ from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen, all_reduce, broadcast, broadcast_object
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
+from megatron_rl.parallel.logprobs import compute_logprobs, needs_common_length, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -186,6 +186,7 @@ def forward_backward(
     plan: RoutingPlan,
     *,
     micro_batch_sequences: int = 4,
+    micro_batch_tokens: int | None = None,
     chunk_tokens: int = 1024,
 ) -> StepResult:
     """Forward and backward of one mini-batch; gradients land reduced in ``main_grad``."""
@@ -215,7 +216,8 @@ def forward_backward(
             raise RoutingDataError("the objective uses RSPO weights but the batch has no old_record")
         probe = compute_logprobs(
             model, groups, batch.sequences, batch.prompt_lengths,
-            micro_batch_sequences=micro_batch_sequences, chunk_tokens=chunk_tokens,
+            micro_batch_sequences=micro_batch_sequences, micro_batch_tokens=micro_batch_tokens,
+            chunk_tokens=chunk_tokens,
             replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=batch.old_record,
         )
         gamma_T = probe.rspo_gamma_T
@@ -236,7 +238,8 @@ def forward_backward(
     if groups.dp_size > 1:
         all_reduce(counts, groups.dp)
 
-    micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences)
+    micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
+                                  common_length=needs_common_length(model, groups))
     loss_fn = _objective_loss_fn(
         batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
         gpt.true_vocab_size,
@@ -316,24 +319,34 @@ def _global_loss_mask(
 
 def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
                        vocab_size):
-    """Per-micro-batch loss: vocab-parallel log-probs over the true vocabulary, then the objective."""
-    first_sample = [int(mb.sample_ids[0]) for mb in micro_batches]
-    by_first = {s: i for i, s in enumerate(first_sample)}
+    """Per-micro-batch loss: vocab-parallel log-probs over the true vocabulary, then the objective.
+
+    A micro-batch may hold any samples in any order (token-budget packing): its per-token
+    inputs are gathered from the sample-order tensors by the rows of its samples.
+    """
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         samples = mb.sample_ids
-        lo, hi = int(cu_S1[samples[0]]), int(cu_S1[samples[-1] + 1])
         device = logits_1TV.device
         rows, targets = response_targets(mb, batch.prompt_lengths, device)
         logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
             logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens,
             entropy_requires_grad=objective.entropy_coef > 0, vocab_size=vocab_size,
         )
-        local_cu = cu_S1[samples[0] : samples[-1] + 2] - lo
+        lengths = (cu_S1[samples + 1] - cu_S1[samples]) if samples.numel() else samples
+        token_rows = torch.cat([torch.zeros(0, dtype=torch.int64)]
+                               + [torch.arange(int(cu_S1[i]), int(cu_S1[i + 1])) for i in samples.tolist()])
+        local_cu = torch.zeros(samples.numel() + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=local_cu[1:])
 
         def part(t):
-            return None if t is None else t[lo:hi].to(device)
+            return None if t is None else t[token_rows].to(device)
 
+        if samples.numel() == 0:
+            # A padding-only row: no token enters the loss, but the backward must still
+            # reach every parameter its forward used (gradients are collective under DDP).
+            loss = logits_1TV.sum() * 0.0
+            return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}
         loss, metrics = policy_loss(
             objective,
             logprobs_T=logprobs_T,
@@ -351,7 +364,7 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
             global_num_seqs=counts[1].to(device),
             apply_filters=False,
         )
-        metrics = {**metrics, "loss": loss.detach(), "micro_batch": torch.tensor(by_first[int(samples[0])])}
+        metrics = {**metrics, "loss": loss.detach(), "micro_batch": torch.tensor(1)}
         # Count 0: the objective already divided by the global count; Megatron must not again.
         return loss, torch.tensor(0, dtype=torch.int), metrics
 
@@ -371,7 +384,7 @@ def _reduce_step(outputs: list[dict], groups: ParallelGroups, metrics: dict) -> 
     local = torch.zeros(2 + len(names), dtype=torch.float64)
     if groups.is_last_stage and outputs:
         local[0] = sum(o["loss"].double() for o in outputs)
-        local[1] = len(outputs)
+        local[1] = sum(1 for o in outputs if "micro_batch" in o)  # padding-only rows have no metrics
         for i, name in enumerate(names):
             local[2 + i] = sum(o[name].double() for o in outputs if name in o)
     if groups.pp_size > 1:

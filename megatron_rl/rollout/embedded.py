@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_gather_cat, all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
+from megatron_rl.parallel.logprobs import compute_logprobs, needs_common_length, pack_for_rank, to_sample_order
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
@@ -41,13 +41,21 @@ class EmbeddedEngine:
     Args:
         model: this rank's model stage (the training model; its weights are served).
         groups: this rank's parallel groups.
-        micro_batch_sequences: sequences per forward micro-batch.
+        micro_batch_sequences: sequences per forward micro-batch (without a token budget).
+        micro_batch_tokens: token budget per forward micro-batch (balanced token-budget packing).
     """
 
-    def __init__(self, model: torch.nn.Module, groups: ParallelGroups, micro_batch_sequences: int = 32) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        groups: ParallelGroups,
+        micro_batch_sequences: int = 32,
+        micro_batch_tokens: int | None = None,
+    ) -> None:
         self.model = model
         self.groups = groups
         self.micro_batch_sequences = micro_batch_sequences
+        self.micro_batch_tokens = micro_batch_tokens
         self.weight_version = 0
 
     def update_weights(self, version: int) -> None:
@@ -108,7 +116,8 @@ class EmbeddedEngine:
     def _last_logits(self, sequences: list[torch.Tensor]) -> torch.Tensor:
         """Full-vocabulary logits ``[B, V]`` of each sequence's last position, on every rank."""
         groups = self.groups
-        micro_batches = pack_for_rank(sequences, groups, self.micro_batch_sequences)
+        micro_batches = pack_for_rank(sequences, groups, self.micro_batch_sequences, max_tokens=self.micro_batch_tokens,
+                                      common_length=needs_common_length(self.model, groups))
         vocab = unwrap(self.model).true_vocab_size
 
         def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
@@ -124,7 +133,8 @@ class EmbeddedEngine:
             outputs = run_schedule(self.model, micro_batches, loss_fn, forward_only=True)
         logits_BV = torch.empty(len(sequences), vocab, dtype=torch.float32)
         if groups.is_last_stage:
-            logits_BV.copy_(torch.cat([o["logits"] for o in outputs]))
+            one_row_each = torch.arange(len(sequences) + 1)
+            logits_BV.copy_(to_sample_order([o["logits"].cpu() for o in outputs], micro_batches, one_row_each))
         if groups.pp_size > 1:
             broadcast(logits_BV, groups.pp_size - 1, groups.pp)
         return logits_BV
@@ -135,7 +145,8 @@ class EmbeddedEngine:
         sequences = [torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)]
         result = compute_logprobs(
             self.model, self.groups, sequences, [len(p) for p in prompts],
-            micro_batch_sequences=self.micro_batch_sequences, record_routing=return_routed_experts,
+            micro_batch_sequences=self.micro_batch_sequences, micro_batch_tokens=self.micro_batch_tokens,
+            record_routing=return_routed_experts,
         )
         samples = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):

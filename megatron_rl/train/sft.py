@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import pack_for_rank
+from megatron_rl.parallel.logprobs import needs_common_length, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
@@ -36,7 +36,8 @@ def sft_step(
     count = torch.tensor([float(sum(len(a) for _, a in examples))], dtype=torch.float64)
     if groups.dp_size > 1:
         all_reduce(count, groups.dp)
-    micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences)
+    micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences,
+                                  common_length=needs_common_length(model, groups))
     vocab = unwrap(model).true_vocab_size
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):

@@ -42,7 +42,8 @@ def _autograd_gradient(model, micro_batches) -> list[torch.Tensor]:
     """Plain autograd gradient of the token-mean loss, bypassing DDP's buffers and hooks."""
     total, count = 0.0, 0
     for mb in micro_batches:
-        logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=mb.attention_mask)
+        logits = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None,
+                       packed_seq_params=mb.packed_seq_params())
         loss, tokens, _ = _loss_fn(mb, logits)
         total, count = total + loss, count + int(tokens)
     return list(torch.autograd.grad(total / count, list(model.parameters())))
