@@ -249,7 +249,12 @@ class TrainerConfig:
     epochs: int = 1
     """Passes over the step's mini-batches."""
     micro_batch_sequences: int = 32
-    """Sequences packed per micro-batch."""
+    """Sequences packed per micro-batch (when ``micro_batch_tokens`` is null)."""
+    micro_batch_tokens: int | None = None
+    """Token budget of a micro-batch (prompt + response tokens) in the log-prob passes, the
+    updates and the embedded engine: samples are packed into as few micro-batches of at most
+    this many tokens as fit, balanced, and each step's groups are balanced over data-parallel
+    ranks by tokens. Null: ``micro_batch_sequences`` consecutive samples per micro-batch."""
     routing_replay: Literal["none", "R2", "R3"] = "R2"
     """Routing plan during updates."""
     routing_diagnostics: bool = True
@@ -493,7 +498,30 @@ def validate_run(cfg: RunConfig) -> None:
     _require(t.eval_every >= 1, "train.eval_every", "must be >= 1")
     _require(t.save_every >= 1, "train.save_every", "must be >= 1")
     _require(t.micro_batch_sequences >= 1, "train.micro_batch_sequences", "must be >= 1")
+    if t.micro_batch_tokens is not None:
+        check_micro_batch_tokens(cfg)
     _require(cfg.optim.lr > 0, "optim.lr", "must be > 0")
+
+
+def longest_sequence(cfg: RunConfig) -> int:
+    """The most prompt + response tokens one sample can have under this config."""
+    room = cfg.model.max_position_embeddings
+    if cfg.data.max_prompt_tokens is None:
+        return room
+    return min(room, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
+
+
+def check_micro_batch_tokens(cfg: RunConfig) -> None:
+    """A token budget must hold the longest possible sample and split evenly over TP under SP."""
+    budget, p = cfg.train.micro_batch_tokens, cfg.parallel
+    longest = longest_sequence(cfg)
+    _require(budget >= longest, "train.micro_batch_tokens",
+             f"{budget} is smaller than the longest possible sample, {longest} tokens (data.max_prompt_tokens + "
+             "rollout.max_new_tokens, at most model.max_position_embeddings)")
+    tp = p.tensor_model_parallel_size
+    _require(not p.sequence_parallel_enabled() or budget % tp == 0, "train.micro_batch_tokens",
+             f"{budget} is not a multiple of parallel.tensor_model_parallel_size ({tp}): sequence parallelism "
+             "splits every micro-batch row over the TP ranks")
 
 
 def validate_sglang(s: SGLangConfig, model: ModelConfig, prefix: str = "rollout.sglang") -> None:

@@ -78,3 +78,29 @@ def broadcast_object(obj, src_group_rank: int, group: dist.ProcessGroup):
         box, src=dist.get_global_rank(group, src_group_rank), group=group, device=group_device(group)
     )
     return box[0]
+
+
+def exchange_objects(outgoing: list[list], group: dist.ProcessGroup) -> list[list]:
+    """All-to-all of picklable objects: ``outgoing[r]`` goes to group rank ``r``.
+
+    Returns what every group rank sent to this one, in group-rank order. Each object
+    travels once, to its destination only (unlike an all-gather of objects, which copies
+    every rank's objects to every rank).
+    """
+    import pickle
+
+    size = dist.get_world_size(group)
+    if len(outgoing) != size:
+        raise ValueError(f"exchange_objects: {len(outgoing)} destinations for a group of {size}")
+    device = group_device(group)
+    payloads = [pickle.dumps(items, protocol=pickle.HIGHEST_PROTOCOL) for items in outgoing]
+    send_sizes = torch.tensor([len(p) for p in payloads], dtype=torch.int64)
+    recv_sizes = torch.empty(size, dtype=torch.int64, device=device)
+    dist.all_to_all_single(recv_sizes, send_sizes.to(device), group=group)
+    recv_sizes = recv_sizes.cpu()
+    send = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+    recv = torch.empty(int(recv_sizes.sum()), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send.to(device), output_split_sizes=recv_sizes.tolist(),
+                           input_split_sizes=send_sizes.tolist(), group=group)
+    chunks = recv.cpu().split(recv_sizes.tolist())
+    return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]

@@ -42,6 +42,7 @@ from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rollout.embedded import EmbeddedEngine
+from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.rewards import RewardInput, RewardResult, RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
@@ -136,7 +137,8 @@ class Trainer:
         """The rollout engine the config names (collective: weight sync spans every rank)."""
         cfg = self.cfg
         if cfg.rollout.engine == "megatron":
-            return EmbeddedEngine(self.ddp, self.groups, cfg.train.micro_batch_sequences)
+            return EmbeddedEngine(self.ddp, self.groups, cfg.train.micro_batch_sequences,
+                                  cfg.train.micro_batch_tokens)
         if cfg.rollout.engine == "hf":
             from megatron_rl.rollout.hf_engine import HFEngine
 
@@ -299,16 +301,30 @@ class Trainer:
             stacked /= self.groups.dp_size
         return {n: stacked[i].float() for i, n in enumerate(names)}
 
+    def _packing(self) -> dict:
+        """Micro-batching keywords of the log-prob passes and the updates."""
+        t = self.cfg.train
+        return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
+
+    def _balanced(self, chosen: Groups, metrics: dict) -> Groups:
+        """With a token budget, re-deal whole groups over DP ranks so that tokens per rank balance."""
+        if self.cfg.train.micro_batch_tokens is None or self.groups.dp_size == 1:
+            return chosen
+        items = list(zip(chosen.problems, chosen.samples, chosen.rewards))
+        tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in group) for group in chosen.samples]
+        mine, balance = rebalance_over_dp(items, tokens, self.groups, self.cfg.train.mini_batches)
+        metrics.update(balance)
+        return Groups(*(list(column) for column in zip(*mine)))
+
     def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
         """Old-policy pass, optional reference pass and advantages for the chosen groups."""
         G = self.cfg.rollout.group_size
         samples = [s for group in chosen.samples for s in group]
         sequences = [s.tokens for s in samples]
         prompt_lengths = [len(s.prompt_ids) for s in samples]
-        mb = self.cfg.train.micro_batch_sequences
+        packing = self._packing()
         with phase_timer(metrics, "old_logprobs"):
-            old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths,
-                                   micro_batch_sequences=mb, record_routing=True)
+            old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
         rollout_lp = torch.cat([s.output_logprobs for s in samples])
         diff = (old.logprobs_T - rollout_lp)
         metrics.update(self._global_means({
@@ -319,7 +335,7 @@ class Trainer:
         if self.reference is not None:
             with phase_timer(metrics, "ref_logprobs"):
                 ref_lp = compute_logprobs(self.reference, self.groups, sequences, prompt_lengths,
-                                          micro_batch_sequences=mb).logprobs_T
+                                          **packing).logprobs_T
         seq_ids_T = seq_ids_from_cu_seqlens(old.cu_seqlens_S1)
         mask_T = torch.ones_like(old.logprobs_T, dtype=torch.bool)
         advantages = compute_advantages(
@@ -345,7 +361,7 @@ class Trainer:
             for m in range(t.mini_batches):
                 indices = list(range(m * groups_per_mb * G, (m + 1) * groups_per_mb * G))
                 result = forward_backward(self.ddp, self.groups, batch.select(indices), self.objective,
-                                          self.plan, micro_batch_sequences=t.micro_batch_sequences)
+                                          self.plan, **self._packing())
                 collected.append({**result.metrics, **optimizer_step(self.optimizer)})
         for name in collected[0]:
             metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
@@ -388,6 +404,7 @@ class Trainer:
         start = time.perf_counter()
         with phase_timer(metrics, "rollout"):
             chosen = self._rollouts(step, state, metrics)
+        chosen = self._balanced(chosen, metrics)
         batch = self._batch(chosen, metrics)
         with phase_timer(metrics, "update"):
             self._update(batch, metrics)
