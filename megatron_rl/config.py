@@ -41,7 +41,10 @@ T = TypeVar("T")
 
 @dataclass(kw_only=True)
 class ModelConfig:
-    """A Qwen3-MoE-style decoder: RMSNorm, RoPE, QK-norm, SwiGLU experts, no biases."""
+    """A MoE decoder: RMSNorm, RoPE, SwiGLU experts; by default Qwen3-MoE-style (GQA with
+    QK-norm, softmax router, every layer MoE, no biases). The fields past ``qk_layernorm``
+    add what DeepSeek-V3, GLM-4.5 and Qwen2-MoE need; each maps onto Megatron-Core's own
+    ``TransformerConfig`` field or layer spec (``megatron_rl.parallel.model``)."""
 
     vocab_size: int = 256
     """Vocabulary size V (the HF config's): token ids in [0, V); padding rows are never ids."""
@@ -50,7 +53,7 @@ class ModelConfig:
     hidden_size: int = 64
     """Model width H."""
     num_layers: int = 4
-    """Number of transformer layers (every layer is an MoE layer)."""
+    """Number of transformer layers (MoE layers, after the first ``num_dense_layers``)."""
     num_attention_heads: int = 4
     """Query heads."""
     num_query_groups: int = 2
@@ -83,6 +86,59 @@ class ModelConfig:
     """Separate output layer (Qwen3-MoE) instead of reusing the input embedding."""
     qk_layernorm: bool = True
     """Per-head RMSNorm on queries and keys before RoPE (Qwen3-MoE: true; Mixtral: false)."""
+    add_qkv_bias: bool = False
+    """Biases on the Q, K and V projections (Qwen2-MoE, GLM-4.5); the output projection has none."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates (GLM-4.5: 0.5, the rest pass through)."""
+    multi_latent_attention: bool = False
+    """DeepSeek-V3 multi-latent attention (MLA) instead of grouped-query attention."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection (None: queries are projected directly)."""
+    kv_lora_rank: int = 0
+    """MLA: rank of the compressed key/value latent."""
+    qk_nope_head_dim: int = 0
+    """MLA: per-head query/key channels without RoPE."""
+    qk_rope_head_dim: int = 0
+    """MLA: per-head query/key channels with RoPE (the key part is shared by all heads)."""
+    v_head_dim: int = 0
+    """MLA: per-head value channels."""
+    rope_scaling: Literal["none", "yarn"] = "none"
+    """RoPE frequency scaling: none, or YaRN (MLA only, DeepSeek-V3's long-context RoPE)."""
+    yarn_factor: float = 1.0
+    """YaRN: context extension factor."""
+    yarn_original_max_position_embeddings: int = 4096
+    """YaRN: context length the model was pre-trained with before extension."""
+    yarn_beta_fast: float = 32.0
+    """YaRN: high-frequency boundary of the ramp (rotations per context)."""
+    yarn_beta_slow: float = 1.0
+    """YaRN: low-frequency boundary of the ramp."""
+    yarn_mscale: float = 1.0
+    """YaRN: magnitude-scale coefficient of cos/sin."""
+    yarn_mscale_all_dim: float = 0.0
+    """YaRN: magnitude-scale coefficient of the softmax scale and divisor of cos/sin's (0: off)."""
+    num_dense_layers: int = 0
+    """The first this many layers have a dense SwiGLU MLP instead of an MoE (DeepSeek-V3: 3)."""
+    ffn_hidden_size: int = 0
+    """Hidden size of the dense layers' MLP (used only when ``num_dense_layers`` > 0)."""
+    moe_shared_expert_intermediate_size: int = 0
+    """Hidden size of the shared expert every token also goes through (0: none)."""
+    moe_shared_expert_gate: bool = False
+    """Scale the shared expert's output by a learned per-token sigmoid gate (Qwen2-MoE)."""
+    moe_router_enable_expert_bias: bool = False
+    """Per-expert bias added to the sigmoid scores for selection only (aux-loss-free balancing);
+    it is frozen during RL (never updated), so every policy selects with the same bias."""
+    moe_router_num_groups: int = 0
+    """Group-limited routing: experts split into this many groups (0: off)."""
+    moe_router_group_topk: int = 0
+    """Group-limited routing: groups each token may use (scored by the sum of their top
+    ``K / group_topk`` selection scores)."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Routed scaling factor multiplying the top-K gate weights (DeepSeek-V3: 2.5)."""
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Global 0-based indices of the MoE layers (every layer past the dense ones)."""
+        return tuple(range(self.num_dense_layers, self.num_layers))
 
     @property
     def padded_vocab_size(self) -> int:
@@ -362,6 +418,65 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         f"{prefix}.moe_router_pre_softmax",
         "only applies to softmax routing (model.moe_router_score_function=softmax)",
     )
+    _validate_extensions(m, prefix)
+
+
+def _validate_extensions(m: ModelConfig, prefix: str) -> None:
+    """Rules of the DeepSeek-V3 / GLM-4.5 / Qwen2-MoE fields."""
+    _require(0 < m.rotary_percent <= 1, f"{prefix}.rotary_percent", "must be in (0, 1]")
+    _require(
+        0 <= m.num_dense_layers < m.num_layers,
+        f"{prefix}.num_dense_layers",
+        f"must be in [0, model.num_layers={m.num_layers}) (at least one MoE layer)",
+    )
+    _require(
+        m.num_dense_layers == 0 or m.ffn_hidden_size > 0,
+        f"{prefix}.ffn_hidden_size",
+        "must be > 0 when model.num_dense_layers > 0",
+    )
+    _require(
+        m.moe_shared_expert_intermediate_size >= 0,
+        f"{prefix}.moe_shared_expert_intermediate_size",
+        "must be >= 0",
+    )
+    _require(
+        not m.moe_shared_expert_gate or m.moe_shared_expert_intermediate_size > 0,
+        f"{prefix}.moe_shared_expert_gate",
+        "needs a shared expert (model.moe_shared_expert_intermediate_size > 0)",
+    )
+    _require(
+        not m.moe_router_enable_expert_bias or m.moe_router_score_function == "sigmoid",
+        f"{prefix}.moe_router_enable_expert_bias",
+        "only applies to sigmoid routing (model.moe_router_score_function=sigmoid)",
+    )
+    _require(m.moe_router_topk_scaling_factor > 0, f"{prefix}.moe_router_topk_scaling_factor", "must be > 0")
+    groups, group_topk = m.moe_router_num_groups, m.moe_router_group_topk
+    _require((groups == 0) == (group_topk == 0), f"{prefix}.moe_router_group_topk",
+             "set both model.moe_router_num_groups and model.moe_router_group_topk, or neither")
+    if groups:
+        _require(m.num_experts % groups == 0, f"{prefix}.moe_router_num_groups",
+                 f"must divide model.num_experts ({m.num_experts})")
+        _require(0 < group_topk <= groups, f"{prefix}.moe_router_group_topk",
+                 f"must be in [1, model.moe_router_num_groups={groups}]")
+        _require(m.moe_router_topk % group_topk == 0, f"{prefix}.moe_router_group_topk",
+                 f"must divide model.moe_router_topk ({m.moe_router_topk}): a group is scored by "
+                 "its top K / group_topk experts")
+        _require(m.moe_router_topk // group_topk <= m.num_experts // groups, f"{prefix}.moe_router_group_topk",
+                 f"K / group_topk ({m.moe_router_topk // group_topk}) exceeds the experts per group "
+                 f"({m.num_experts // groups})")
+    _require(m.rope_scaling == "none" or m.multi_latent_attention, f"{prefix}.rope_scaling",
+             "YaRN is implemented for multi-latent attention only (model.multi_latent_attention=true)")
+    if m.rope_scaling == "yarn":
+        _require(m.yarn_factor >= 1, f"{prefix}.yarn_factor", "must be >= 1")
+    if m.multi_latent_attention:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _require(getattr(m, name) > 0, f"{prefix}.{name}", "must be > 0 with multi-latent attention")
+        _require(m.q_lora_rank is None or m.q_lora_rank > 0, f"{prefix}.q_lora_rank", "must be > 0 or null")
+        _require(m.qk_rope_head_dim % 2 == 0, f"{prefix}.qk_rope_head_dim", "must be even (RoPE rotates pairs)")
+        _require(m.qk_layernorm, f"{prefix}.qk_layernorm",
+                 "must be true with multi-latent attention (it norms the q and kv latents)")
+        _require(m.rotary_percent == 1.0, f"{prefix}.rotary_percent", "must be 1 with multi-latent attention")
+        _require(not m.add_qkv_bias, f"{prefix}.add_qkv_bias", "must be false with multi-latent attention")
 
 
 def vocab_padding_hint(m: ModelConfig, tp: int) -> str:
@@ -409,6 +524,20 @@ def validate_layout(
         f"{m.vocab_size} rounded up to model.vocab_padding_multiple {m.vocab_padding_multiple}); "
         f"{vocab_padding_hint(m, tp)}",
     )
+    # Megatron splits these output dimensions over TP: the dense and shared-expert MLPs,
+    # and MLA's down projections (column-parallel, gathered back before the norms).
+    for name, size in (
+        ("ffn_hidden_size", m.ffn_hidden_size if m.num_dense_layers else 0),
+        ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+        ("q_lora_rank", (m.q_lora_rank or 0) if m.multi_latent_attention else 0),
+        ("kv_lora_rank + qk_rope_head_dim",
+         m.kv_lora_rank + m.qk_rope_head_dim if m.multi_latent_attention else 0),
+    ):
+        _require(
+            size % tp == 0,
+            f"{prefix}.tensor_model_parallel_size",
+            f"TP ({tp}) must divide model.{name} ({size})",
+        )
     _require(
         m.moe_ffn_hidden_size % etp == 0,
         f"{prefix}.expert_tensor_parallel_size",
@@ -418,6 +547,12 @@ def validate_layout(
         m.num_layers % pp == 0,
         f"{prefix}.pipeline_model_parallel_size",
         f"PP ({pp}) must divide model.num_layers ({m.num_layers})",
+    )
+    _require(
+        m.num_layers % pp != 0 or m.num_layers // pp > m.num_dense_layers,
+        f"{prefix}.pipeline_model_parallel_size",
+        f"PP ({pp}) leaves the first stage without an MoE layer ({m.num_layers // pp} layers per stage, "
+        f"model.num_dense_layers={m.num_dense_layers}); routing records need one per stage",
     )
     _require(
         not (p.sequence_parallel and tp == 1),

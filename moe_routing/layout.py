@@ -19,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-from megatron_rl.parallel.comm import all_gather_cat
+from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen
 from moe_routing.record import LayerCall, RouterRecorder
 from moe_routing.types import RouterRecord
 
@@ -65,7 +65,11 @@ def _gather_tokens(local_NLK: torch.Tensor, tp_group, tp_size: int) -> torch.Ten
 
 
 def _gather_layers(local_TLK: torch.Tensor, pp_group, pp_size: int) -> torch.Tensor:
-    return local_TLK if pp_size == 1 else all_gather_cat(local_TLK, pp_group, dim=1)
+    if pp_size == 1:
+        return local_TLK
+    # Stages may hold different numbers of MoE layers (dense first layers sit on stage 0).
+    layers_first = all_gather_varlen(local_TLK.transpose(0, 1).contiguous(), pp_group)
+    return layers_first.transpose(0, 1).contiguous()
 
 
 def gather_call_field(

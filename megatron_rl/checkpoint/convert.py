@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.families import mtp_tensor_names
 from megatron_rl.checkpoint.hf_config import (
     architecture_of,
     experts_key,
@@ -108,8 +109,11 @@ def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -
     arch = architecture_of(config)
     checkpoint = HFCheckpoint(hf_dir)
     by_dtype: dict[torch.dtype, list[str]] = {}
+    # The routers' expert bias stays float32 in both HF and Megatron whatever the weights' dtype.
+    float32_kept = [template_regex(t) for rule in arch.rules if rule.buffer for t in rule.hf]
     for name in checkpoint.names():
-        by_dtype.setdefault(checkpoint.dtype(name), []).append(name)
+        if not any(pattern.match(name) for pattern in float32_kept):
+            by_dtype.setdefault(checkpoint.dtype(name), []).append(name)
     if len(by_dtype) != 1 or next(iter(by_dtype)) not in _DTYPE_NAMES:
         found = {str(d): format_names(n, 3) for d, n in by_dtype.items()}
         raise CheckpointMismatchError(
@@ -122,7 +126,7 @@ def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -
         raise ConfigError(f"--vocab-padding-multiple {vocab_padding_multiple!r}: must be an integer >= 1")
     model.vocab_padding_multiple = vocab_padding_multiple
     _check_expert_count(arch, config, model, checkpoint)
-    _check_tensors(arch, model, checkpoint)
+    _check_tensors(arch, model, checkpoint, skipped=_skipped_mtp_tensors(config, checkpoint))
     return HFSource(
         architecture=arch.name,
         model=model,
@@ -154,10 +158,26 @@ def _check_expert_count(
         )
 
 
-def _check_tensors(arch: Architecture, model: ModelConfig, checkpoint: HFCheckpoint) -> None:
-    """Name every missing, unknown and misshapen tensor in one error."""
+def _skipped_mtp_tensors(config: dict, checkpoint: HFCheckpoint) -> list[str]:
+    """The checkpoint's multi-token-prediction tensors, announced on stdout (they are not converted)."""
+    skipped = mtp_tensor_names(config, checkpoint.names())
+    if skipped:
+        print(
+            f"note: skipping {len(skipped)} tensors of the multi-token-prediction layer(s) "
+            f"(num_nextn_predict_layers={config['num_nextn_predict_layers']}, model.layers."
+            f"{config['num_hidden_layers']}.* on): the Megatron model is the backbone only, and an "
+            "exported checkpoint has no MTP layers",
+            flush=True,
+        )
+    return skipped
+
+
+def _check_tensors(
+    arch: Architecture, model: ModelConfig, checkpoint: HFCheckpoint, skipped: list[str] = ()
+) -> None:
+    """Name every missing, unknown and misshapen tensor in one error (``skipped`` ones excepted)."""
     expected = hf_tensor_shapes(arch, model)
-    present = set(checkpoint.names())
+    present = set(checkpoint.names()) - set(skipped)
     problems = []
     missing = [n for n in expected if n not in present]
     unknown = sorted(present - set(expected))

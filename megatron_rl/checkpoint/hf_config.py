@@ -103,7 +103,7 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
     heads = _require(config, "num_attention_heads")
     hidden = _require(config, "hidden_size")
     normalized = bool(config.get(arch.norm_topk_key, False)) if arch.norm_topk_key else True
-    model = ModelConfig(
+    fields = dict(
         vocab_size=_require(config, "vocab_size"),
         hidden_size=hidden,
         num_layers=_require(config, "num_hidden_layers"),
@@ -114,18 +114,21 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
         num_experts=_num_experts(arch, config),
         moe_router_topk=_require(config, "num_experts_per_tok"),
         moe_ffn_hidden_size=_require(config, arch.expert_ffn_key),
-        moe_router_score_function="softmax",
-        qk_layernorm=arch.qk_layernorm,
+        moe_router_score_function=arch.score_function,
+        qk_layernorm=bool(arch.qk_layernorm),
         # HF renormalizes the top-K softmax weights when norm_topk_prob is set; Megatron
         # does that unless pre-softmax routing (softmax over all E, top-K kept as is).
         moe_router_pre_softmax=not normalized,
         max_position_embeddings=_require(config, "max_position_embeddings"),
-        rotary_base=_rope_theta(config),
         norm_epsilon=float(_require(config, "rms_norm_eps")),
         init_method_std=float(config.get("initializer_range", 0.02)),
         params_dtype=params_dtype,
         untie_embeddings_and_output_weights=True,
     )
+    # Family features (MLA, YaRN, shared experts, sigmoid routing, ...: checkpoint.families)
+    # bring their own RoPE reading; the others accept only the default RoPE.
+    fields.update(arch.read_extra(config) if arch.read_extra else {"rotary_base": _rope_theta(config)})
+    model = ModelConfig(**fields)
     if model.rotary_base != int(model.rotary_base):
         # build_model passes int(rotary_base) to Megatron's RotaryEmbedding.
         raise CheckpointMismatchError(f"config.json rope theta {model.rotary_base} is not an integer")
@@ -163,12 +166,14 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
     except ConfigError as err:
         raise CheckpointMismatchError(str(err)) from None
     problems = []
-    if model.moe_router_score_function != "softmax":
+    if model.moe_router_score_function != arch.score_function:
         problems.append(
             f"model.moe_router_score_function={model.moe_router_score_function!r}: "
-            f"{arch.name} routes with a softmax over all experts"
+            f"{arch.name} routes with {arch.score_function} scores"
         )
-    if model.qk_layernorm != arch.qk_layernorm:
+    if arch.read_extra is None:
+        problems.extend(_family_features_used(model, arch))
+    if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
         problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
     if not model.untie_embeddings_and_output_weights:
         problems.append(
@@ -209,6 +214,8 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
         "torch_dtype": dtype,
         "dtype": dtype,
     }
+    if arch.write_extra is not None:
+        config.update(arch.write_extra(model))
     if arch.norm_topk_key is not None:
         # Megatron renormalizes the top-K gates unless pre-softmax routing is on.
         config[arch.norm_topk_key] = not model.moe_router_pre_softmax
@@ -219,3 +226,18 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
     # untied output, SiLU), so that the generated config passes model_config_from_hf.
     config.update(arch.supported_values)
     return config
+
+
+def _family_features_used(model: ModelConfig, arch: Architecture) -> list[str]:
+    """The DeepSeek-V3 / GLM-4.5 / Qwen2-MoE features ``model`` uses, which ``arch`` lacks."""
+    defaults = ModelConfig()
+    names = (
+        "add_qkv_bias", "rotary_percent", "multi_latent_attention", "rope_scaling", "num_dense_layers",
+        "moe_shared_expert_intermediate_size", "moe_router_enable_expert_bias", "moe_router_num_groups",
+        "moe_router_topk_scaling_factor",
+    )
+    return [
+        f"model.{name}={getattr(model, name)!r}: {arch.name} has no such feature"
+        for name in names
+        if getattr(model, name) != getattr(defaults, name)
+    ]

@@ -51,6 +51,12 @@ class WeightRule:
     """A linear weight the FP8 export quantizes; router, norms, embeddings, output stay high precision."""
     pads_vocab: bool = False
     """Rows are the vocabulary: Megatron holds ``padded_vocab_size`` of them, HF ``vocab_size``."""
+    layers: Literal["all", "dense", "moe"] = "all"
+    """Layers that have it: every layer, the dense first layers only, or the MoE layers only."""
+    needs: str | None = None
+    """Model feature it exists under (a key of :data:`FEATURES`); None: always."""
+    buffer: bool = False
+    """A persistent Megatron buffer, not a parameter (the router's expert bias, never trained)."""
 
     @property
     def scope(self) -> Literal["model", "layer", "expert"]:
@@ -74,12 +80,39 @@ class Architecture:
     """config.json key that holds F."""
     norm_topk_key: str | None
     """config.json key saying whether top-K gates are renormalized (None: always)."""
-    qk_layernorm: bool
-    """Per-head RMSNorm on queries and keys before RoPE."""
+    qk_layernorm: bool | None
+    """Per-head RMSNorm on queries and keys before RoPE (None: the config says, see ``read_extra``)."""
     supported_values: dict[str, Any] = field(default_factory=dict)
     """config.json keys that must hold these values (when present) for the mapping to hold."""
     rules: tuple[WeightRule, ...]
     """The name and layout table."""
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router score function of the family."""
+    read_extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    """config.json -> extra ModelConfig fields (family features); raises on what it cannot honour."""
+    write_extra: Callable[[ModelConfig], dict[str, Any]] | None = None
+    """ModelConfig -> extra config.json keys (inverse of ``read_extra``)."""
+
+
+FEATURES: dict[str, Callable[[ModelConfig], bool]] = {
+    "q_lora": lambda m: m.q_lora_rank is not None,
+    "no_q_lora": lambda m: m.q_lora_rank is None,
+    "qkv_bias": lambda m: m.add_qkv_bias,
+    "qk_norm": lambda m: m.qk_layernorm,
+    "shared_expert": lambda m: m.moe_shared_expert_intermediate_size > 0,
+    "shared_expert_gate": lambda m: m.moe_shared_expert_gate,
+    "expert_bias": lambda m: m.moe_router_enable_expert_bias,
+}
+"""Model features that decide whether a weight exists (``WeightRule.needs``)."""
+
+
+def applies(rule: WeightRule, cfg: ModelConfig, layer: int | None = None) -> bool:
+    """Whether ``rule`` makes a weight of ``cfg`` (at ``layer``, for per-layer rules)."""
+    if rule.needs is not None and not FEATURES[rule.needs](cfg):
+        return False
+    if layer is None or rule.layers == "all":
+        return True
+    return (layer < cfg.num_dense_layers) == (rule.layers == "dense")
 
 
 def _rule(megatron: str, hf: str | tuple[str, ...], dims, **kw) -> WeightRule:
@@ -217,6 +250,16 @@ def dimensions(cfg: ModelConfig) -> dict[str, int]:
         "head_dim": cfg.head_dim,
         "experts": cfg.num_experts,
         "expert_ffn": cfg.moe_ffn_hidden_size,
+        "ffn": cfg.ffn_hidden_size,
+        "shared_ffn": cfg.moe_shared_expert_intermediate_size,
+        "one": 1,
+        # Multi-latent attention (DeepSeek-V3).
+        "q_lora": cfg.q_lora_rank or 0,
+        "kv_lora": cfg.kv_lora_rank,
+        "mla_q": cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim),
+        "mla_kv_down": cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+        "mla_kv_up": cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+        "mla_o": cfg.num_attention_heads * cfg.v_head_dim,
     }
 
 
@@ -254,13 +297,13 @@ def weight_groups(arch: Architecture, cfg: ModelConfig) -> dict[int | None, list
     for layer in range(cfg.num_layers):
         groups[layer] = []
         for rule in arch.rules:
-            if rule.scope == "layer":
+            if rule.scope == "layer" and applies(rule, cfg, layer):
                 groups[layer].append(bind(rule, cfg, layer))
         for expert in range(cfg.num_experts):
             for rule in arch.rules:
-                if rule.scope == "expert":
+                if rule.scope == "expert" and applies(rule, cfg, layer):
                     groups[layer].append(bind(rule, cfg, layer, expert))
-    groups[None] = [bind(rule, cfg) for rule in arch.rules if rule.scope == "model"]
+    groups[None] = [bind(rule, cfg) for rule in arch.rules if rule.scope == "model" and applies(rule, cfg)]
     return groups
 
 
@@ -292,6 +335,11 @@ def bound_for_megatron_name(arch: Architecture, cfg: ModelConfig, name: str) -> 
         match = template_regex(rule.megatron).match(name)
         if match is None:
             continue
+        layer = int(match.groupdict()["layer"]) if "layer" in match.groupdict() else None
+        if not applies(rule, cfg, layer):
+            # A weight this model does not have (a dense MLP at an MoE layer, a shared
+            # expert of a model without one): another rule may still make the name.
+            continue
         found = match.groupdict()
         layer = int(found["layer"]) if "layer" in found else None
         expert = int(found["expert"]) if "expert" in found else None
@@ -322,8 +370,9 @@ def fuse(weight: BoundWeight, tensors: list[torch.Tensor], cfg: ModelConfig) -> 
     # Megatron's fused QKV holds, per query group, that group's query heads, then its key
     # head, then its value head; TP then hands each rank a contiguous run of groups.
     groups = cfg.num_query_groups
-    per_group = [t.reshape(groups, -1, t.shape[-1]) for t in tensors]
-    return torch.cat(per_group, dim=1).reshape(-1, tensors[0].shape[-1])
+    rest = tensors[0].shape[1:]  # (H,) for weights, () for biases
+    per_group = [t.reshape(groups, -1, *rest) for t in tensors]
+    return torch.cat(per_group, dim=1).reshape(-1, *rest)
 
 
 def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
@@ -334,8 +383,9 @@ def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig) -> list[t
     if weight.rule.fuse == "gate_up":
         return [part.clone() for part in tensor.split(rows, dim=0)]
     groups = cfg.num_query_groups
-    per_group = tensor.reshape(groups, -1, tensor.shape[-1]).split([r // groups for r in rows], dim=1)
-    return [part.reshape(r, tensor.shape[-1]).clone() for part, r in zip(per_group, rows)]
+    rest = tensor.shape[1:]
+    per_group = tensor.reshape(groups, -1, *rest).split([r // groups for r in rows], dim=1)
+    return [part.reshape(r, *rest).clone() for part, r in zip(per_group, rows)]
 
 
 def to_hf(weight: BoundWeight, full: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
@@ -381,3 +431,8 @@ def tp_shard(weight: BoundWeight, full: torch.Tensor, rank: int, size: int) -> t
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
     return full.chunk(size, dim=axis)[rank]
+
+
+# DeepSeek-V3, GLM-4.5 and Qwen2-MoE live in their own module (they need the rules above)
+# and register themselves here, so that every user of ARCHITECTURES sees them.
+from megatron_rl.checkpoint import families as _families  # noqa: E402,F401

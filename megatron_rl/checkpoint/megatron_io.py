@@ -39,6 +39,8 @@ from megatron_rl.checkpoint.mapping import (
     tp_shard,
     weight_groups,
 )
+from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.trainer_source import is_optimizer_key, is_trainer_checkpoint
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.checkpoint import load_model, save_model
@@ -61,7 +63,7 @@ def build_model_for(
         parallel: layout (parallel state must be initialized to match).
         meta: build on the meta device (structure and names only, no memory).
     """
-    if model.qk_layernorm != arch.qk_layernorm:
+    if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
         raise CheckpointMismatchError(
             f"model.qk_layernorm={model.qk_layernorm} does not match the architecture "
             f"(qk_layernorm={arch.qk_layernorm})"
@@ -72,10 +74,24 @@ def build_model_for(
     return build_model(model, parallel, use_te=False)
 
 
+def named_weights(gpt: GPTModel) -> dict[str, torch.Tensor]:
+    """Parameters and the persistent buffers a checkpoint holds (the routers' expert bias).
+
+    Megatron keeps the aux-loss-free expert bias as a buffer: it is a checkpoint tensor
+    like any weight, but no optimizer step changes it.
+    """
+    weights = dict(gpt.named_parameters())
+    weights.update({n: b for n, b in gpt.named_buffers() if n.endswith(_PERSISTENT_BUFFERS)})
+    return weights
+
+
+_PERSISTENT_BUFFERS = (".router.expert_bias",)
+
+
 def global_parameter_names(gpt: GPTModel) -> dict[str, str]:
-    """Local parameter name -> its name in a TP1/EP1/PP1 model (global layer and expert)."""
+    """Local weight name (:func:`named_weights`) -> its name in a TP1/EP1/PP1 model (global layer and expert)."""
     names = {}
-    for name, _ in gpt.named_parameters():
+    for name in named_weights(gpt):
         match = _LAYER.match(name)
         if match is None:
             names[name] = name
@@ -111,7 +127,7 @@ def fill_from_hf(
         CheckpointMismatchError: a parameter has no table entry, or the mapped tensor's
             shape or dtype differs from the parameter's (both named).
     """
-    params = dict(gpt.named_parameters())
+    params = named_weights(gpt)
     used: set[str] = set()
     names = global_parameter_names(gpt)
     for local, name in tqdm(names.items(), desc="filling Megatron parameters", disable=not progress):
@@ -120,7 +136,8 @@ def fill_from_hf(
         rank, size = (0, 1) if weight.rule.scope == "expert" else (tp_rank, tp_size)
         shard = tp_shard(weight, full, rank, size)
         param = params[local]
-        if cast:
+        if cast or weight.rule.buffer:
+            # Buffers (the float32 expert bias) widen exactly from any checkpoint dtype.
             shard = shard.to(param.dtype)
         if tuple(shard.shape) != tuple(param.shape) or shard.dtype != param.dtype:
             raise CheckpointMismatchError(
@@ -154,16 +171,22 @@ def hf_to_megatron_rank(
             no checkpoint tensor fills, or HF tensors were left unused by every rank.
     """
     gpt = build_model_for(arch, model, parallel, meta=True)
-    buffers = [name for name, _ in gpt.named_buffers()]
+    # Only persistent buffers reach the saved checkpoint; non-persistent ones (counters,
+    # YaRN's cos/sin caches) are rebuilt by whoever builds the model to run it.
+    saved = set(gpt.state_dict())
+    buffers = [name for name, _ in gpt.named_buffers() if name in saved and not name.endswith(_PERSISTENT_BUFFERS)]
     if buffers:
         raise CheckpointMismatchError(f"model buffers would stay uninitialized: {format_names(buffers)}")
     on_gpu = torch.cuda.is_available()
     gpt.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
     checkpoint = HFCheckpoint(hf_dir)
+    # Multi-token-prediction layers are not part of the Megatron model (skipped, noted by
+    # convert.inspect_hf_checkpoint).
+    skipped = mtp_tensor_names(read_config(hf_dir), checkpoint.names())
     used = fill_from_hf(gpt, arch, model, checkpoint, tp_rank, tp_size, progress)
     everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, used)
-    unused = set(checkpoint.names()) - set().union(*everyone)
+    unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
     if unused:
         raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")
     # The staging directory already holds the INCOMPLETE marker and the conversion record,
@@ -250,7 +273,7 @@ class DistCheckpointReader:
     def __init__(self, directory: str | Path, template: GPTModel) -> None:
         self.directory = str(directory)
         sharded = template.sharded_state_dict()
-        self._entries = {name: _boxes_of(sharded[name]) for name, _ in template.named_parameters()}
+        self._entries = {name: _boxes_of(sharded[name]) for name in named_weights(template)}
         objects = {e.key for e in sharded.values() if isinstance(e, ShardedObject)}
         stored = dcp.FileSystemReader(self.directory).read_metadata().state_dict_metadata
         expected: dict[str, tuple[int, ...]] = {}
@@ -332,7 +355,7 @@ def megatron_to_hf_rank(
     template = build_model_for(arch, model, ParallelConfig(), meta=True)
     groups = weight_groups(arch, model)
     table = {w.megatron for group in groups.values() for w in group}
-    params = {name for name, _ in template.named_parameters()}
+    params = set(named_weights(template))
     if table != params:
         raise CheckpointMismatchError(
             f"the {arch.name} table and the Megatron model disagree: only in the table "

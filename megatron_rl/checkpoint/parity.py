@@ -35,7 +35,8 @@ class SequenceOutputs:
     expert_ids_NLK: torch.Tensor
     """``[N, L, K]`` top-K experts of every position and layer, by descending probability."""
     probs_NLK: torch.Tensor
-    """``[N, L, K]`` router probability (softmax over all E) of those experts."""
+    """``[N, L, K]`` router probability of those experts (softmax over all E, or the per-expert
+    sigmoid score without the selection bias)."""
     router_probs_NLE: torch.Tensor | None = None
     """``[N, L, E]`` full router distribution (HF side only)."""
 
@@ -121,31 +122,54 @@ def compare(hf: Sequence[SequenceOutputs], megatron: Sequence[SequenceOutputs]) 
     )
 
 
-def hf_reference(hf_dir: str | Path, sequences: Sequence[torch.Tensor], topk: int) -> list[SequenceOutputs]:
-    """transformers' forward of each sequence alone: log-probs and router distributions.
+def hf_reference(
+    hf_dir: str | Path, sequences: Sequence[torch.Tensor], topk: int, score_function: str = "softmax"
+) -> list[SequenceOutputs]:
+    """transformers' forward of each sequence alone: log-probs and router decisions.
 
-    The model is loaded in the checkpoint's own dtype; router probabilities are the
-    float32 softmax of the router logits transformers reports per MoE layer.
+    The model is loaded in the checkpoint's own dtype. Each MoE layer's router module
+    (``mlp.gate`` / ``block_sparse_moe.gate``, which returns logits, gate weights and ids)
+    is hooked: the experts are the ones transformers itself selected (expert bias and
+    group limits included), ordered by descending router probability, and the router
+    probabilities are ``score_function`` of its float32 logits (softmax over all E, or
+    the per-expert sigmoid, which is what a routing record holds).
     """
     from transformers import AutoModelForCausalLM
 
+    from moe_routing.scores import router_log_scores
+
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype="auto")
     model.eval()
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def hook(module, args, output):
+        calls.append((output[0].float(), output[2]))
+
+    routers = [m for name, m in model.named_modules() if name.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
+    handles = [m.register_forward_hook(hook) for m in routers]
     outputs = []
-    with torch.no_grad():
-        for seq in sequences:
-            out = model(input_ids=seq[None].long(), output_router_logits=True, use_cache=False)
-            logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
-            probs_NLE = torch.stack([torch.softmax(r.float(), dim=-1) for r in out.router_logits], dim=1)
-            top = probs_NLE.topk(topk, dim=-1)
-            outputs.append(
-                SequenceOutputs(
-                    logprobs_N1=logp.gather(1, seq[1:, None].long())[:, 0],
-                    expert_ids_NLK=top.indices,
-                    probs_NLK=top.values,
-                    router_probs_NLE=probs_NLE,
+    try:
+        with torch.no_grad():
+            for seq in sequences:
+                calls.clear()
+                out = model(input_ids=seq[None].long(), use_cache=False)
+                logp = torch.log_softmax(out.logits[0, :-1].float(), dim=-1)
+                probs_NLE = torch.stack([router_log_scores(lg, score_function).exp() for lg, _ in calls], dim=1)
+                ids_NLK = torch.stack([ids.long() for _, ids in calls], dim=1)
+                if ids_NLK.shape[-1] != topk:
+                    raise CheckpointMismatchError(f"HF routers chose {ids_NLK.shape[-1]} experts, expected {topk}")
+                probs_NLK, order_NLK = probs_NLE.gather(-1, ids_NLK).sort(dim=-1, descending=True, stable=True)
+                outputs.append(
+                    SequenceOutputs(
+                        logprobs_N1=logp.gather(1, seq[1:, None].long())[:, 0],
+                        expert_ids_NLK=ids_NLK.gather(-1, order_NLK),
+                        probs_NLK=probs_NLK,
+                        router_probs_NLE=probs_NLE,
+                    )
                 )
-            )
+    finally:
+        for handle in handles:
+            handle.remove()
     return outputs
 
 
@@ -214,7 +238,7 @@ def check_parity(
                 f"prompt {i}: needs at least 2 token ids, each in [0, vocab_size={vocab}); got {len(seq)} "
                 f"tokens in [{int(seq.min()) if len(seq) else '-'}, {int(seq.max()) if len(seq) else '-'}]"
             )
-    reference = hf_reference(hf_dir, sequences, source.model.moe_router_topk)
+    reference = hf_reference(hf_dir, sequences, source.model.moe_router_topk, source.model.moe_router_score_function)
     args = (str(megatron_dir), parallel, list(sequences))
     megatron = run_local(_megatron_entry, world_size, *args, timeout_s=timeout_s)
     return compare(reference, megatron[0])

@@ -176,7 +176,7 @@ def test_mixtral_config_translation_defaults_head_dim_and_reads_legacy_rope_thet
         (QWEN3_CONFIG, "rope_parameters", {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}),
         (MIXTRAL_CONFIG, "sliding_window", 4096),
         (MIXTRAL_CONFIG, "hidden_act", "gelu"),
-        (QWEN3_CONFIG, "model_type", "qwen2_moe"),
+        (QWEN3_CONFIG, "model_type", "llama"),
         (QWEN3_CONFIG, "num_experts", 6),
     ],
 )

@@ -1,0 +1,402 @@
+"""HF tables and config translation of DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5 and Qwen2-MoE.
+
+Shape legend as in :mod:`megatron_rl.checkpoint.mapping`, plus: ffn (a dense layer's MLP
+width), shared_ffn (the shared expert's width), q_lora / kv_lora (MLA latent ranks), mla_q
+(heads x (nope + rope) query channels), mla_kv_down (kv_lora + rope), mla_kv_up (heads x
+(nope + v)), mla_o (heads x v).
+
+Owns: the three architectures' weight tables (registered in ``mapping.ARCHITECTURES``) and
+the config.json keys that describe their features (multi-latent attention, YaRN, dense
+first layers, shared experts, sigmoid routing with an expert-score-correction bias, group-
+limited top-K, routed scaling, partial rotary embeddings, QKV biases). Everything a config
+says that the Megatron model would compute differently stops here, naming the key:
+an unknown RoPE scaling type, un-normalized sigmoid gates, a group scoring Megatron-Core
+does not share, quantized weights, dense layers anywhere but first.
+
+Group-limited routing: transformers scores an expert group by the sum of its top-2
+selection scores, Megatron-Core by the sum of its top ``K / topk_group``. They agree when
+``K = 2 topk_group`` (DeepSeek-V3: K 8, 4 of 8 groups), or when every group is kept
+(``n_group == topk_group``; Moonlight, GLM-4.5: 1 of 1), which is then no restriction and
+is converted as plain top-K. Any other setting is refused.
+
+MTP (multi-token prediction) layers, ``model.layers.{num_hidden_layers + i}.*`` of a
+checkpoint whose config has ``num_nextn_predict_layers > 0``, are not part of the
+backbone: the converter skips them with a printed note (:func:`mtp_tensor_names`), and no
+routing record ever covers them (the Megatron model has no such layers to replay into).
+Does not own files or Megatron modules.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable
+
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, Architecture, _rule
+from megatron_rl.config import ModelConfig
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+_A = _L + "self_attention."
+_VH = ("vocab", "hidden")
+
+_EMBEDDING_AND_NORMS = (
+    _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
+    _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
+    _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
+    _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
+    _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
+)
+
+_GQA_WITH_BIAS = (
+    _rule(
+        _A + "linear_qkv.weight",
+        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
+        (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), fuse="qkv", tp_axis=0, fp8=True,
+    ),
+    _rule(
+        _A + "linear_qkv.bias",
+        (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
+        (("q",), ("kv",), ("kv",)), fuse="qkv", tp_axis=0, needs="qkv_bias",
+    ),
+    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "q"), tp_axis=1, fp8=True),
+    _rule(_A + "q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",), needs="qk_norm"),
+    _rule(_A + "k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",), needs="qk_norm"),
+)
+
+# MLA: Megatron's down projections are column-parallel (split over TP, gathered before the
+# latent norms); every HF tensor keeps its layout (per head: [nope, rope] queries, [nope, v]
+# key/value up-projection, and the rope key after the kv latent).
+_MLA = (
+    _rule(_A + "linear_q_down_proj.weight", _H + "self_attn.q_a_proj.weight", ("q_lora", "hidden"),
+          tp_axis=0, fp8=True, needs="q_lora"),
+    _rule(_A + "q_layernorm.weight", _H + "self_attn.q_a_layernorm.weight", ("q_lora",), needs="q_lora"),
+    _rule(_A + "linear_q_up_proj.weight", _H + "self_attn.q_b_proj.weight", ("mla_q", "q_lora"),
+          tp_axis=0, fp8=True, needs="q_lora"),
+    _rule(_A + "linear_q_proj.weight", _H + "self_attn.q_proj.weight", ("mla_q", "hidden"),
+          tp_axis=0, fp8=True, needs="no_q_lora"),
+    _rule(_A + "linear_kv_down_proj.weight", _H + "self_attn.kv_a_proj_with_mqa.weight",
+          ("mla_kv_down", "hidden"), tp_axis=0, fp8=True),
+    _rule(_A + "kv_layernorm.weight", _H + "self_attn.kv_a_layernorm.weight", ("kv_lora",)),
+    _rule(_A + "linear_kv_up_proj.weight", _H + "self_attn.kv_b_proj.weight", ("mla_kv_up", "kv_lora"),
+          tp_axis=0, fp8=True),
+    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "mla_o"), tp_axis=1, fp8=True),
+)
+
+_DENSE_MLP = (
+    _rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+          ("ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="dense"),
+    _rule(_L + "mlp.linear_fc2.weight", _H + "mlp.down_proj.weight", ("hidden", "ffn"),
+          tp_axis=1, fp8=True, layers="dense"),
+)
+
+
+def _experts(hf_expert: str) -> tuple:
+    return (
+        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
+              (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
+              ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="moe"),
+        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + "down_proj.weight",
+              ("hidden", "expert_ffn"), tp_axis=1, fp8=True, layers="moe"),
+    )
+
+
+def _shared_expert(hf: str) -> tuple:
+    return (
+        _rule(_L + "mlp.shared_experts.linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+              ("shared_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="moe", needs="shared_expert"),
+        _rule(_L + "mlp.shared_experts.linear_fc2.weight", hf + "down_proj.weight", ("hidden", "shared_ffn"),
+              tp_axis=1, fp8=True, layers="moe", needs="shared_expert"),
+    )
+
+
+# DeepSeek-V3 and GLM-4.5 share the MoE block: sigmoid router with a selection bias.
+_SIGMOID_MOE = (
+    _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden"), layers="moe"),
+    _rule(_L + "mlp.router.expert_bias", _H + "mlp.gate.e_score_correction_bias", ("experts",),
+          layers="moe", needs="expert_bias", buffer=True),
+    *_experts(_H + "mlp.experts.{expert}."),
+    *_shared_expert(_H + "mlp.shared_experts."),
+)
+
+
+# ----------------------------------------------------------------------------- config keys
+
+
+def _get(config: dict[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise CheckpointMismatchError(f"config.json: key {key!r} is missing")
+    return config[key]
+
+
+_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "partial_rotary_factor"}
+
+
+def read_rope(config: dict[str, Any], allow_yarn: bool) -> dict[str, Any]:
+    """ModelConfig RoPE fields (base, YaRN, partial rotary) of a config, refusing the rest.
+
+    Reads transformers 5's ``rope_parameters`` or 4.x / Hub ``rope_theta`` + ``rope_scaling``.
+    """
+    params = config.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = dict(config.get("rope_scaling") or {})
+        field = "rope_scaling"
+        params.setdefault("rope_theta", _get(config, "rope_theta"))
+    kind = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if params.get("rope_theta") is None:
+        raise CheckpointMismatchError(f"config.json: key '{field}.rope_theta' is missing")
+    out: dict[str, Any] = {"rotary_base": float(params["rope_theta"]), "rotary_percent": float(partial)}
+    if kind == "default":
+        return out
+    if kind != "yarn" or not allow_yarn:
+        supported = "default or yarn" if allow_yarn else "default"
+        raise CheckpointMismatchError(f"config.json {field}.rope_type={kind!r}: only {supported} RoPE is implemented")
+    unknown = sorted(set(params) - _YARN_KEYS)
+    if unknown:
+        raise CheckpointMismatchError(f"config.json {field}.{unknown[0]}: YaRN setting not implemented")
+    if params.get("truncate", True) is not True:
+        # Megatron rounds YaRN's correction range to integers, as transformers does by default.
+        raise CheckpointMismatchError(f"config.json {field}.truncate=False: only the rounded YaRN ramp is implemented")
+    out.update(
+        rope_scaling="yarn",
+        yarn_factor=float(_get(params, "factor")),
+        yarn_original_max_position_embeddings=int(_get(params, "original_max_position_embeddings")),
+        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
+        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
+        yarn_mscale=float(params.get("mscale", 1.0)),
+        yarn_mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
+    )
+    return out
+
+
+def write_rope(model: ModelConfig) -> dict[str, Any]:
+    """config.json RoPE keys of a model (inverse of :func:`read_rope`)."""
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
+    if model.rope_scaling == "yarn":
+        params.update(
+            rope_type="yarn", factor=model.yarn_factor,
+            original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+            beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow,
+            mscale=model.yarn_mscale, mscale_all_dim=model.yarn_mscale_all_dim,
+        )
+    if model.rotary_percent != 1.0:
+        params["partial_rotary_factor"] = model.rotary_percent
+    return {"rope_theta": float(model.rotary_base), "rope_parameters": params}
+
+
+def _read_sigmoid_router(config: dict[str, Any]) -> dict[str, Any]:
+    """Routing and MoE-block fields shared by DeepSeek-V3 and GLM-4.5."""
+    if config.get("quantization_config") is not None:
+        method = config["quantization_config"].get("quant_method", "?")
+        raise CheckpointMismatchError(
+            f"config.json quantization_config (quant_method={method!r}): quantized checkpoints are not "
+            "converted; dequantize to bf16 first"
+        )
+    topk = _get(config, "num_experts_per_tok")
+    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+    if group_topk > groups:
+        raise CheckpointMismatchError(f"config.json topk_group={group_topk} exceeds n_group={groups}")
+    if group_topk == groups:
+        # Every group is kept: no restriction, whatever the group scoring.
+        groups = group_topk = 0
+    elif topk != 2 * group_topk:
+        raise CheckpointMismatchError(
+            f"config.json n_group={groups}, topk_group={group_topk}, num_experts_per_tok={topk}: transformers "
+            f"scores a group by its top-2 experts, Megatron-Core by its top num_experts_per_tok / topk_group "
+            f"= {topk / group_topk:g}; only settings where they agree (num_experts_per_tok = 2 x topk_group) "
+            "or every group is kept are supported"
+        )
+    first_dense = config.get("first_k_dense_replace") or 0
+    shared = config.get("n_shared_experts") or 0
+    return dict(
+        moe_router_score_function="sigmoid",
+        moe_router_pre_softmax=False,
+        moe_router_enable_expert_bias=True,
+        moe_router_num_groups=groups,
+        moe_router_group_topk=group_topk,
+        moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
+        num_dense_layers=first_dense,
+        ffn_hidden_size=_get(config, "intermediate_size") if first_dense else 0,
+        moe_shared_expert_intermediate_size=shared * _get(config, "moe_intermediate_size"),
+    )
+
+
+def _write_sigmoid_router(model: ModelConfig) -> dict[str, Any]:
+    groups = model.moe_router_num_groups or 1
+    shared = model.moe_shared_expert_intermediate_size // model.moe_ffn_hidden_size
+    if shared * model.moe_ffn_hidden_size != model.moe_shared_expert_intermediate_size:
+        raise CheckpointMismatchError(
+            f"model.moe_shared_expert_intermediate_size={model.moe_shared_expert_intermediate_size} is not a "
+            f"multiple of model.moe_ffn_hidden_size={model.moe_ffn_hidden_size} (n_shared_experts)"
+        )
+    return {
+        "n_group": groups,
+        "topk_group": model.moe_router_group_topk or 1,
+        "routed_scaling_factor": model.moe_router_topk_scaling_factor,
+        "first_k_dense_replace": model.num_dense_layers,
+        "intermediate_size": model.ffn_hidden_size or model.moe_ffn_hidden_size,
+        "n_shared_experts": shared,
+        "num_nextn_predict_layers": 0,
+        **write_rope(model),
+    }
+
+
+def _check_sigmoid_model(model: ModelConfig, name: str) -> None:
+    problems = []
+    if model.moe_router_score_function != "sigmoid" or not model.moe_router_enable_expert_bias:
+        problems.append("model.moe_router_score_function must be sigmoid with model.moe_router_enable_expert_bias")
+    if model.moe_shared_expert_gate:
+        problems.append(f"model.moe_shared_expert_gate=True: {name}'s shared experts have no gate")
+    if problems:
+        raise CheckpointMismatchError(f"the model cannot be exported as {name}: " + "; ".join(problems))
+
+
+def _read_deepseek_v3(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("rope_interleave", True) is not True:
+        # Megatron's MLA always de-interleaves the rope channels (DeepSeek's layout).
+        raise CheckpointMismatchError("config.json rope_interleave=False: only interleaved MLA RoPE is implemented")
+    heads = _get(config, "num_attention_heads")
+    nope, rope = _get(config, "qk_nope_head_dim"), _get(config, "qk_rope_head_dim")
+    return dict(
+        **_read_sigmoid_router(config),
+        **read_rope(config, allow_yarn=True),
+        multi_latent_attention=True,
+        qk_layernorm=True,
+        num_query_groups=heads,
+        head_dim=nope + rope,
+        q_lora_rank=config.get("q_lora_rank"),
+        kv_lora_rank=_get(config, "kv_lora_rank"),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=_get(config, "v_head_dim"),
+    )
+
+
+def _write_deepseek_v3(model: ModelConfig) -> dict[str, Any]:
+    _check_sigmoid_model(model, "deepseek_v3")
+    if not model.multi_latent_attention:
+        raise CheckpointMismatchError("the model cannot be exported as deepseek_v3: model.multi_latent_attention=False")
+    return {
+        **_write_sigmoid_router(model),
+        "q_lora_rank": model.q_lora_rank,
+        "kv_lora_rank": model.kv_lora_rank,
+        "qk_nope_head_dim": model.qk_nope_head_dim,
+        "qk_rope_head_dim": model.qk_rope_head_dim,
+        "v_head_dim": model.v_head_dim,
+        "num_key_value_heads": model.num_attention_heads,
+        "rope_interleave": True,
+    }
+
+
+def _read_glm4_moe(config: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        **_read_sigmoid_router(config),
+        **read_rope(config, allow_yarn=False),
+        qk_layernorm=bool(config.get("use_qk_norm", False)),
+        add_qkv_bias=bool(config.get("attention_bias", False)),
+    )
+
+
+def _write_glm4_moe(model: ModelConfig) -> dict[str, Any]:
+    _check_sigmoid_model(model, "glm4_moe")
+    if model.multi_latent_attention:
+        raise CheckpointMismatchError("the model cannot be exported as glm4_moe: model.multi_latent_attention=True")
+    return {**_write_sigmoid_router(model), "use_qk_norm": model.qk_layernorm, "attention_bias": model.add_qkv_bias}
+
+
+def _read_qwen2_moe(config: dict[str, Any]) -> dict[str, Any]:
+    shared = config.get("shared_expert_intermediate_size") or 0
+    return dict(
+        **read_rope(config, allow_yarn=False),
+        # transformers' Qwen2-MoE has QKV biases unless the config says qkv_bias false.
+        add_qkv_bias=bool(config.get("qkv_bias", True)),
+        moe_shared_expert_intermediate_size=shared,
+        moe_shared_expert_gate=shared > 0,
+    )
+
+
+def _write_qwen2_moe(model: ModelConfig) -> dict[str, Any]:
+    if model.moe_shared_expert_intermediate_size and not model.moe_shared_expert_gate:
+        raise CheckpointMismatchError(
+            "the model cannot be exported as qwen2_moe: its shared expert is gated (model.moe_shared_expert_gate)"
+        )
+    return {
+        "shared_expert_intermediate_size": model.moe_shared_expert_intermediate_size,
+        "qkv_bias": model.add_qkv_bias,
+        **write_rope(model),
+    }
+
+
+_COMMON_UNSUPPORTED = {"tie_word_embeddings": False, "hidden_act": "silu"}
+
+DEEPSEEK_V3 = Architecture(
+    name="deepseek_v3",
+    hf_class="DeepseekV3ForCausalLM",
+    experts_keys=("n_routed_experts",),
+    expert_ffn_key="moe_intermediate_size",
+    # Megatron normalizes sigmoid gates over the top-K; un-normalized ones are refused.
+    norm_topk_key=None,
+    qk_layernorm=True,
+    supported_values={
+        **_COMMON_UNSUPPORTED, "norm_topk_prob": True, "attention_bias": False,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
+    },
+    rules=(*_EMBEDDING_AND_NORMS, *_MLA, *_DENSE_MLP, *_SIGMOID_MOE),
+    score_function="sigmoid",
+    read_extra=_read_deepseek_v3,
+    write_extra=_write_deepseek_v3,
+)
+
+GLM4_MOE = Architecture(
+    name="glm4_moe",
+    hf_class="Glm4MoeForCausalLM",
+    experts_keys=("n_routed_experts",),
+    expert_ffn_key="moe_intermediate_size",
+    norm_topk_key=None,
+    # use_qk_norm decides (GLM-4.5 and -Air: false).
+    qk_layernorm=None,
+    supported_values={**_COMMON_UNSUPPORTED, "norm_topk_prob": True},
+    rules=(*_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS, *_DENSE_MLP, *_SIGMOID_MOE),
+    score_function="sigmoid",
+    read_extra=_read_glm4_moe,
+    write_extra=_write_glm4_moe,
+)
+
+QWEN2_MOE = Architecture(
+    name="qwen2_moe",
+    hf_class="Qwen2MoeForCausalLM",
+    experts_keys=("num_experts",),
+    expert_ffn_key="moe_intermediate_size",
+    norm_topk_key="norm_topk_prob",
+    qk_layernorm=False,
+    supported_values={
+        **_COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+    },
+    rules=(
+        *_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS,
+        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
+        *_experts(_H + "mlp.experts.{expert}."),
+        *_shared_expert(_H + "mlp.shared_expert."),
+        _rule(_L + "mlp.shared_experts.gate_weight", _H + "mlp.shared_expert_gate.weight", ("one", "hidden"),
+              needs="shared_expert_gate"),
+    ),
+    read_extra=_read_qwen2_moe,
+    write_extra=_write_qwen2_moe,
+)
+
+for _arch in (DEEPSEEK_V3, GLM4_MOE, QWEN2_MOE):
+    ARCHITECTURES.register(_arch.name)(_arch)
+
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def mtp_tensor_names(config: dict[str, Any], names: Iterable[str]) -> list[str]:
+    """Tensors of the checkpoint's MTP layers (past ``num_hidden_layers``), which conversion skips."""
+    if not config.get("num_nextn_predict_layers"):
+        return []
+    layers = config.get("num_hidden_layers") or 0
+    return sorted(n for n in names if (m := _LAYER_INDEX.match(n)) and int(m.group(1)) >= layers)

@@ -1,0 +1,66 @@
+"""Megatron-Core ``TransformerConfig`` fields of the DeepSeek-V3 / GLM-4.5 / Qwen2-MoE features.
+
+Owns: translating the :class:`~megatron_rl.config.ModelConfig` fields past ``qk_layernorm``
+(multi-latent attention, YaRN, dense first layers, shared experts, sigmoid routing with an
+expert bias, group-limited top-K, routed scaling, QKV biases) into Megatron-Core's own
+config fields, which then pick Megatron's own modules (``MLASelfAttention``,
+``SharedExpertMLP``, ``TopKRouter``'s group-limited top-K). A model that uses none of them
+gets exactly the fields it had before (so its numerics are unchanged). Does not own the
+layer spec or the model build (``megatron_rl.parallel.model``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_rl.config import ModelConfig
+
+
+def family_fields(model: ModelConfig) -> dict[str, Any]:
+    """``TransformerConfig`` (or ``MLATransformerConfig``) fields for the family features."""
+    fields: dict[str, Any] = {"add_qkv_bias": model.add_qkv_bias}
+    if model.num_dense_layers:
+        # 0 marks a dense layer, 1 an MoE layer; Megatron's block spec reads this list.
+        fields["moe_layer_freq"] = [0] * model.num_dense_layers + [1] * len(model.moe_layers)
+        fields["ffn_hidden_size"] = model.ffn_hidden_size
+    if model.moe_shared_expert_intermediate_size:
+        fields["moe_shared_expert_intermediate_size"] = model.moe_shared_expert_intermediate_size
+        fields["moe_shared_expert_gate"] = model.moe_shared_expert_gate
+    if model.moe_router_enable_expert_bias:
+        fields["moe_router_enable_expert_bias"] = True
+        # The bias is a checkpoint constant here: Megatron would otherwise move it every
+        # step from the batch's load, changing which experts the rollout engine (which
+        # receives parameters only) and the old and current policies select.
+        fields["moe_router_bias_update_rate"] = 0.0
+    if model.moe_router_num_groups:
+        fields["moe_router_num_groups"] = model.moe_router_num_groups
+        fields["moe_router_group_topk"] = model.moe_router_group_topk
+    if model.moe_router_topk_scaling_factor != 1.0:
+        fields["moe_router_topk_scaling_factor"] = model.moe_router_topk_scaling_factor
+    if model.multi_latent_attention:
+        fields.update(_mla_fields(model))
+    return fields
+
+
+def _mla_fields(model: ModelConfig) -> dict[str, Any]:
+    yarn = model.rope_scaling == "yarn"
+    return dict(
+        multi_latent_attention=True,
+        # MLA has one key head per query head after the up-projection.
+        num_query_groups=model.num_attention_heads,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=model.rotary_base,
+        # MLA's softmax scale is mscale(rotary_scaling_factor, mscale_all_dim)^2 / sqrt(d)
+        # even without YaRN; factor 1 makes it 1 / sqrt(d), as transformers computes.
+        rotary_scaling_factor=model.yarn_factor if yarn else 1.0,
+        original_max_position_embeddings=model.yarn_original_max_position_embeddings,
+        beta_fast=model.yarn_beta_fast,
+        beta_slow=model.yarn_beta_slow,
+        mscale=model.yarn_mscale,
+        mscale_all_dim=model.yarn_mscale_all_dim,
+    )
