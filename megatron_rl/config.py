@@ -274,6 +274,9 @@ class RolloutConfig:
     """hf: a transformers replica per rank, KV-cached (megatron_rl.rollout.hf_engine; CPU and
     small GPU runs); megatron: the training model itself generates, the exact train = rollout
     mode for debugging mismatch (no KV cache); sglang: SGLang servers."""
+    hf_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """hf engine: dtype of its replica (None: model.params_dtype). bfloat16 under an fp32
+    trainer gives CPU runs a GPU-sized train/rollout mismatch."""
     group_size: int = 8
     """Responses per prompt (G)."""
     prompts_per_step: int = 16

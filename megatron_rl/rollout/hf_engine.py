@@ -55,6 +55,7 @@ class HFEngine:
         architecture: HF ``model_type`` the replica is built as (``qwen3_moe`` or ``mixtral``).
         model_config: the Megatron model's config.
         device: where the replica lives (default: the current CUDA device, else CPU).
+        dtype: the replica's dtype (default: the model's ``params_dtype``).
     """
 
     def __init__(
@@ -65,6 +66,7 @@ class HFEngine:
         architecture: str,
         model_config: ModelConfig,
         device: torch.device | str | None = None,
+        dtype: str | None = None,
     ) -> None:
         check_architecture(architecture)
         if device is None:
@@ -72,7 +74,7 @@ class HFEngine:
         self.model, self.groups = model, groups
         self.architecture = architecture
         self.max_length = model_config.max_position_embeddings
-        self.hf_model = build_hf_model(architecture, model_config, device)
+        self.hf_model = build_hf_model(architecture, model_config, device, dtype)
         self._name_map = hf_name_map(ARCHITECTURES.get(architecture), model_config)
         self._loader = HFWeightLoader(self.hf_model, architecture)
         self.weight_version = -1

@@ -77,11 +77,14 @@ def check_servable(architecture: str, model: ModelConfig) -> None:
     hf_config_from_model(architecture, model, model.params_dtype)
 
 
-def build_hf_model(architecture: str, model: ModelConfig, device: torch.device | str = "cpu") -> torch.nn.Module:
+def build_hf_model(
+    architecture: str, model: ModelConfig, device: torch.device | str = "cpu", dtype: str | None = None
+) -> torch.nn.Module:
     """transformers' causal LM of ``architecture`` computing what ``model`` computes (weights unset).
 
     The config is the HF export's (``hf_config_from_model``), so the engine runs exactly
-    the model an exported checkpoint would load as. SDPA attention, eager experts.
+    the model an exported checkpoint would load as. SDPA attention, eager experts; weights
+    in ``dtype`` (default ``model.params_dtype``).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -89,8 +92,8 @@ def build_hf_model(architecture: str, model: ModelConfig, device: torch.device |
     config_dict = hf_config_from_model(architecture, model, model.params_dtype)
     config_dict.pop("architectures")
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
-    dtype = getattr(torch, model.params_dtype)
-    hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    torch_dtype = getattr(torch, dtype or model.params_dtype)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
     return hf.to(device).eval().requires_grad_(False)
 
 

@@ -142,7 +142,8 @@ class Trainer:
         if cfg.rollout.engine == "hf":
             from megatron_rl.rollout.hf_engine import HFEngine
 
-            return HFEngine(self.ddp, self.groups, architecture=self.hf_architecture(), model_config=cfg.model)
+            return HFEngine(self.ddp, self.groups, architecture=self.hf_architecture(), model_config=cfg.model,
+                            dtype=cfg.rollout.hf_dtype)
         # Imported here so that runs with a local engine need no HTTP client.
         from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
         from megatron_rl.rollout.sglang_client import SGLangClientConfig
