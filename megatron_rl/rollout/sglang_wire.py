@@ -258,19 +258,27 @@ def generate_response_payload(
     routed_experts: torch.Tensor | None,
     e2e_latency: float = 0.0,
 ) -> dict:
-    """The body SGLang returns for one non-streaming ``/generate`` request."""
+    """The body SGLang returns for one non-streaming ``/generate`` request with ``return_logprob``
+    from a server launched with ``--skip-tokenizer-init`` (no ``text``): the fields and order of
+    0.5.23's ``TokenizerManager._handle_batch_output`` (golden copies in
+    ``tests/fixtures/sglang_0_5_23``). ``input_token_logprobs`` is empty: the default
+    ``logprob_start_len`` starts scoring after the prompt."""
     meta = {
         "id": rid,
         "finish_reason": finish_reason_payload(finish_reason, output_ids),
         "prompt_tokens": prompt_len,
+        "weight_version": weight_version,
+        "num_retractions": 0,
+        "input_token_logprobs": [],
+        "output_token_logprobs": output_token_logprobs_payload(output_logprobs, output_ids),
+        "output_token_logprobs_length": len(output_ids),
+        "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": 0,
-        "weight_version": weight_version,
-        "output_token_logprobs": output_token_logprobs_payload(output_logprobs, output_ids),
-        "e2e_latency": e2e_latency,
     }
     if routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(routed_experts)
+    meta["e2e_latency"] = e2e_latency
     return {"output_ids": [int(t) for t in output_ids], "meta_info": meta}
 
 

@@ -1,0 +1,95 @@
+"""Wire conformance with SGLang 0.5.23 ``/generate`` responses written from SGLang's source.
+
+The fixtures in ``tests/fixtures/sglang_0_5_23`` are response bodies as 0.5.23 builds them
+(each names the files and functions it was written from: the HTTP server's generate
+handler, the tokenizer manager's ``_handle_batch_output`` and logprob helpers, the
+scheduler's default ``logprob_start_len``, the finish reasons' ``to_json``, the routed-
+experts capturer and its base64 encoding), with the values a reader must decode from
+them. Shown: the client's decoder reads them to those values (routes compared with the
+decoding SGLang itself documents: ``np.frombuffer(b64decode(s), np.int32)``); and the
+stand-in's encoder writes a body with the same keys, in the same order, with the same
+JSON types at every level, and the decoder reads what it writes.
+"""
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_rl.rollout.sglang_wire import decode_generate_response, generate_response_payload
+
+FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23").glob("*.json"))
+
+
+def _load(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _decode(doc: dict, body: dict):
+    d, req = doc["decoded"], doc["request"]
+    return decode_generate_response(
+        body, rid=req["rid"], prompt_len=len(req["input_ids"]), want_routes=req["return_routed_experts"],
+        num_layers=d["num_layers"], topk=d["topk"], num_experts=d["num_experts"], source="fixture",
+    )
+
+
+def _json_type_tree(value):
+    """The JSON shape of a value: dict keys in order with their types, list element types."""
+    if isinstance(value, dict):
+        return {k: _json_type_tree(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_type_tree(value[0])] if value else []
+    return "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else type(value).__name__
+
+
+def test_fixtures_cite_sglang_sources():
+    assert len(FIXTURES) >= 2
+    for path in FIXTURES:
+        doc = _load(path)
+        assert doc["sglang_version"] == "0.5.23"
+        cited = " ".join(doc["source"])
+        for where in ("http_server.py: generate_request", "tokenizer_manager.py: TokenizerManager._handle_batch_output",
+                      "detokenizer_manager.py", "routed_experts.py"):
+            assert where in cited, (path.name, where)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_client_decodes_the_golden_response(path):
+    doc = _load(path)
+    got, want = _decode(doc, doc["response"]), doc["decoded"]
+    assert got.output_ids == want["output_ids"] and got.finish_reason == want["finish_reason"]
+    assert got.weight_version == want["weight_version"] and got.rid == doc["request"]["rid"]
+    assert torch.equal(got.output_logprobs, torch.tensor(want["logprobs"], dtype=torch.float32))
+    if want["routes"] is None:
+        assert got.routed_experts is None
+        return
+    sglang_side = np.frombuffer(base64.b64decode(doc["response"]["meta_info"]["routed_experts"]), np.int32)
+    expected = torch.tensor(want["routes"])
+    assert tuple(expected.shape) == tuple(want["routes_shape"])
+    assert want["routes_shape"][0] == len(doc["request"]["input_ids"]) + len(want["output_ids"]) - 1
+    assert torch.equal(torch.from_numpy(sglang_side.copy()).reshape(expected.shape), expected)
+    assert torch.equal(got.routed_experts.long(), expected)
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_stand_in_writes_the_golden_schema(path):
+    doc = _load(path)
+    golden, want = doc["response"], doc["decoded"]
+    routes = torch.tensor(want["routes"], dtype=torch.uint8) if want["routes"] is not None else None
+    ours = generate_response_payload(
+        rid=doc["request"]["rid"], prompt_len=len(doc["request"]["input_ids"]), output_ids=want["output_ids"],
+        output_logprobs=torch.tensor(want["logprobs"]), finish_reason=want["finish_reason"],
+        weight_version=want["weight_version"], routed_experts=routes, e2e_latency=0.01,
+    )
+    assert list(ours) == list(golden)
+    assert list(ours["meta_info"]) == list(golden["meta_info"])
+    assert _json_type_tree(ours) == _json_type_tree(golden)
+    meta, gold = ours["meta_info"], golden["meta_info"]
+    for key in ("finish_reason", "prompt_tokens", "output_token_logprobs_length", "completion_tokens",
+                "input_token_logprobs", "routed_experts"):
+        assert meta.get(key) == gold.get(key), key
+    back = _decode(doc, json.loads(json.dumps(ours)))
+    assert back.output_ids == want["output_ids"]
