@@ -527,14 +527,10 @@ def validate_layout(
         f"{m.vocab_size} rounded up to model.vocab_padding_multiple {m.vocab_padding_multiple}); "
         f"{vocab_padding_hint(m, tp)}",
     )
-    # Megatron splits these output dimensions over TP: the dense and shared-expert MLPs,
-    # and MLA's down projections (column-parallel, gathered back before the norms).
+    # Megatron splits these output dimensions over TP (MLA's down projections are replicated).
     for name, size in (
         ("ffn_hidden_size", m.ffn_hidden_size if m.num_dense_layers else 0),
         ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
-        ("q_lora_rank", (m.q_lora_rank or 0) if m.multi_latent_attention else 0),
-        ("kv_lora_rank + qk_rope_head_dim",
-         m.kv_lora_rank + m.qk_rope_head_dim if m.multi_latent_attention else 0),
     ):
         _require(
             size % tp == 0,

@@ -13,6 +13,16 @@ is what RSPO's router-shift weight needs (returned as probabilities). Everything
 entering wraps the routers, leaving restores them, and nothing stays behind in any class
 or module.
 
+Sigmoid routing (DeepSeek-V3, GLM-4.5): the recorded *router probability* of an expert is
+its own sigmoid score ``sigma(z_e)``, the quantity its gate is made of. The expert bias of
+aux-loss-free balancing takes part in selection only (selection score ``sigma(z_e) + b_e``,
+and with group-limited routing only the best groups' experts compete); it is a checkpoint
+constant during RL, so the selection needs no record of its own. The *gate* is what
+multiplied the expert's output: the K sigmoid scores normalized to sum 1, times the routed
+scaling factor. Both are recorded. RSPO compares ``log sigma(z_e)`` at the old experts
+(each depends on that expert's logit alone, unlike a softmax); diagnostics compare with
+the router's own selection, bias and groups included (:func:`natural_topk`).
+
 What it does not own: assembling calls from shards, micro-batches and stages into one
 :class:`~moe_routing.types.RouterRecord` (``moe_routing.layout``).
 """
@@ -24,7 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moe_routing.scores import dispatched_by_score, router_log_scores, same_expert_set
+from moe_routing.scores import dispatched_by_score, router_log_scores, same_expert_set, selection_topk
 from moe_routing.types import compact_id_dtype
 
 
@@ -171,7 +181,7 @@ class RouterRecorder:
             # queries / diagnostics read experts outside the dispatched set.
             log_scores_NE = router_log_scores(logits_NE, router.score_function)
             ids_NK, log_scores_NK = dispatched_by_score(log_scores_NE, routing_map_NE, router.topk)
-            natural_NK = log_scores_NE.topk(router.topk, dim=-1).indices if self.diagnostics else None
+            natural_NK = natural_topk(router, logits_NE) if self.diagnostics else None
             query = natural_equals_query = None
             if entry.queries:
                 query_ids_NK = entry.queries.pop(0).to(device=ids_NK.device, dtype=torch.int64)
@@ -196,3 +206,17 @@ class RouterRecorder:
                 query_probs_NK=query,
                 natural_equals_query_N=natural_equals_query,
             )
+
+
+def natural_topk(router: torch.nn.Module, logits_NE: torch.Tensor) -> torch.Tensor:
+    """Ids ``[N, K]`` a Megatron ``TopKRouter`` selects from ``logits_NE`` without replay
+    (its expert bias and group limit included, as its own top-K does)."""
+    config = router.config
+    return selection_topk(
+        logits_NE,
+        router.score_function,
+        router.topk,
+        expert_bias_E=router.expert_bias,
+        num_groups=config.moe_router_num_groups or 0,
+        group_topk=config.moe_router_group_topk or 0,
+    )

@@ -9,6 +9,11 @@ experts and gathers its *current* scores at them: for softmax routing the gate w
 the softmax of the current logits restricted to the replayed experts, for sigmoid routing
 the normalized sigmoid scores, so the router keeps receiving gradients.
 
+With sigmoid routing the replayed experts are dispatched whatever their selection scores:
+neither the expert bias nor the group limit applies to them (a replayed set may span
+groups the current router would not pick), and their gates are the current sigmoid
+scores normalized over the replayed K, times the routed scaling factor.
+
 ``RoutingReplay`` drives those objects by layer number (never through Megatron's
 class-level instance list, whose order is construction order): ``before_forward(m)``
 hands each local router the ids of micro-batch ``m``; a forward under activation

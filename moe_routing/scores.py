@@ -22,6 +22,36 @@ def router_log_scores(logits_NE: torch.Tensor, score_function: str) -> torch.Ten
     raise ValueError(f"unknown router score function {score_function!r}")
 
 
+def selection_topk(
+    logits_NE: torch.Tensor,
+    score_function: str,
+    topk: int,
+    expert_bias_E: torch.Tensor | None = None,
+    num_groups: int = 0,
+    group_topk: int = 0,
+) -> torch.Tensor:
+    """Ids ``[N, K]`` the router itself selects from its logits (Megatron-Core's rule).
+
+    The selection score is the router probability plus the expert bias (sigmoid routing
+    with aux-loss-free balancing: the bias moves selection only, never a gate). With
+    group-limited routing the experts form ``num_groups`` equal groups, each scored by the
+    sum of its top ``K / group_topk`` selection scores; only the best ``group_topk`` groups'
+    experts compete for the K places.
+    """
+    scores_NE = router_log_scores(logits_NE, score_function).exp()
+    if expert_bias_E is not None:
+        scores_NE = scores_NE + expert_bias_E.float()
+    if num_groups:
+        n = scores_NE.shape[0]
+        grouped_NGX = scores_NE.view(n, num_groups, -1)
+        group_scores_NG = grouped_NGX.topk(topk // group_topk, dim=-1).values.sum(dim=-1)
+        kept_NG = torch.zeros_like(group_scores_NG, dtype=torch.bool)
+        kept_NG.scatter_(1, group_scores_NG.topk(group_topk, dim=-1).indices, True)
+        kept_NE = kept_NG[:, :, None].expand_as(grouped_NGX).reshape(n, -1)
+        scores_NE = scores_NE.masked_fill(~kept_NE, float("-inf"))
+    return scores_NE.topk(topk, dim=-1).indices
+
+
 def dispatched_topk(
     log_scores_NE: torch.Tensor, routing_map_NE: torch.Tensor, topk: int
 ) -> torch.Tensor:

@@ -38,9 +38,11 @@ class RouterRecord:
     expert_ids_TLK: torch.Tensor
     """Dispatched expert ids ``[T, L, K]``, ordered by descending router probability."""
     probs_TLK: torch.Tensor
-    """Router probability of those experts under the score function over all E experts."""
+    """Router probability of those experts under the score function: softmax over all E
+    experts, or the expert's own sigmoid score (without the selection-only expert bias)."""
     gates_TLK: torch.Tensor
-    """Gate weights that combined the experts' outputs (normalized top-K weights)."""
+    """Gate weights that combined the experts' outputs (normalized top-K weights, times the
+    routed scaling factor where the model has one)."""
     layer_numbers: tuple[int, ...]
     """Global (1-based) Megatron layer number of each of the L MoE layers."""
     cu_seqlens_S1: torch.Tensor

@@ -64,19 +64,19 @@ _GQA_WITH_BIAS = (
     _rule(_A + "k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",), needs="qk_norm"),
 )
 
-# MLA: Megatron's down projections are column-parallel (split over TP, gathered before the
-# latent norms); every HF tensor keeps its layout (per head: [nope, rope] queries, [nope, v]
+# MLA: the down projections are replicated over TP (``parallel.families.
+# replicated_mla_down_projections``), the up projections split by heads; every HF tensor keeps its layout (per head: [nope, rope] queries, [nope, v]
 # key/value up-projection, and the rope key after the kv latent).
 _MLA = (
     _rule(_A + "linear_q_down_proj.weight", _H + "self_attn.q_a_proj.weight", ("q_lora", "hidden"),
-          tp_axis=0, fp8=True, needs="q_lora"),
+          fp8=True, needs="q_lora"),
     _rule(_A + "q_layernorm.weight", _H + "self_attn.q_a_layernorm.weight", ("q_lora",), needs="q_lora"),
     _rule(_A + "linear_q_up_proj.weight", _H + "self_attn.q_b_proj.weight", ("mla_q", "q_lora"),
           tp_axis=0, fp8=True, needs="q_lora"),
     _rule(_A + "linear_q_proj.weight", _H + "self_attn.q_proj.weight", ("mla_q", "hidden"),
           tp_axis=0, fp8=True, needs="no_q_lora"),
     _rule(_A + "linear_kv_down_proj.weight", _H + "self_attn.kv_a_proj_with_mqa.weight",
-          ("mla_kv_down", "hidden"), tp_axis=0, fp8=True),
+          ("mla_kv_down", "hidden"), fp8=True),
     _rule(_A + "kv_layernorm.weight", _H + "self_attn.kv_a_layernorm.weight", ("kv_lora",)),
     _rule(_A + "linear_kv_up_proj.weight", _H + "self_attn.kv_b_proj.weight", ("mla_kv_up", "kv_lora"),
           tp_axis=0, fp8=True),

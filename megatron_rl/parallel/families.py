@@ -11,7 +11,10 @@ layer spec or the model build (``megatron_rl.parallel.model``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_rl.config import ModelConfig
 
@@ -64,3 +67,37 @@ def _mla_fields(model: ModelConfig) -> dict[str, Any]:
         mscale=model.yarn_mscale,
         mscale_all_dim=model.yarn_mscale_all_dim,
     )
+
+
+def moe_layer_numbers(config) -> tuple[int, ...]:
+    """Megatron (1-based) layer numbers of a ``TransformerConfig``'s MoE layers, ascending.
+
+    These number the columns of routing records and of R3 routes; dense layers have none.
+    """
+    freq = config.moe_layer_freq
+    pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
+    return tuple(i + 1 for i, moe in enumerate(pattern) if moe)
+
+
+def replicated_mla_down_projections(spec: ModuleSpec) -> ModuleSpec:
+    """A local layer spec whose MLA down projections are replicated over TP (no-op without MLA).
+
+    Megatron-Core 0.16.1's local MLA spec splits the q and kv down projections over TP and
+    gathers their outputs; the rope key part of the gathered kv latent then feeds every
+    rank's heads over the whole sequence, but its gradient is split back without summing
+    over the ranks' heads, so layers below get wrong gradients under TP (router gradients
+    off by 1e-3 relative in a TP2 check). The TE spec keeps these projections replicated
+    (``parallel_mode='duplicated'``); this does the same with the replicated linear that
+    Megatron's MLA accepts, whose weight is flagged ``sequence_parallel`` so its partial
+    gradients are summed over TP, and whose rope key is gathered over the sequence with a
+    reduce-scatter backward.
+    """
+    layer = spec.submodules
+    attn = layer.self_attention.submodules
+    if not hasattr(attn, "linear_kv_down_proj"):
+        return spec
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    attn = dataclasses.replace(attn, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=self_attention))

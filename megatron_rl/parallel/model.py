@@ -28,7 +28,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_rl.config import ModelConfig, ParallelConfig
-from megatron_rl.parallel.families import family_fields
+from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
 from megatron_rl.parallel.packed_attention import PackedCoreAttention
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -163,7 +163,10 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm")
     if use_te:
         return block
-    layers = [_with_norm(spec, SequenceParallelRMSNorm, config.qk_layernorm) for spec in block.layer_specs]
+    layers = [
+        replicated_mla_down_projections(_with_norm(spec, SequenceParallelRMSNorm, config.qk_layernorm))
+        for spec in block.layer_specs
+    ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
 
 

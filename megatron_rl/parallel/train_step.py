@@ -43,6 +43,7 @@ from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen, all_reduce, broadcast, broadcast_object
+from megatron_rl.parallel.families import moe_layer_numbers
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs, needs_common_length, pack_for_rank
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
@@ -137,6 +138,7 @@ def replay_ids_for(
     topk: int,
     layer_numbers: Sequence[int],
     local_layers: Sequence[int],
+    num_model_layers: int | None = None,
 ) -> torch.Tensor | None:
     """Validated ``[T_all, L, K]`` experts to dispatch, or None for ``mode='none'``.
 
@@ -147,6 +149,8 @@ def replay_ids_for(
         topk: K.
         layer_numbers: MoE layer numbers of the model (the columns of R3 routes).
         local_layers: MoE layer numbers on this rank (must all be covered).
+        num_model_layers: decoder layers of the model; R3 routes with that many columns
+            (SGLang's layout, dense layers included) are cut to the MoE layers' columns.
     """
     total = sum(int(s.numel()) for s in batch.sequences)
     if plan.mode == "none":
@@ -170,6 +174,9 @@ def replay_ids_for(
                 f"R3 routes of sample {i}: expected [{n - 1}, L, K] (prompt+response minus the last "
                 f"token), got {tuple(routes.shape)}"
             )
+        if routes.dim() == 3 and routes.shape[1] == num_model_layers != len(layer_numbers):
+            # SGLang returns a column per decoder layer; dense layers' columns route nothing.
+            routes = routes[:, [n - 1 for n in layer_numbers]]
         validate_expert_ids(routes, num_experts=num_experts, topk=topk, layer_numbers=layer_numbers,
                             required_layers=local_layers, num_tokens=n - 1, source=f"R3 routes of sample {i}")
         # The last position is never forwarded by the rollout engine and feeds no loss;
@@ -191,11 +198,12 @@ def forward_backward(
 ) -> StepResult:
     """Forward and backward of one mini-batch; gradients land reduced in ``main_grad``."""
     gpt = unwrap(model)
-    num_layers, topk = gpt.config.num_layers, gpt.config.moe_router_topk
-    layer_numbers = tuple(range(1, num_layers + 1))
+    topk = gpt.config.moe_router_topk
+    layer_numbers = moe_layer_numbers(gpt.config)
     replay_ids = replay_ids_for(
         batch, plan, num_experts=gpt.config.num_moe_experts, topk=topk,
         layer_numbers=layer_numbers, local_layers=tuple(find_routers([model])),
+        num_model_layers=gpt.config.num_layers,
     )
     replay_columns = batch.old_record.layer_numbers if plan.mode == "R2" else layer_numbers
     lengths = torch.tensor([int(s.numel()) - p for s, p in zip(batch.sequences, batch.prompt_lengths)])

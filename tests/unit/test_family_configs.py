@@ -151,8 +151,8 @@ def test_model_rules_name_the_field():
         validate_model(_model(m, multi_latent_attention=False))
     with pytest.raises(ConfigError, match="parallel.pipeline_model_parallel_size"):
         validate_layout(_model(m, num_dense_layers=2), ParallelConfig(pipeline_model_parallel_size=2))
-    with pytest.raises(ConfigError, match=r"model.kv_lora_rank \+ qk_rope_head_dim"):
-        validate_layout(_model(m, qk_rope_head_dim=6), ParallelConfig(tensor_model_parallel_size=4))
+    with pytest.raises(ConfigError, match=r"model.moe_shared_expert_intermediate_size \(18\)"):
+        validate_layout(_model(m, moe_shared_expert_intermediate_size=18), ParallelConfig(tensor_model_parallel_size=4))
 
 
 def _model(m, **changes):
