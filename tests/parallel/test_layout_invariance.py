@@ -55,7 +55,7 @@ def reference(checkpoint_dir):
         sequences=SEQUENCES,
         prompt_lengths=PROMPT_LENGTHS,
         save_checkpoint=True,
-        extra_check=independent_reference_check,
+        extra_check=reference_checks,
     )
     return merge_rank_results(run_world(layout_worker, 1, run, timeout_s=300))
 
@@ -71,6 +71,7 @@ def layout_results(checkpoint_dir, reference):
             checkpoint_dir=checkpoint_dir,
             sequences=SEQUENCES,
             prompt_lengths=PROMPT_LENGTHS,
+            extra_check=token_budget_pass,
         )
         return merge_rank_results(run_world(layout_worker, world, job, timeout_s=300))
 
@@ -225,3 +226,114 @@ def test_every_model_parallel_rank_returns_the_same_outputs(name, layout_results
         for other in values[1:]:
             for key in ("logprobs", "entropy", "expert_ids", "probs", "gates"):
                 assert torch.equal(other[key], values[0][key]), (name, sample, key)
+
+
+# ------------------------------------------------------------------ THD packing
+
+
+BUDGET = 64  # tokens per micro-batch: the 8 samples (5-40 tokens) are re-packed, in another order
+PERTURBED = 3  # the sample whose tokens the isolation check replaces
+
+
+def reference_checks(model, groups, run):
+    """Everything the single-process world checks beyond the layouts' common work."""
+    return {**independent_reference_check(model, groups, run), **packing_isolation_check(model, groups, run),
+            **token_budget_pass(model, groups, run)}
+
+
+def token_budget_pass(model, groups, run):
+    """Per-sample log-prob pass outputs with token-budget micro-batches, on every DP rank."""
+    from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
+
+    mine = list(range(groups.dp_rank, len(run.sequences), groups.dp_size))
+    sequences = [run.sequences[i] for i in mine]
+    result = compute_logprobs(model, groups, sequences, [run.prompt_lengths[i] for i in mine],
+                              micro_batch_tokens=BUDGET, record_routing=True)
+    plan = [mb.sample_ids.tolist() for mb in pack_for_rank(sequences, groups, 0, max_tokens=BUDGET)]
+    out = {}
+    for j, sample in enumerate(mine):
+        lo, hi = int(result.cu_seqlens_S1[j]), int(result.cu_seqlens_S1[j + 1])
+        rec = result.record.sample(j)
+        out[sample] = {"logprobs": result.logprobs_T[lo:hi], "expert_ids": rec.expert_ids_TLK,
+                       "probs": rec.probs_TLK}
+    return {"budget_pass": out, "budget_plan": plan}
+
+
+def packing_isolation_check(model, groups, run):
+    """Replace one sample's tokens inside a packed micro-batch of all samples; what moves?
+
+    Attention is the only operation that mixes tokens, and it runs per segment. Under
+    routing replay of the unperturbed routes every tensor shape (expert GEMM row counts
+    included) is the same in both passes, so every other sample must come out bit for bit
+    equal. Without replay the perturbed sample may send a different number of tokens to an
+    expert; CPU GEMMs choose their blocking by row count, so other samples' expert outputs
+    may move by float rounding, while their routes stay those of the unperturbed pass.
+    """
+    from megatron_rl.parallel.checkpoint import load_model
+    from megatron_rl.parallel.logprobs import compute_logprobs
+    from megatron_rl.parallel.model import build_model
+    from pathlib import Path
+
+    replaying = build_model(run.model, run.parallel, moe_enable_routing_replay=True)
+    load_model(replaying, Path(run.checkpoint_dir))
+    gen = torch.Generator().manual_seed(7)
+    perturbed = list(run.sequences)
+    perturbed[PERTURBED] = torch.randint(0, run.model.vocab_size, run.sequences[PERTURBED].shape, generator=gen)
+    one_micro_batch = {"micro_batch_sequences": len(run.sequences), "record_routing": True}
+
+    def run_pass(m, sequences, **kwargs):
+        return compute_logprobs(m, groups, sequences, run.prompt_lengths, **one_micro_batch, **kwargs)
+
+    base = run_pass(model, run.sequences)
+    moved = run_pass(model, perturbed)
+    ids, columns = base.record.expert_ids_TLK, base.record.layer_numbers
+    base_replayed = run_pass(replaying, run.sequences, replay_ids_TLK=ids, replay_layer_numbers=columns)
+    moved_replayed = run_pass(replaying, perturbed, replay_ids_TLK=ids, replay_layer_numbers=columns)
+
+    def per_sample(result):
+        out = []
+        for i in range(len(run.sequences)):
+            lo, hi = int(result.cu_seqlens_S1[i]), int(result.cu_seqlens_S1[i + 1])
+            rec = result.record.sample(i)
+            out.append((result.logprobs_T[lo:hi], result.entropy_T[lo:hi], rec.expert_ids_TLK, rec.probs_TLK))
+        return out
+
+    def compare(a, b):
+        others = [i for i in range(len(run.sequences)) if i != PERTURBED]
+        pa, pb = per_sample(a), per_sample(b)
+        return {
+            "others_bitwise_equal": all(all(torch.equal(x, y) for x, y in zip(pa[i], pb[i])) for i in others),
+            "others_ids_equal": all(torch.equal(pa[i][2], pb[i][2]) for i in others),
+            "others_logprob_max_diff": max(float((pa[i][0] - pb[i][0]).abs().max()) for i in others),
+            "perturbed_changed": not torch.equal(pa[PERTURBED][0], pb[PERTURBED][0]),
+        }
+
+    return {"isolation_natural": compare(base, moved), "isolation_replayed": compare(base_replayed, moved_replayed)}
+
+
+def test_perturbing_one_packed_sample_changes_no_other_sample(reference):
+    replayed = reference["extra"][0]["isolation_replayed"]
+    assert replayed["perturbed_changed"], replayed
+    assert replayed["others_bitwise_equal"], replayed  # exact by construction
+    natural = reference["extra"][0]["isolation_natural"]
+    assert natural["perturbed_changed"] and natural["others_ids_equal"], natural
+    assert natural["others_logprob_max_diff"] <= 1e-6, natural
+
+
+@pytest.mark.parametrize("name", ["single process", *LAYOUTS])
+def test_token_budget_packing_gives_the_same_per_sample_outputs(name, layout_results, reference):
+    result = reference if name == "single process" else layout_results(name)
+    actual = {}
+    for extra in result["extra"]:
+        actual.update(extra["budget_pass"])
+    expected = reference["logprob_pass"]
+    assert sorted(actual) == list(range(len(SEQUENCES)))
+    for sample, ref in expected.items():
+        got = actual[sample]
+        assert (got["logprobs"] - ref["logprobs"]).abs().max() <= 1e-5, (name, sample)
+        assert torch.equal(got["expert_ids"], ref["expert_ids"]), (name, sample)
+        assert (got["probs"] - ref["probs"]).abs().max() <= 1e-5, (name, sample)
+    plans = [extra["budget_plan"] for extra in result["extra"]]
+    assert all(len(plan) >= 2 for plan in plans)
+    if name == "single process":  # the planner re-orders: results still come back per sample
+        assert any(mb != list(range(mb[0], mb[0] + len(mb))) for plan in plans for mb in plan if mb)
