@@ -1,12 +1,16 @@
-"""A server that speaks SGLang 0.5.23's HTTP protocol, backed by the embedded engine (tests).
+"""A server that speaks SGLang 0.5.23's HTTP protocol, backed by a local engine (tests).
 
     python -m megatron_rl.rollout.protocol_server --config configs/demo_cpu.yaml --port 30000 \\
-        [--weight-version default] [key=value ...]
+        [--engine hf|megatron] [--weight-version default] [key=value ...]
 
 SGLang cannot run on CPU machines, so the real client and weight sync are tested over real
 HTTP against this stand-in. It builds the config's model in its own single-process gloo
 world (CPU platform, no parallelism) and serves it through the same endpoints, request
-fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang_wire` encodes them):
+fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang_wire` encodes them). The model it
+builds holds the served weights; by default the HF engine (a transformers replica with
+its own numerics, refreshed after every weight update's last bucket) generates, so HTTP
+tests see log-probs and routes that differ from the trainer's as a real server's do;
+``--engine megatron`` generates with the Megatron model itself (exact numerics). Endpoints:
 ``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``,
 ``POST /flush_cache``, ``POST /update_weights_from_tensor`` (by-value payloads),
 ``POST /update_weight_version``, and ``/init_weights_update_group``,
@@ -60,16 +64,21 @@ _TOP_K_ALL = 1 << 30
 
 
 class EngineHost:
-    """The embedded engine in a world of one, driven from one dedicated thread.
+    """A local engine over a Megatron model in a world of one, driven from one dedicated thread.
 
     Args:
         model_cfg: architecture to build.
         seed: initial weights.
-        micro_batch_sequences: sequences per forward micro-batch.
+        micro_batch_sequences: sequences per forward micro-batch (megatron engine).
+        engine: hf (a transformers replica generates; Qwen3-MoE) or megatron (the model itself).
     """
 
-    def __init__(self, model_cfg: ModelConfig, seed: int, micro_batch_sequences: int = 64) -> None:
+    def __init__(self, model_cfg: ModelConfig, seed: int, micro_batch_sequences: int = 64,
+                 engine: str = "hf") -> None:
+        if engine not in ("hf", "megatron"):
+            raise ValueError(f"engine must be hf or megatron, got {engine!r}")
         self.model_cfg = model_cfg
+        self.engine_kind = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._stack = contextlib.ExitStack()
         self._executor.submit(self._start, seed, micro_batch_sequences).result()
@@ -93,7 +102,12 @@ class EngineHost:
         groups = self._stack.enter_context(model_parallel(ParallelConfig(), seed))
         self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
         self.model.eval()
-        self.engine = EmbeddedEngine(self.model, groups, micro_batch_sequences)
+        if self.engine_kind == "hf":
+            from megatron_rl.rollout.hf_engine import HFEngine
+
+            self.engine = HFEngine(self.model, groups, architecture=QWEN3_MOE.name, model_config=self.model_cfg)
+        else:
+            self.engine = EmbeddedEngine(self.model, groups, micro_batch_sequences)
 
     async def call(self, fn, *args):
         """Run ``fn(*args)`` on the engine thread."""
@@ -139,6 +153,9 @@ class EngineHost:
         with torch.no_grad():
             for name, tensor in whole:
                 params[name].copy_(tensor)
+        if last and self.engine_kind == "hf":
+            # The replica follows the model once the whole update has landed.
+            self.engine.update_weights(self.engine.weight_version + 1)
         return len(named)
 
     def receive(self, group_name: str, names: list[str], dtypes: list[str], shapes: list[list[int]], last: bool) -> int:
@@ -461,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weight-version", default="default", help="version reported before any update")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: leave torch's default)")
     parser.add_argument("--micro-batch-sequences", type=int, default=64)
+    parser.add_argument("--engine", choices=("hf", "megatron"), default="hf",
+                        help="hf: a transformers replica generates (real numerics); megatron: the model itself (exact)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
     args = parser.parse_args(argv)
     # The run's own loader: a config that starts from a checkpoint takes its model section from it.
@@ -469,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_run_config(args.config, args.overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
-    host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences)
+    host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences, args.engine)
     server = ProtocolServer(host, weight_version=args.weight_version, model_path=args.config)
     try:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}", flush=True)

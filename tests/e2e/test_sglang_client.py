@@ -1,6 +1,6 @@
 """The SGLang client over real HTTP: faults, restarts, load balancing, memory, and the launcher.
 
-One protocol server (the embedded engine behind SGLang's endpoints) serves the whole
+One protocol server (the HF engine behind SGLang's endpoints) serves the whole
 module; a light fake server in a subprocess produces large route payloads quickly for the
 memory test. Every batch is checked to hold each prompt's sample exactly once.
 """

@@ -1,7 +1,7 @@
 """End to end with the SGLang backend: weight sync in every layout, and the RL demo loop.
 
-A protocol server (the embedded engine behind SGLang's HTTP endpoints, in its own
-process) plays the SGLang server; the trainer runs in a 2-process gloo world with
+A protocol server (the HF engine behind SGLang's HTTP endpoints, in its own process:
+transformers numerics, not the trainer's) plays the SGLang server; the trainer runs in a 2-process gloo world with
 :func:`~megatron_rl.rollout.weight_sync.sglang_engine` in place of the embedded engine,
 so generation goes over HTTP and weights go back, under HF names from the conversion table
 (as a real SGLang server takes them) or layout-free Megatron names, through
