@@ -688,12 +688,15 @@ def validate_sglang(s: SGLangConfig, model: ModelConfig, prefix: str = "rollout.
     if s.weight_sync != "none":
         # The servers run the HF architecture's own block: weights synced into it must mean
         # the same model, or rollouts would silently come from a different policy.
-        arch = ARCHITECTURES.get(s.hf_architecture)
-        _require(model.qk_layernorm == arch.qk_layernorm, f"{prefix}.hf_architecture",
-                 f"{arch.name} has qk_layernorm={arch.qk_layernorm} but model.qk_layernorm={model.qk_layernorm}")
-        _require(model.moe_router_score_function == "softmax", f"{prefix}.hf_architecture",
-                 f"{arch.name} routes with softmax scores but model.moe_router_score_function="
-                 f"{model.moe_router_score_function!r}")
+        # The exported config.json's own checks (score function, QK norm, MLA, shared
+        # experts, dense layers, ... as the architecture has them) name the model field.
+        from megatron_rl.checkpoint.errors import CheckpointMismatchError
+        from megatron_rl.checkpoint.hf_config import hf_config_from_model
+
+        try:
+            hf_config_from_model(s.hf_architecture, model)
+        except CheckpointMismatchError as err:
+            _require(False, f"{prefix}.hf_architecture", str(err))
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

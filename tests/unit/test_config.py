@@ -127,7 +127,7 @@ RUN_INVALID = [
     (["model.moe_router_score_function=sigmoid"], "model.moe_router_score_function",
      "the config sets 'sigmoid' but the checkpoint"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.hf_architecture=mixtral"],
-     "rollout.sglang.hf_architecture", "mixtral has qk_layernorm=False but model.qk_layernorm=True"),
+     "rollout.sglang.hf_architecture", "model.qk_layernorm=True: mixtral has qk_layernorm=False"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.weight_sync=ipc"],
      "rollout.sglang.weight_sync", "is not one of"),
 ]

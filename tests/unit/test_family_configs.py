@@ -5,6 +5,8 @@ Configs are written as the Hub checkpoints spell them (``rope_scaling`` + ``rope
 """
 
 import copy
+import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -156,6 +158,68 @@ def test_model_rules_name_the_field():
 
 
 def _model(m, **changes):
-    import dataclasses
-
     return dataclasses.replace(m, **changes)
+
+
+# ------------------------------------------------------------------ presets of real checkpoints
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+# The published config.json of each checkpoint (the keys the converter reads, as released).
+MOONLIGHT_HUB = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 163840,
+    "hidden_size": 2048, "intermediate_size": 11264, "moe_intermediate_size": 1408, "num_hidden_layers": 27,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "n_shared_experts": 2, "n_routed_experts": 64,
+    "routed_scaling_factor": 2.446, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "topk_method": "noaux_tc", "n_group": 1, "topk_group": 1,
+    "num_experts_per_tok": 6, "moe_layer_freq": 1, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "scoring_func": "sigmoid", "aux_loss_alpha": 0.001, "seq_aux": True, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "initializer_range": 0.02, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+    "rope_scaling": None, "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+GLM45_AIR_HUB = {**GLM_AIR_LIKE, "vocab_size": 151552, "hidden_size": 4096, "intermediate_size": 10944,
+                 "moe_intermediate_size": 1408, "num_hidden_layers": 46, "num_attention_heads": 96,
+                 "num_key_value_heads": 8, "head_dim": 128, "n_routed_experts": 128, "num_experts_per_tok": 8,
+                 "max_position_embeddings": 131072, "rope_scaling": None, "torch_dtype": "bfloat16"}
+QWEN15_MOE_HUB = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "norm_topk_prob": False, "decoder_sparse_step": 1, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "max_window_layers": 21, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001, "sliding_window": 32768, "use_sliding_window": False,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(
+    "preset, hub",
+    [("moonlight_16b_a3b.yaml", MOONLIGHT_HUB), ("glm45_air.yaml", GLM45_AIR_HUB),
+     ("qwen15_moe_a27b.yaml", QWEN15_MOE_HUB)],
+)
+def test_preset_model_section_is_what_the_checkpoint_says(preset, hub):
+    """The launcher's own check (``init_source.model_section``) accepts every key of the preset."""
+    from megatron_rl.checkpoint.convert import HFSource
+    from megatron_rl.checkpoint.init_source import InitSource, model_section
+    from megatron_rl.config import read_preset
+
+    model = model_config_from_hf(hub, "bfloat16")
+    source = InitSource(kind="hf", path=CONFIGS, hf=HFSource(architecture=hub["model_type"], model=model,
+                                                                index=None, files=[]))
+    requested = read_preset(CONFIGS / preset)["model"]
+    assert model_section(source, requested) == dataclasses.asdict(model)
+    assert len(requested) >= 20
+
+
+@pytest.mark.parametrize("preset, nnodes", [("moonlight_16b_a3b.yaml", 1), ("glm45_air.yaml", 4),
+                                            ("qwen15_moe_a27b.yaml", 1)])
+def test_presets_fit_their_intended_layouts(preset, nnodes):
+    from megatron_rl.config import load_config
+    from megatron_rl.fp8 import Fp8Environment
+    from megatron_rl.launcher import validate_launch
+
+    # The presets name checkpoints on a cluster's file system; their layout is what is checked here.
+    cfg = load_config(CONFIGS / preset, ["init_checkpoint=null"])
+    hopper = Fp8Environment(te_version="2.8.0", cuda_available=True, compute_capability=(9, 0), cuda_version="12.9")
+    validate_launch(cfg, nnodes, 8, gpus_per_node=8, fp8_env=hopper)
+    with pytest.raises(ConfigError, match="parallel"):
+        validate_launch(cfg, nnodes + 1, 8, gpus_per_node=8, fp8_env=hopper)
