@@ -197,3 +197,28 @@ def test_selection_bias_and_groups_change_the_experts(family, references):
         plain_NLK = ref.router_probs_NLE.topk(ref.expert_ids_NLK.shape[-1], dim=-1).indices
         changed += int((plain_NLK.sort(-1).values != ref.expert_ids_NLK.sort(-1).values).any(-1).sum())
     assert changed > 0
+
+
+def test_mtp_layers_are_skipped_with_a_note_and_bad_configs_are_named(hf_dirs, tmp_path, capsys):
+    """An MTP layer past the backbone is left out (printed); an unknown RoPE scaling stops
+    the converter before it writes anything, naming the key (exit 2)."""
+    import shutil
+
+    source = tmp_path / "with_mtp"
+    shutil.copytree(hf_dirs["deepseek_v3"], source)
+    config = json.loads((source / "config.json").read_text())
+    config["num_nextn_predict_layers"] = 1
+    (source / "config.json").write_text(json.dumps(config))
+    index = json.loads((source / "model.safetensors.index.json").read_text())
+    extra = {"model.layers.4.eh_proj.weight": torch.ones(64, 128), "model.layers.4.enorm.weight": torch.ones(64)}
+    save_file(extra, source / "mtp.safetensors")
+    index["weight_map"].update({name: "mtp.safetensors" for name in extra})
+    (source / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert hf_to_megatron_main([str(source), str(tmp_path / "megatron"), "--no-progress"]) == 0
+    assert "skipping 2 tensors of the multi-token-prediction layer(s)" in capsys.readouterr().out
+
+    config["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    (source / "config.json").write_text(json.dumps(config))
+    assert hf_to_megatron_main([str(source), str(tmp_path / "refused"), "--no-progress"]) == 2
+    assert "rope_parameters.rope_type='longrope'" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()

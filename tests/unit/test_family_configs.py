@@ -223,3 +223,20 @@ def test_presets_fit_their_intended_layouts(preset, nnodes):
     validate_launch(cfg, nnodes, 8, gpus_per_node=8, fp8_env=hopper)
     with pytest.raises(ConfigError, match="parallel"):
         validate_launch(cfg, nnodes + 1, 8, gpus_per_node=8, fp8_env=hopper)
+
+
+def test_weight_sync_names_are_the_checkpoints():
+    """Weight sync to SGLang sends HF names and layouts (the same table as conversion)."""
+    from megatron_rl.checkpoint.mapping import hf_name_map
+
+    m = model_config_from_hf(DEEPSEEK_V3_HUB, "bfloat16")
+    name_map = hf_name_map(DEEPSEEK_V3, m)
+    fc1 = torch.arange(2 * 16 * 64.0).reshape(32, 64)
+    sent = name_map("decoder.layers.2.mlp.shared_experts.linear_fc1.weight", fc1)
+    assert [n for n, _ in sent] == ["model.layers.2.mlp.shared_experts.gate_proj.weight",
+                                    "model.layers.2.mlp.shared_experts.up_proj.weight"]
+    assert torch.equal(torch.cat([t for _, t in sent]), fc1)
+    down = name_map("decoder.layers.0.self_attention.linear_kv_down_proj.weight", torch.zeros(40, 64))
+    assert [n for n, _ in down] == ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    with pytest.raises(CheckpointMismatchError, match="is \\(41, 64\\)"):
+        name_map("decoder.layers.0.self_attention.linear_kv_down_proj.weight", torch.zeros(41, 64))
