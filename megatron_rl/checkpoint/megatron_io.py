@@ -41,9 +41,10 @@ from megatron_rl.checkpoint.mapping import (
 )
 from megatron_rl.checkpoint.families import mtp_tensor_names
 from megatron_rl.checkpoint.hf_config import read_config
+from megatron_rl.parallel.te_names import canonical_name
 from megatron_rl.checkpoint.trainer_source import is_optimizer_key, is_trainer_checkpoint
 from megatron_rl.config import ModelConfig, ParallelConfig
-from megatron_rl.parallel.checkpoint import load_model, save_model
+from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
 from megatron_rl.parallel.model import build_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -89,7 +90,11 @@ _PERSISTENT_BUFFERS = (".router.expert_bias",)
 
 
 def global_parameter_names(gpt: GPTModel) -> dict[str, str]:
-    """Local weight name (:func:`named_weights`) -> its name in a TP1/EP1/PP1 model (global layer and expert)."""
+    """Local weight name (:func:`named_weights`) -> its name in a TP1/EP1/PP1 local-spec model.
+
+    Layer and expert indices become global; a TE-spec model's names become the local
+    spec's (``te_names.canonical_name``).
+    """
     names = {}
     for name in named_weights(gpt):
         match = _LAYER.match(name)
@@ -102,7 +107,9 @@ def global_parameter_names(gpt: GPTModel) -> dict[str, str]:
         if expert is not None:
             index = layer.mlp.local_expert_indices[int(expert.group(2))]
             rest = f"{expert.group(1)}{index}{expert.group(3)}"
-        names[name] = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+        # A Transformer Engine spec model's fused norms and grouped experts get the
+        # local-spec names of the tables (te_names), so every consumer is spec-agnostic.
+        names[name] = canonical_name(f"decoder.layers.{layer.layer_number - 1}.{rest}")
     return names
 
 
@@ -288,7 +295,9 @@ class DistCheckpointReader:
             if skip(key):
                 continue
             if isinstance(meta, BytesStorageMetadata):
-                if key.split("/shard_")[0] not in objects:
+                # A TE-spec model's norms write ``_extra_state`` (FP8 scaling metadata, no
+                # weights) that the local-spec template lacks; reading weights skips it.
+                if key.split("/shard_")[0] not in objects and not key.split("/shard_")[0].endswith("_extra_state"):
                     problems.append(f"unknown object {key}")
             elif key not in expected:
                 problems.append(f"unknown tensor {key} {tuple(meta.size)}")
@@ -332,9 +341,7 @@ def load_megatron_model_into(gpt: GPTModel, directory: str | Path) -> None:
         return
     # The trainer saved {"model": ..., "optimizer": ...}; the optimizer's common state
     # (param groups) would be unexpected keys of the model, so read the model's part only.
-    from megatron.core import dist_checkpointing
-
-    state = dist_checkpointing.load({"model": gpt.sharded_state_dict()}, str(directory))["model"]
+    state = load_sharded({"model": gpt.sharded_state_dict()}, directory)["model"]
     result = gpt.load_state_dict(state, strict=False)
     wrong = [k for k in (*result.missing_keys, *result.unexpected_keys) if not k.endswith("_extra_state")]
     if wrong:

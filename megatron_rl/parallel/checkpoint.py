@@ -38,7 +38,7 @@ def load_model(model: torch.nn.Module, directory: str | Path, strict: bool = Tru
     directory = Path(directory)
     if not dist_checkpointing.check_is_distributed_checkpoint(str(directory)):
         raise FileNotFoundError(f"{directory} is not a Megatron distributed checkpoint")
-    state = dist_checkpointing.load(model.sharded_state_dict(), str(directory))
+    state = load_sharded(model.sharded_state_dict(), directory)
     result = model.load_state_dict(state, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     unexpected = [k for k in result.unexpected_keys if not k.endswith("_extra_state")]
@@ -47,3 +47,26 @@ def load_model(model: torch.nn.Module, directory: str | Path, strict: bool = Tru
             f"checkpoint {directory} does not match the model: "
             f"missing {missing[:10]}, unexpected {unexpected[:10]}"
         )
+
+
+def load_sharded(sharded_state_dict: dict, directory: str | Path) -> dict:
+    """Collective: ``dist_checkpointing.load`` that tolerates absent ``_extra_state`` objects.
+
+    Transformer Engine modules carry an ``_extra_state`` (FP8 scaling metadata, empty
+    without FP8) that Megatron's local modules do not have, so a TE-spec model asks for
+    objects a local-spec checkpoint never wrote; those start fresh, as in a new TE model.
+    Every tensor must still be in the checkpoint.
+
+    Raises:
+        RuntimeError: a requested tensor is not in the checkpoint (named).
+    """
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    # "Unexpected" in Megatron's terms: asked for, not in the checkpoint (left out of the load).
+    state, _, absent = dist_checkpointing.load(
+        sharded_state_dict, str(directory), strict=StrictHandling.RETURN_UNEXPECTED
+    )
+    absent = sorted(str(k) for k in absent if not str(k).endswith("_extra_state"))
+    if absent:
+        raise RuntimeError(f"checkpoint {directory} lacks {absent[:10]} ({len(absent)} in all)")
+    return state

@@ -24,12 +24,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
 from megatron_rl.parallel.packed_attention import PackedCoreAttention
+from megatron_rl.parallel.te_names import te_checkpoint_prefixes
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -144,8 +147,15 @@ def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
     norms = {name: qk for name in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(attn, name)}
     attn = dataclasses.replace(attn, **norms, core_attention=PackedCoreAttention)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
+    # Checkpoint keys as the TE spec writes them, so either spec reads the other's
+    # checkpoints (Megatron's local MoE spec maps its pre-MLP norm to the dense key).
+    keys = te_checkpoint_prefixes(
+        dense_mlp=not issubclass(layer.mlp.module, MoELayer),
+        mla=issubclass(layer.self_attention.module, MLASelfAttention),
+    )
     layer = dataclasses.replace(
-        layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention
+        layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention,
+        sharded_state_dict_keys_map=keys,
     )
     return dataclasses.replace(spec, submodules=layer)
 

@@ -114,20 +114,46 @@ class _Shard:
 def _local_shards(model, groups: ParallelGroups) -> dict[str, _Shard]:
     gpt = unwrap(model)
     names = global_parameter_names(gpt)
+    gated = bool(getattr(gpt.config, "gated_linear_unit", False))
     shards = {}
-    for local, param in gpt.named_parameters():
-        # Expert weights are sharded over expert-TP, everything else over TP.
-        group, size = (groups.etp, groups.etp_size) if ".mlp.experts." in local else (groups.tp, groups.tp_size)
-        sharded = bool(getattr(param, "tensor_model_parallel", False)) and size > 1
-        dim = getattr(param, "partition_dim", 0) if sharded else 0
-        shape = list(param.shape)
-        if sharded:
-            shape[dim] *= size
-        shards[names[local]] = _Shard(
-            param=param, group=group if sharded else None, dim=dim,
-            stride=getattr(param, "partition_stride", 1) if sharded else 1, full_shape=tuple(shape),
-        )
+    for module_name, module in gpt.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            local = f"{module_name}.{param_name}" if module_name else param_name
+            if local not in names:
+                continue  # a tied parameter, already listed under its first name
+            # Expert weights are sharded over expert-TP, everything else over TP.
+            expert = ".mlp.experts." in local
+            group, size = (groups.etp, groups.etp_size) if expert else (groups.tp, groups.tp_size)
+            split = _split_of(module, local, param, expert, gated) if size > 1 else None
+            shape = list(param.shape)
+            if split is not None:
+                shape[split[0]] *= size
+            shards[names[local]] = _Shard(
+                param=param, group=group if split else None, dim=split[0] if split else 0,
+                stride=split[1] if split else 1, full_shape=tuple(shape),
+            )
     return shards
+
+
+def _split_of(module, name: str, param, expert: bool, gated: bool) -> tuple[int, int] | None:
+    """(partition dim, stride) of a parameter split over its TP group; None if replicated.
+
+    Megatron's modules flag their splits on the parameters. Transformer Engine's linears
+    flag every weight as split (dim 1 for parallel_mode "row", else 0; stride 1), also
+    when Megatron runs them with parallel_mode None: a duplicated ``TELinear`` (MLA's down
+    projections), which is not split, and grouped experts under explicit expert
+    communication, which Megatron splits itself: fc1 by columns (gate and up separately
+    when gated, as ``apply_swiglu_sharded_factory`` stores them), fc2 by rows.
+    """
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    if not ("parallel_mode" in vars(module) and module.parallel_mode is None):
+        return getattr(param, "partition_dim", 0), getattr(param, "partition_stride", 1)
+    if expert and ".linear_fc1." in name:
+        return 0, 2 if gated else 1
+    if expert and ".linear_fc2.weight" in name:
+        return 1, 1
+    return None
 
 
 def _gather(shard: _Shard) -> torch.Tensor:
