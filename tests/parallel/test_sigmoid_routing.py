@@ -38,7 +38,7 @@ MODEL = ModelConfig(
     moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5,
 )
 MOE_LAYERS = (2, 3, 4)
-SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=6, max_len=30, seed=7)
+SEQUENCES = random_sequences(4, MODEL.vocab_size, min_len=6, max_len=30, seed=7)
 PROMPTS = [max(1, len(s) // 3) for s in SEQUENCES]
 LAYOUT_PLANS = ("R2",)
 LAYOUTS = {
