@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_rl.checkpoint.init_source import InitSource
 from megatron_rl.checkpoint.megatron_io import fill_from_hf, load_megatron_model_into
@@ -42,6 +44,9 @@ def load_initial_weights(gpt: torch.nn.Module, source: InitSource, model: ModelC
     used = fill_from_hf(gpt, source.hf.arch, model, checkpoint, groups.tp_rank, groups.tp_size, cast=True)
     everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, used)
-    unused = set(checkpoint.names()) - set().union(*everyone)
+    # A checkpoint's multi-token-prediction layers are not part of the policy (noted when
+    # the checkpoint was inspected).
+    skipped = mtp_tensor_names(read_config(source.path), checkpoint.names())
+    unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
     if unused:
         raise CheckpointMismatchError(f"{source.path}: HF tensors no parameter consumed: {format_names(unused)}")

@@ -11,7 +11,8 @@ TP2+SP, EP2 and PP2; a config that names something the model would compute diffe
 refused before anything is written, naming the key; MTP layers are skipped with a note.
 
 TP1 runs through the command lines in this process; the three other layouts run one after
-another in ONE spawned gloo world of 2 processes, each loading the TP1 checkpoint resharded.
+another in ONE spawned gloo world of 2 processes, each loading the TP1 checkpoint resharded,
+and PP2 also starts the trainer's way, streaming the HF directory into the layout.
 """
 
 import hashlib
@@ -137,15 +138,19 @@ def tp1(hf_dirs, tmp_path_factory):
     return out
 
 
-def layouts_worker(megatron_dirs: dict[str, str]) -> dict:
-    """Every rank of a 2-process world: each layout in turn, each family loaded resharded."""
+def layouts_worker(megatron_dirs: dict[str, str], hf_dirs: dict[str, str]) -> dict:
+    """Every rank of a 2-process world: each layout in turn, each family loaded resharded;
+    in PP2 also the trainer's own start from the HF directory (``load_initial_weights``)."""
     import torch.distributed as dist
 
     from megatron_rl.checkpoint.convert import read_export_source
+    from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
     from megatron_rl.checkpoint.megatron_io import load_megatron_model
     from megatron_rl.checkpoint.parity import megatron_outputs
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.model import build_model
+    from megatron_rl.train.init_weights import load_initial_weights
 
     results = {}
     with cpu_platform():
@@ -155,12 +160,18 @@ def layouts_worker(megatron_dirs: dict[str, str]) -> dict:
                     source = read_export_source(directory)
                     model = load_megatron_model(source.arch, source.model, parallel, directory)
                     results[(layout, family)] = megatron_outputs(model, groups, PROMPTS)
+                    if layout == "PP2":
+                        source = inspect_init_checkpoint(hf_dirs[family])
+                        gpt = build_model(source.hf.model, parallel, moe_enable_routing_replay=True)
+                        load_initial_weights(gpt, source, source.hf.model, groups)
+                        results[("trainer init", family)] = megatron_outputs(gpt, groups, PROMPTS)
     return results if dist.get_rank() == 0 else None
 
 
 @pytest.fixture(scope="module")
-def layouts(tp1):
-    return run_world(layouts_worker, 2, {f: tp1[f]["megatron"] for f in FAMILIES}, timeout_s=600)[0]
+def layouts(tp1, hf_dirs):
+    megatron_dirs = {f: tp1[f]["megatron"] for f in FAMILIES}
+    return run_world(layouts_worker, 2, megatron_dirs, {f: str(d) for f, d in hf_dirs.items()}, timeout_s=600)[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -180,7 +191,7 @@ def test_parity_tool_passes_at_tp1(family, tp1):
     assert report["topk_ids_identical"] and report["logprob_max_abs_diff"] <= 1e-4
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", [*LAYOUTS, "trainer init"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layout_matches_transformers(family, layout, layouts, references):
     report = compare(references[family], layouts[(layout, family)])
