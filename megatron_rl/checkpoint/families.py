@@ -287,6 +287,8 @@ def _write_deepseek_v3(model: ModelConfig) -> dict[str, Any]:
         "qk_rope_head_dim": model.qk_rope_head_dim,
         "v_head_dim": model.v_head_dim,
         "num_key_value_heads": model.num_attention_heads,
+        # transformers' own value (it recomputes it so from the rope dim on load).
+        "head_dim": model.qk_rope_head_dim,
         "rope_interleave": True,
     }
 

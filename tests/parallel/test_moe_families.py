@@ -17,16 +17,14 @@ and PP2 also starts the trainer's way, streaming the HF directory into the layou
 
 import hashlib
 import json
-from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from megatron_rl.checkpoint.cli import hf_to_megatron_main, megatron_to_hf_main, parity_main
 from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
-from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
+from megatron_rl.checkpoint.hf_config import hf_config_from_model
 from megatron_rl.checkpoint.parity import ParityTolerances, compare, hf_reference, random_prompts
 from megatron_rl.config import ParallelConfig
 from megatron_rl.parallel.world import run_world
@@ -233,3 +231,20 @@ def test_mtp_layers_are_skipped_with_a_note_and_bad_configs_are_named(hf_dirs, t
     assert hf_to_megatron_main([str(source), str(tmp_path / "refused"), "--no-progress"]) == 2
     assert "rope_parameters.rope_type='longrope'" in capsys.readouterr().err
     assert not (tmp_path / "refused").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generated_config_is_the_same_model_for_transformers(family, hf_dirs, references, tmp_path):
+    """The config.json written for a checkpoint with no HF origin (trainer runs from random
+    weights) makes transformers compute what the original config does."""
+    import shutil
+
+    source = inspect_hf_checkpoint(hf_dirs[family])
+    for path in hf_dirs[family].iterdir():
+        if path.name != "config.json":
+            shutil.copy(path, tmp_path / path.name)
+    (tmp_path / "config.json").write_text(json.dumps(hf_config_from_model(source.architecture, source.model)))
+    model = source.model
+    got = hf_reference(tmp_path, PROMPTS, model.moe_router_topk, model.moe_router_score_function)
+    report = compare(references[family], got)
+    assert report.logprob_max_abs_diff == 0.0 and report.topk_ids_identical, report
