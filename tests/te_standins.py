@@ -8,7 +8,8 @@ use_transformer_engine=True)``, ``TESpecProvider``, the ``TE*`` wrappers of
 and ``sharded_state_dict``), ``TEGroupedMLP``, the layers and the model. What is stood in:
 only the TE base classes those wrappers subclass, each declaring the parameters, tensor
 parallel attributes and extra state that TE itself declares. Sources, NVIDIA/
-TransformerEngine at d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/``:
+TransformerEngine at d0067d0 (2.20.0.dev0; the names are the same at tags v2.0 and v2.8),
+``transformer_engine/pytorch/``:
 
 - ``module/linear.py`` ``Linear.__init__``: ``weight`` [out, in] (out / tp for parallel_mode
   "column", in / tp for "row"), ``bias`` a parameter only when ``bias=True`` (else a plain
@@ -21,7 +22,8 @@ TransformerEngine at d0067d0 (2.20.0.dev0), ``transformer_engine/pytorch/``:
 - ``module/grouped_linear.py`` ``GroupedLinear.__init__``: ``weight{i}`` [out, in] and
   ``bias{i}`` (only with ``bias=True``) for ``i < num_gemms``.
 - ``module/rmsnorm.py`` / ``ops/basic/rmsnorm.py``: ``RMSNorm.weight`` [hidden], flagged
-  ``sequence_parallel``; ``module/layernorm.py``: ``LayerNorm.weight``, ``.bias``.
+  ``sequence_parallel``; ``module/layernorm.py``: ``LayerNorm.weight``, ``.bias``; both
+  are ``ops/op.py`` ``BasicOperation``s, which also have ``get_extra_state``.
 - ``module/base.py`` ``TransformerEngineBaseModule``: ``register_parameter`` takes
   ``init_fn``/``get_rng_state_tracker``/``fp8_meta_index``; ``get_extra_state`` returns
   ``torch.empty(0, dtype=torch.uint8)`` when there is no FP8 state; ``fp8_meta`` holds
@@ -42,7 +44,8 @@ import types
 import torch
 
 TE_VERSION = "2.8.0"
-"""A TE release Megatron-Core 0.16 supports (its grouped-GEMM and router paths need >= 2.7)."""
+"""A TE release Megatron-Core 0.16 supports; from 2.7 on Megatron also imports TE's fused
+router functions at import time (stood in, never called: ``moe_router_fusion`` is off)."""
 
 
 class _TEModule(torch.nn.Module):
