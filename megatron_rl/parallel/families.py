@@ -5,8 +5,10 @@ Owns: translating the :class:`~megatron_rl.config.ModelConfig` fields past ``qk_
 expert bias, group-limited top-K, routed scaling, QKV biases) into Megatron-Core's own
 config fields, which then pick Megatron's own modules (``MLASelfAttention``,
 ``SharedExpertMLP``, ``TopKRouter``'s group-limited top-K). A model that uses none of them
-gets exactly the fields it had before (so its numerics are unchanged). Does not own the
-layer spec or the model build (``megatron_rl.parallel.model``).
+gets exactly the fields it had before (so its numerics are unchanged). Also owns which
+layers are MoE layers (:func:`moe_layer_numbers`, the columns of routing records) and the
+one local-spec change MLA needs under TP (:func:`replicated_mla_down_projections`). Does not
+own the rest of the layer spec or the model build (``megatron_rl.parallel.model``).
 """
 
 from __future__ import annotations
