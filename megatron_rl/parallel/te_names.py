@@ -3,18 +3,16 @@
 The HF tables (``megatron_rl.checkpoint.mapping``) name Megatron parameters as Megatron's
 local layer spec builds them. A model built with the Transformer Engine spec (chosen on a
 GPU with TE) holds the same tensors under other names, because TE fuses a norm into the
-linear layer that follows it and keeps a layer's grouped experts in one module:
+linear layer that follows it and keeps a layer's grouped experts in one module. Names of
+Megatron-Core 0.16's ``get_gpt_layer_with_transformer_engine_spec`` -> the local spec's:
 
-===========================================================  ===================================================
-TE spec (Megatron-Core 0.16 ``get_gpt_layer_with_transformer_engine_spec``)  local spec (the tables)
-===========================================================  ===================================================
-``self_attention.linear_qkv.layer_norm_weight``              ``input_layernorm.weight`` (GQA layers)
-``mlp.linear_fc1.layer_norm_weight``                         ``pre_mlp_layernorm.weight`` (dense-MLP layers)
-``pre_mlp_layernorm.weight``                                 the same (MoE layers: TE keeps a separate ``TENorm``)
-``self_attention.linear_q_up_proj.layer_norm_weight``        ``self_attention.q_layernorm.weight`` (MLA)
-``self_attention.linear_kv_up_proj.layer_norm_weight``       ``self_attention.kv_layernorm.weight`` (MLA)
-``mlp.experts.linear_fc1.weight{e}`` (``TEGroupedMLP``)      ``mlp.experts.local_experts.{e}.linear_fc1.weight``
-===========================================================  ===================================================
+- ``self_attention.linear_qkv.layer_norm_weight`` is ``input_layernorm.weight`` (GQA layers);
+- ``mlp.linear_fc1.layer_norm_weight`` is ``pre_mlp_layernorm.weight`` (dense-MLP layers;
+  an MoE layer keeps a separate ``TENorm`` under ``pre_mlp_layernorm.weight``);
+- ``self_attention.linear_q_up_proj.layer_norm_weight`` is ``self_attention.q_layernorm.weight``
+  and ``linear_kv_up_proj.layer_norm_weight`` is ``kv_layernorm.weight`` (MLA);
+- ``mlp.experts.linear_fc1.weight{e}`` (``TEGroupedMLP``) is
+  ``mlp.experts.local_experts.{e}.linear_fc1.weight``.
 
 (``layer_norm_bias`` / ``.bias`` likewise, for LayerNorm models; fc2 like fc1.) Every other
 name (q/k norms of GQA, router, shared experts, embedding, final norm, output layer) is the
