@@ -27,7 +27,8 @@ and ``mask/<overlong|entropy|stapo>_frac`` (share of response tokens removed);
 ``clip/<low|high>_<token|seq>_frac`` (token: share of kept tokens on a bound; seq: share
 of sequences with at least one) and ``clip/dual_token_frac``; ``kl/*`` (the configured
 estimator, when reference log-probs are given); ``entropy/*``; ``weight/rspo/*`` (floored
-when RSPO is on); ``weight/mismatch/*`` and ``weight/mismatch_rejected_frac``;
+when RSPO is on); ``weight/mismatch/*``, ``weight/mismatch_rejected_frac`` (zeroed) and
+``weight/mismatch_outside_frac`` (ratio outside the band: truncated by TIS, zeroed by MIS/IcePop);
 ``mismatch/token_ratio/*`` (pi_old / pi_rollout per token, when rollout log-probs are given).
 
 Shape legend: T tokens, S sequences.
@@ -201,6 +202,10 @@ def _weighted_policy_terms(
         policy_T = policy_T * weight_T
         metrics.update(_kept_stats("weight/mismatch", weight_T, kept))
         metrics["weight/mismatch_rejected_frac"] = _fraction(rejected_T & kept.mask_T, kept)
+        # TIS truncates instead of rejecting: this share says how often any correction acted.
+        low, high = cfg.mismatch_bounds()
+        rho_T = log_rho_T.detach().exp()
+        metrics["weight/mismatch_outside_frac"] = _fraction(((rho_T < low) | (rho_T > high)) & kept.mask_T, kept)
     return surrogate, policy_T
 
 

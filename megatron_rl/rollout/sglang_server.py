@@ -330,7 +330,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-path", default=None, help="HF checkpoint to serve (required unless --stand-in)")
     parser.add_argument("--stand-in", metavar="CONFIG", default=None,
-                        help="serve CONFIG's model with the embedded engine behind SGLang's protocol "
+                        help="serve CONFIG's model with the HF engine behind SGLang's protocol "
                              "(megatron_rl.rollout.protocol_server) instead of SGLang: a CPU dry run of "
                              "the launch path")
     parser.add_argument("--host", default="0.0.0.0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -84,6 +85,11 @@ def test_metric_values():
         == pytest.approx(float(rejected.double().mean()))
     )
     assert float(m["weight/mismatch/max"]) == pytest.approx(float(rho[~rejected].max()))
+    assert float(m["weight/mismatch_outside_frac"]) == float(m["weight/mismatch_rejected_frac"])
+    _, tis = policy_loss(dataclasses.replace(cfg, mismatch="tis", mismatch_low=0.0), **b)
+    assert float(tis["weight/mismatch_rejected_frac"]) == 0
+    assert 0 < float(tis["weight/mismatch_outside_frac"]) == pytest.approx(float((rho > 1.1).double().mean()))
+    assert float(tis["weight/mismatch/max"]) == pytest.approx(1.1)
 
 
 def test_metrics_of_sequence_unit_use_the_sequence_ratio():
