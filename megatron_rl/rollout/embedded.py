@@ -12,8 +12,10 @@ counter-seeded generator, so they draw identical tokens with no extra communicat
 parallel ranks keep stepping together until all of them are done, because expert dispatch
 is a collective across them.
 
-Decoding recomputes the whole prefix each step (no KV cache): right for the tiny CPU
-models this engine serves; GPU runs use SGLang. When generation ends, one more pass over
+Decoding recomputes the whole prefix each step (no KV cache). This is
+``rollout.engine: megatron``, the exact "train = rollout" mode for debugging mismatch
+(rollout log-probs and routes are the trainer's own, bit for bit); the default local
+engine is the KV-cached ``hf_engine``, and GPU runs use SGLang. When generation ends, one more pass over
 the full sequences (the log-prob pass, with routing recorded) yields the response
 log-probs and the routed experts in SGLang's layout, so the trainer treats this engine
 and SGLang alike.

@@ -73,7 +73,7 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
             # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
             handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
         if not handles:
-            raise ValueError(f"{type(hf_model).__name__}: found no MoE router (model.layers.N.mlp.gate) to read routes from")
+            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate) to read routes from")
     try:
         yield captured
     finally:

@@ -83,7 +83,8 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
             "sequences": sequences,
             "hf_routes": [s.routed_experts for s in sampled],
             "megatron_routes": [mega.record.sample(i).expert_ids_TLK[:-1] for i in range(len(sampled))],
-            "replica": {k: v.clone() for k, v in engine.hf_model.state_dict().items()} if dist.get_rank() == 0 else None,
+            "replica": ({k: v.clone() for k, v in engine.hf_model.state_dict().items()}
+                        if dist.get_rank() == 0 else None),
             "version": version,
         }
 
@@ -91,7 +92,8 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
     greedy = SamplingParams(temperature=0.0, max_new_tokens=NEW_TOKENS, stop_token_ids=stops)
     out["greedy_hf"] = [s.output_ids for s in engine.generate(prompts, greedy, return_routed_experts=False)]
     megatron_engine = EmbeddedEngine(gpt, groups)
-    out["greedy_megatron"] = [s.output_ids for s in megatron_engine.generate(prompts, greedy, return_routed_experts=False)]
+    megatron_greedy = megatron_engine.generate(prompts, greedy, return_routed_experts=False)
+    out["greedy_megatron"] = [s.output_ids for s in megatron_greedy]
     out["prompts"] = prompts
     # A changed policy (as after an optimizer step) pushed as version 1.
     with torch.no_grad():
