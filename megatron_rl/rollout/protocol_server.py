@@ -124,7 +124,9 @@ class EngineHost:
             named: the bucket.
             last: the update's last bucket; no fused parameter may still be incomplete.
         """
-        params = dict(self.model.named_parameters())
+        from megatron_rl.checkpoint.megatron_io import named_weights
+
+        params = named_weights(self.model)  # parameters and the routers' expert bias
         whole = []
         try:
             for name, tensor in named:

@@ -117,10 +117,13 @@ def _local_shards(model, groups: ParallelGroups) -> dict[str, _Shard]:
     gated = bool(getattr(gpt.config, "gated_linear_unit", False))
     shards = {}
     for module_name, module in gpt.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
+        # Persistent buffers a checkpoint holds (the routers' expert bias) travel too, so HF
+        # exports are complete; they are never split over TP.
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for param_name, param in tensors:
             local = f"{module_name}.{param_name}" if module_name else param_name
             if local not in names:
-                continue  # a tied parameter, already listed under its first name
+                continue  # a tied parameter listed under its first name, or a non-checkpoint buffer
             # Expert weights are sharded over expert-TP, everything else over TP.
             expert = ".mlp.experts." in local
             group, size = (groups.etp, groups.etp_size) if expert else (groups.tp, groups.tp_size)

@@ -227,6 +227,15 @@ def reference_worker(checkpoint):
         out["gamma_min"] = float(r2.rspo_gamma_T.min())
         out["steps"] = _steps(model, ddp, groups, everything, old)
 
+        # Weight sync and HF export gather the expert bias with the parameters.
+        from megatron_rl.rollout.weight_sync import gather_full_params
+
+        gathered = dict(gather_full_params(model, groups))
+        out["bias_gathered"] = all(
+            torch.equal(gathered[f"decoder.layers.{n - 1}.mlp.router.expert_bias"], r.expert_bias)
+            for n, r in _routers(model).items()
+        )
+
         # R3 through the training step's own route handling (dense column dropped).
         from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, replay_ids_for
 
@@ -285,6 +294,10 @@ def test_r2_and_rspo_after_a_router_change(reference):
 
 def test_r3_dispatches_the_moe_columns_of_sglang_routes(reference):
     assert reference["r3_dispatch_equals_routes"]
+
+
+def test_weight_gather_includes_the_expert_bias(reference):
+    assert reference["bias_gathered"]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
