@@ -340,6 +340,11 @@ class ProtocolServer:
             return web.json_response({"object": "error", "message": f"{type(err).__name__}: {err}", "code": 500},
                                      status=500)
         routes = sample.routed_experts
+        if routes is not None and self.host.model_cfg.num_dense_layers:
+            # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
+            full = routes.new_zeros(routes.shape[0], self.host.model_cfg.num_layers, routes.shape[2])
+            full[:, list(self.host.model_cfg.moe_layers)] = routes
+            routes = full
         if fault == "wrong_route_length" and routes is not None:
             routes = routes[:-1]
         if fault == "no_routes":

@@ -118,11 +118,14 @@ class RouteShape:
     """What decoded routes must look like for the trained model."""
 
     num_layers: int
-    """L: MoE layers (columns of the routes)."""
+    """L: decoder layers (the columns SGLang sends)."""
     topk: int
     """K."""
     num_experts: int
     """E."""
+    moe_layers: tuple[int, ...] | None = None
+    """0-based indices of the MoE layers among the L; decoded routes keep only these columns
+    (SGLang sends zeros for dense layers). None: every layer is an MoE layer."""
 
 
 class RolloutRequestError(RuntimeError):
@@ -493,6 +496,7 @@ class SGLangClient:
             result = decode_generate_response(
                 data, rid=rid, prompt_len=prompt_len, want_routes=want_routes, num_layers=self.routes.num_layers,
                 topk=self.routes.topk, num_experts=self.routes.num_experts, source=source,
+                moe_layers=self.routes.moe_layers,
             )
         except MissingRoutesError as err:
             raise RolloutRequestError(f"{err} (not retried)") from None

@@ -216,8 +216,11 @@ class SGLangEngine:
 
 
 def route_shape_of(model: torch.nn.Module) -> RouteShape:
-    """:class:`RouteShape` of a Megatron GPT model (every layer MoE)."""
+    """:class:`RouteShape` of a Megatron GPT model (dense first layers' columns dropped on decode)."""
+    from megatron_rl.parallel.families import moe_layer_numbers
     from megatron_rl.parallel.schedule import unwrap
 
     config = unwrap(model).config
-    return RouteShape(num_layers=config.num_layers, topk=config.moe_router_topk, num_experts=config.num_moe_experts)
+    moe = tuple(n - 1 for n in moe_layer_numbers(config))
+    return RouteShape(num_layers=config.num_layers, topk=config.moe_router_topk, num_experts=config.num_moe_experts,
+                      moe_layers=None if len(moe) == config.num_layers else moe)

@@ -139,6 +139,7 @@ def decode_routed_experts(
     source: str,
     start_len: int = 0,
     dtype_name: str | None = None,
+    moe_layers: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Validated ``[N, L, K]`` ids in the compact dtype from a ``routed_experts`` payload.
 
@@ -152,6 +153,9 @@ def decode_routed_experts(
         source: what the payload belongs to, for messages ("sample 3 (rid ...) from URL").
         start_len: ``routed_experts_start_len`` of the request.
         dtype_name: ``meta_info.routed_experts_dtype`` when the server declared one.
+        moe_layers: 0-based indices of the MoE layers among the L decoder layers; the other
+            columns (dense layers, which SGLang never writes and sends as zeros) are dropped
+            before validation, so the result has ``len(moe_layers)`` columns. None: every layer.
 
     Raises:
         WireFormatError: not base64, wrong length or an unknown element type.
@@ -176,11 +180,14 @@ def decode_routed_experts(
             f"{start_len}) x {num_layers} layers x top-{topk}"
         )
     ids = np.frombuffer(raw, dtype=dtype).reshape(num_tokens, num_layers, topk)
+    columns = list(range(num_layers)) if moe_layers is None else list(moe_layers)
+    if moe_layers is not None:
+        ids = ids[:, columns]
     bad = (ids < 0) | (ids >= num_experts)
     if bad.any():
         token, layer, slot = (int(v) for v in np.argwhere(bad)[0])
         raise RoutingDataError(
-            f"{source}: layer {layer + 1} token {token}: expert id {int(ids[token, layer, slot])} "
+            f"{source}: layer {columns[layer] + 1} token {token}: expert id {int(ids[token, layer, slot])} "
             f"is outside [0, {num_experts})"
         )
     compact = ids.astype(_numpy_dtype(compact_id_dtype(num_experts)))
@@ -190,7 +197,7 @@ def decode_routed_experts(
     if repeated.any():
         token, layer = (int(v) for v in np.argwhere(repeated)[0])
         raise RoutingDataError(
-            f"{source}: layer {layer + 1} token {token}: expert repeated in {compact[token, layer].tolist()}"
+            f"{source}: layer {columns[layer] + 1} token {token}: expert repeated in {compact[token, layer].tolist()}"
         )
     return torch.from_numpy(compact)
 
@@ -292,8 +299,11 @@ def decode_generate_response(
     topk: int,
     num_experts: int,
     source: str,
+    moe_layers: Sequence[int] | None = None,
 ) -> GenerateResult:
     """Check and decode one ``/generate`` response body (already parsed from JSON).
+
+    ``moe_layers``: as for :func:`decode_routed_experts` (the routes keep the MoE layers only).
 
     Raises:
         WireFormatError: a missing or malformed field, a response for another request,
@@ -326,6 +336,7 @@ def decode_generate_response(
         routes = decode_routed_experts(
             meta["routed_experts"], prompt_len=prompt_len, output_len=len(ids), num_layers=num_layers,
             topk=topk, num_experts=num_experts, source=source, dtype_name=meta.get("routed_experts_dtype"),
+            moe_layers=moe_layers,
         )
     version = meta.get("weight_version")
     return GenerateResult(
