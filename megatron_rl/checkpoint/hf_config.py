@@ -5,8 +5,11 @@ workers stay light), generating one for a model that has no HF origin (the inver
 to export trainer checkpoints), and translating both ways with the architecture's table in
 :mod:`megatron_rl.checkpoint.mapping`. Every config key that changes the math is either
 translated or checked against the one value the Megatron model implements; anything else
-(dense layers between MoE layers, sliding-window attention, attention biases, tied
-embeddings, RoPE scaling) stops with a :class:`CheckpointMismatchError` naming the key.
+(dense layers between MoE layers, sliding-window attention, tied embeddings, RoPE scaling
+the family does not have) stops with a :class:`CheckpointMismatchError` naming the key.
+The DeepSeek-V3 / GLM-4.5 / Qwen2-MoE features (MLA, YaRN, dense first layers, shared
+experts, sigmoid routing, QKV biases, ...) are read and written by their architecture's
+``read_extra`` / ``write_extra`` (:mod:`megatron_rl.checkpoint.families`).
 Keys that only matter to training or generation (aux-loss coefficient, token ids, cache
 flags) are not read. Does not own tensor names or shapes.
 """
