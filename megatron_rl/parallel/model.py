@@ -1,4 +1,5 @@
-"""Build a Qwen3-MoE-style Megatron ``GPTModel`` for the current parallel rank.
+"""Build the Megatron ``GPTModel`` (Qwen3-MoE-style, or with the DeepSeek-V3 / GLM-4.5 /
+Qwen2-MoE features of ``parallel.families``) for the current parallel rank.
 
 Owns: the mapping from :class:`~megatron_rl.config.ModelConfig` and
 :class:`~megatron_rl.config.ParallelConfig` to Megatron's ``TransformerConfig``, the layer
