@@ -25,6 +25,8 @@ MODEL = ModelConfig(vocab_size=256, num_layers=4, num_experts=8, moe_router_topk
 SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=6, max_len=30, seed=1)
 PROMPTS = [max(1, len(s) // 3) for s in SEQUENCES]
 PLANS = ("none", "R2", "R3")
+BUDGET = 48
+"""Token budget of the token-budget step (sequences are 6-30 tokens: several re-ordered micro-batches)."""
 TRUNCATED = (5,)
 """Samples cut at the length limit (read by the overlong filter of the STAPO run)."""
 # tau_p above the tiny model's typical target probability (about 1/256), so the STAPO
@@ -111,6 +113,22 @@ def _step_all_plans(model, ddp, groups, mine, old, filters=False):
             "kept": dict(zip(mine, kept)),
             "dp_size": groups.dp_size,
         }
+    # The R2 step with token-budget micro-batches (re-ordered, uneven counts per rank): it
+    # must give the fixed-count step's loss and gradients.
+    budget_batch = TrainBatch(
+        sequences=[SEQUENCES[i] for i in mine],
+        prompt_lengths=[PROMPTS[i] for i in mine],
+        old_logprobs_T=old.logprobs_T,
+        advantages_T=torch.cat([_advantages(i) for i in mine]),
+        old_record=old.record,
+    )
+    result = forward_backward(ddp, groups, budget_batch, get_preset("rspo"), RoutingPlan(mode="R2"),
+                              micro_batch_tokens=BUDGET)
+    out["budget:R2"] = {
+        "loss": float(result.loss),
+        "grads": {f"router.{l.layer_number}": l.mlp.router.weight.main_grad.clone() for l in model.decoder.layers}
+        if groups.tp_rank == 0 else {},
+    }
     for mode in PLANS:
         batch = TrainBatch(
             sequences=[SEQUENCES[i] for i in mine],
@@ -298,6 +316,11 @@ def layout(checkpoint_dir, reference):
             for key, value in rank["update"]["weights"].items():
                 weights.setdefault(key, value)
         merged["update"] = {"grad_norm": [r["update"]["grad_norm"] for r in per_rank], "weights": weights}
+        budget_grads = {}
+        for rank in per_rank:
+            for key, value in rank["budget:R2"]["grads"].items():
+                budget_grads.setdefault(key, value)
+        merged["budget:R2"] = {"loss": [r["budget:R2"]["loss"] for r in per_rank], "grads": budget_grads}
         for run_name in FILTER_RUNS:
             grads, kept = {}, {}
             for rank in per_rank:
@@ -416,3 +439,17 @@ def test_token_filters_select_over_the_global_batch(name, run_name, layout, refe
     assert set(got["grads"]) == set(ref["grads"])
     for key, grad in ref["grads"].items():
         assert relative_error(got["grads"][key], grad) <= 1e-5, (name, run_name, key)
+
+
+@pytest.mark.parametrize("name", ["single process", *LAYOUTS])
+def test_token_budget_step_equals_fixed_count_step(name, layout, reference):
+    ref = reference["steps"]["R2"]
+    if name == "single process":
+        got = {"loss": [reference["steps"]["budget:R2"]["loss"]], "grads": reference["steps"]["budget:R2"]["grads"]}
+    else:
+        got = layout(name)["budget:R2"]
+    for loss in got["loss"]:
+        assert abs(loss - ref["loss"]) <= 1e-5 * max(1e-3, abs(ref["loss"])), (name, loss, ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, grad in ref["grads"].items():
+        assert relative_error(got["grads"][key], grad) <= 1e-5, (name, key)
