@@ -250,13 +250,25 @@ def token_budget_pass(model, groups, run):
     result = compute_logprobs(model, groups, sequences, [run.prompt_lengths[i] for i in mine],
                               micro_batch_tokens=BUDGET, record_routing=True)
     plan = [mb.sample_ids.tolist() for mb in pack_for_rank(sequences, groups, 0, max_tokens=BUDGET)]
+    # Uneven ranks: DP rank 1 keeps one sample, so it runs padding-only rows while rank 0
+    # works through its micro-batches (expert dispatch still pairs every forward).
+    few = mine[:1] if groups.dp_rank == 1 else mine
+    uneven = compute_logprobs(model, groups, [run.sequences[i] for i in few], [run.prompt_lengths[i] for i in few],
+                              micro_batch_tokens=BUDGET, record_routing=True)
+    uneven_plan = [mb.sample_ids.tolist() for mb in pack_for_rank([run.sequences[i] for i in few], groups, 0,
+                                                                  max_tokens=BUDGET)]
+    return {"budget_pass": _per_sample(result, mine), "budget_plan": plan,
+            "uneven_pass": _per_sample(uneven, few), "uneven_plan": uneven_plan}
+
+
+def _per_sample(result, samples):
     out = {}
-    for j, sample in enumerate(mine):
+    for j, sample in enumerate(samples):
         lo, hi = int(result.cu_seqlens_S1[j]), int(result.cu_seqlens_S1[j + 1])
         rec = result.record.sample(j)
         out[sample] = {"logprobs": result.logprobs_T[lo:hi], "expert_ids": rec.expert_ids_TLK,
                        "probs": rec.probs_TLK}
-    return {"budget_pass": out, "budget_plan": plan}
+    return out
 
 
 def packing_isolation_check(model, groups, run):
@@ -333,6 +345,15 @@ def test_token_budget_packing_gives_the_same_per_sample_outputs(name, layout_res
         assert (got["logprobs"] - ref["logprobs"]).abs().max() <= 1e-5, (name, sample)
         assert torch.equal(got["expert_ids"], ref["expert_ids"]), (name, sample)
         assert (got["probs"] - ref["probs"]).abs().max() <= 1e-5, (name, sample)
+    uneven = {}
+    for extra in result["extra"]:
+        uneven.update(extra["uneven_pass"])
+    for sample, got in uneven.items():
+        ref = expected[sample]
+        assert (got["logprobs"] - ref["logprobs"]).abs().max() <= 1e-5, (name, "uneven", sample)
+        assert torch.equal(got["expert_ids"], ref["expert_ids"]), (name, "uneven", sample)
+    if name in ("EP2 alltoall", "EP2 allgather", "TP2+SP x EP2"):  # data-parallel layouts
+        assert any(plan.count([]) > 0 for plan in (e["uneven_plan"] for e in result["extra"]))
     plans = [extra["budget_plan"] for extra in result["extra"]]
     assert all(len(plan) >= 2 for plan in plans)
     if name == "single process":  # the planner re-orders: results still come back per sample
