@@ -28,6 +28,7 @@ Does not own files or Megatron modules.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Iterable
 
@@ -389,7 +390,11 @@ QWEN2_MOE = Architecture(
     write_extra=_write_qwen2_moe,
 )
 
-for _arch in (DEEPSEEK_V3, GLM4_MOE, QWEN2_MOE):
+# Kimi-K2 ships DeepSeek-V3's architecture and tensor names under its own model_type (so
+# that engines can tell them apart); transformers itself knows it only as deepseek_v3.
+KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2")
+
+for _arch in (DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE):
     ARCHITECTURES.register(_arch.name)(_arch)
 
 

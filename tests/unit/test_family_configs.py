@@ -240,3 +240,10 @@ def test_weight_sync_names_are_the_checkpoints():
     assert [n for n, _ in down] == ["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     with pytest.raises(CheckpointMismatchError, match="is \\(41, 64\\)"):
         name_map("decoder.layers.0.self_attention.linear_kv_down_proj.weight", torch.zeros(41, 64))
+
+
+def test_kimi_k2_is_deepseek_v3_under_its_own_model_type():
+    kimi = _with(DEEPSEEK_V3_HUB, model_type="kimi_k2", n_group=1, topk_group=1, quantization_config=None)
+    m = model_config_from_hf(kimi, "bfloat16")
+    assert m == model_config_from_hf(_with(kimi, model_type="deepseek_v3"), "bfloat16")
+    assert hf_config_from_model("kimi_k2", m)["model_type"] == "kimi_k2"
