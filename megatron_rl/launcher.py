@@ -356,7 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.entry_args = entry_args
     env = dict(os.environ)
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        # With --sglang the engine is SGLang whatever the config says: plan the launch without
+        # another engine's checks, then validate the run with the SGLang section below.
+        planning = args.overrides + (["rollout.engine=megatron"] if args.sglang is not None else [])
+        cfg = load_run_config(args.config, planning)
         check_inputs(cfg)
         gpus = _gpus_on_node()
         plan = resolve_plan(args, cfg, env, gpus)

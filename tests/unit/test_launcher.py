@@ -221,4 +221,6 @@ def test_sglang_option_is_validated_with_the_run(no_processes, capsys):
     argv = ["--config", str(CONFIGS / "demo_task.yaml"), "model.moe_router_score_function=sigmoid", "--dry-run",
             "--sglang", "--model-path /ckpt/hf"]
     assert launcher.main(argv) == launcher.CONFIG_ERROR_EXIT
-    assert "rollout.sglang.hf_architecture: qwen3_moe routes with softmax" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "rollout.sglang.hf_architecture: the model cannot be exported as qwen3_moe" in err
+    assert "qwen3_moe routes with softmax scores" in err
