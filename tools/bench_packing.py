@@ -15,7 +15,8 @@ Each mode runs in its own subprocess (its own world, its own peak RSS):
 
 - ``today``: the code of ``--baseline-commit`` (83c7737, before THD packing) from a git
   worktree: samples dealt round-robin to the ranks, ``--micro-batch-sequences`` consecutive
-  samples per micro-batch, every row padded to one length over DP, dense ``[T, T]`` mask;
+  samples per micro-batch (1: the largest count whose dense attention fits in 24 GiB for
+  two ranks), every row padded to one length over DP, dense ``[T, T]`` mask;
 - ``tokens-rr``: this checkout, ``micro_batch_tokens=--micro-batch-tokens``, samples dealt
   round-robin;
 - ``tokens-kk``: the same, samples dealt by ``balance.balanced_partition`` on their token
@@ -36,7 +37,7 @@ a check that the modes do the same math. Token accounting, from the micro-batche
   any rank at that step): expert dispatch synchronises the ranks at every MoE layer of
   every micro-batch, so a rank with a shorter row idles; this adds rank imbalance.
 
-Usage (from a checkout, with the venv active; about 15-30 minutes on 2 cores)::
+Usage (from a checkout, with the venv active; 'today' alone takes ~45 minutes on 2 cores)::
 
     python tools/bench_packing.py
     python tools/bench_packing.py --modes tokens-kk --micro-batch-tokens 8192 --repeats 1
@@ -239,8 +240,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--responses", type=int, default=512)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--micro-batch-sequences", type=int, default=2,
-                        help="today's consecutive samples per micro-batch (the dense mask must fit in memory)")
+    parser.add_argument("--micro-batch-sequences", type=int, default=1,
+                        help="today's consecutive samples per micro-batch: 2 already needs ~11 GB per rank for the "
+                             "dense attention of the train step (rows up to 8.3K tokens)")
     parser.add_argument("--micro-batch-tokens", type=int, default=8192, help="token budget of the new modes")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs of each pass (median reported)")
     parser.add_argument("--baseline-repeats", type=int, help="timed runs of 'today' (default: --repeats; it is slow)")
