@@ -294,6 +294,10 @@ class RolloutConfig:
     """Ask the engine for routed experts (needed by R3 and routing diagnostics)."""
     max_sampling_rounds: int = 4
     """Dynamic sampling: draw at most this many rounds of prompts per step."""
+    max_staleness: int = 0
+    """Asynchronous rollouts: a sample may come from weights up to this many versions older
+    than the ones it trains (0: synchronous; 1: the next step's first round is generated
+    while a step trains; SGLang engine only; see megatron_rl.train.async_rollouts)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers and weight sync (used when ``engine`` is sglang)."""
 
@@ -569,6 +573,9 @@ def validate_run(cfg: RunConfig) -> None:
     )
     if r.engine == "sglang":
         validate_sglang(r.sglang, cfg.model)
+    from megatron_rl.train.async_rollouts import check_staleness  # its rules live with the feature
+
+    check_staleness(cfg)
     _require(t.steps >= 0, "train.steps", "must be >= 0")
     _require(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     _require(t.epochs >= 1, "train.epochs", "must be >= 1")

@@ -358,7 +358,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # With --sglang the engine is SGLang whatever the config says: plan the launch without
         # another engine's checks, then validate the run with the SGLang section below.
-        planning = args.overrides + (["rollout.engine=megatron"] if args.sglang is not None else [])
+        planning = args.overrides + (["rollout.engine=megatron", "rollout.max_staleness=0"]
+                                     if args.sglang is not None else [])
         cfg = load_run_config(args.config, planning)
         check_inputs(cfg)
         gpus = _gpus_on_node()

@@ -214,13 +214,18 @@ class ProtocolServer:
         host: the engine.
         weight_version: version reported before any update (SGLang's default is "default").
         batch_window_s: how long the first queued request waits for others to batch with.
-        max_batch: most sequences per engine call.
+        max_batch: most sequences per engine call (1: each request alone, so its sample depends
+            on its own seed only, not on what it was batched with: reproducible runs).
         model_path: reported by ``/model_info``.
+        token_latency_s: after computing a batch, sleep this long per token of its longest
+            response, as a GPU server's decode would take (benchmarks on CPU: models
+            disaggregated accelerators without taking the trainer's cores).
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", batch_window_s: float = 0.01,
-                 max_batch: int = 256, model_path: str = "") -> None:
+                 max_batch: int = 256, model_path: str = "", token_latency_s: float = 0.0) -> None:
         self.host, self.window, self.max_batch, self.model_path = host, batch_window_s, max_batch, model_path
+        self.token_latency_s = token_latency_s
         self.state = _State(weight_version=weight_version)
         self.queue: asyncio.Queue | None = None
 
@@ -283,6 +288,9 @@ class ProtocolServer:
                 if not m.future.done():
                     m.future.set_exception(err)
             return
+        if self.token_latency_s > 0:
+            # Sleeps, not computes: the batch occupies the "GPU" for its decode steps.
+            await asyncio.sleep(self.token_latency_s * max(len(s.output_ids) for s in samples))
         for (_, m), sample in zip(members, samples):
             if not m.future.done():
                 m.future.set_result(sample)
@@ -487,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-batch-sequences", type=int, default=64)
     parser.add_argument("--engine", choices=("hf", "megatron"), default="hf",
                         help="hf: a transformers replica generates (real numerics); megatron: the model itself (exact)")
+    parser.add_argument("--max-batch", type=int, default=256,
+                        help="most requests per engine call (1: every sample depends on its own seed only)")
+    parser.add_argument("--token-latency-s", type=float, default=0.0,
+                        help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
     args = parser.parse_args(argv)
     # The run's own loader: a config that starts from a checkpoint takes its model section from it.
@@ -496,7 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences, args.engine)
-    server = ProtocolServer(host, weight_version=args.weight_version, model_path=args.config)
+    server = ProtocolServer(host, weight_version=args.weight_version, model_path=args.config,
+                            max_batch=args.max_batch, token_latency_s=args.token_latency_s)
     try:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}", flush=True)
         web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)

@@ -11,6 +11,8 @@ Does not own HTTP, retries or the ledger (the client), nor how weights travel
 from __future__ import annotations
 
 import asyncio
+import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
@@ -32,7 +34,7 @@ from megatron_rl.rollout.sglang_wire import GenerateResult
 if TYPE_CHECKING:  # the engine is usable without Megatron (a single process, no trainer)
     from megatron_rl.parallel.groups import ParallelGroups
 
-__all__ = ["SGLangEngine", "WeightSyncer", "STEP_METRICS", "route_shape_of"]
+__all__ = ["SGLangEngine", "PendingGeneration", "WeightSyncer", "STEP_METRICS", "route_shape_of"]
 
 
 class WeightSyncer(Protocol):
@@ -50,6 +52,38 @@ class WeightSyncer(Protocol):
 
 STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts")
 """Counters :meth:`SGLangEngine.step_metrics` reports, as ``sglang/<name>``."""
+
+
+@dataclass
+class PendingGeneration:
+    """A batch :meth:`SGLangEngine.start_generate` began; :meth:`SGLangEngine.finish_generate` ends it."""
+
+    prompts: list
+    """Token ids per sample."""
+    params: SamplingParams
+    """Sampling parameters of the batch."""
+    want_routes: bool
+    """``return_routed_experts``."""
+    seeds: list[int]
+    """``sampling_seed`` per sample."""
+    expected: str | None
+    """Weight version the servers hold while the batch is generated (None: unchecked)."""
+    stats: ClientStats = field(default_factory=ClientStats)
+    """The background round's client counters."""
+    outcome: tuple | None = None
+    """The leader's outcome of the background round (see ``SGLangEngine._leader_outcome``)."""
+    error: BaseException | None = None
+    """What the background thread raised (re-raised by ``finish_generate``)."""
+    thread: threading.Thread | None = None
+    """The model-parallel leader's thread (None on its peers)."""
+
+    def run(self, engine: "SGLangEngine") -> None:
+        """The thread's body: HTTP only, its own event loop and client, no collective."""
+        try:
+            self.outcome = engine._leader_outcome(self.prompts, list(range(len(self.prompts))), self.params,
+                                                  self.want_routes, self.seeds, self.expected, self.stats)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            self.error = err
 
 
 class SGLangEngine:
@@ -112,17 +146,32 @@ class SGLangEngine:
         and over the world when ``weight_sync`` is set)."""
         if self.weight_sync is not None and not self.synced:
             self.update_weights(self.weight_version)
-        dp_rank = 0 if self.groups is None else self.groups.dp_rank
-        seeds = [(seed * 1_000_003 + dp_rank * 7_919 + i) % 2**31 for i in range(len(prompts))]
         self.stats = ClientStats()
+        return self._complete(prompts, params, return_routed_experts, self._seeds(seed, len(prompts)), None)
+
+    def _seeds(self, seed: int, count: int) -> list[int]:
+        dp_rank = 0 if self.groups is None else self.groups.dp_rank
+        return [(seed * 1_000_003 + dp_rank * 7_919 + i) % 2**31 for i in range(count)]
+
+    def _complete(self, prompts, params, want_routes, seeds, first: tuple | None,
+                  resync_version: int | None = None) -> list[RolloutSample]:
+        """Rounds until every prompt has its sample; ``first``: the first round's leader outcome,
+        already obtained (by :meth:`start_generate`'s thread), else it is asked for now;
+        ``resync_version``: the version a re-push tags the weights with (None: ``weight_version``)."""
         done: dict[int, RolloutSample] = {}
         try:
             while True:
-                todo = [i for i in range(len(prompts)) if i not in done]
-                samples, behind = self._round(prompts, todo, params, return_routed_experts, seeds)
+                if first is not None:
+                    samples, behind = self._share(first)
+                    first = None
+                else:
+                    todo = [i for i in range(len(prompts)) if i not in done]
+                    samples, behind = self._round(prompts, todo, params, want_routes, seeds)
                 done.update(samples)
                 if not behind:
                     return [done[i] for i in range(len(prompts))]
+                if resync_version is not None:
+                    self.weight_version = resync_version
                 servers = ", ".join(f"{u} (at {v!r})" for u, v in sorted(behind.items()))
                 if self.stats.resyncs >= self.cfg.max_resyncs:
                     raise StaleWeightVersionError(
@@ -136,16 +185,67 @@ class SGLangEngine:
         finally:
             self._totals.add(self.stats)
 
+    # ------------------------------------------------------------------ asynchronous rollouts
+
+    def start_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       return_routed_experts: bool = True, seed: int = 0) -> "PendingGeneration":
+        """Begin :meth:`generate` in the background; :meth:`finish_generate` returns its samples.
+
+        Called on every rank together (the first weight push may be due, a collective); after
+        that only the model-parallel leader works, in a thread that does HTTP and nothing
+        collective, against the weights the servers hold now (``weight_version``): every
+        request of the batch is generated by that one version, because the trainer pushes no
+        weights until it has finished the batch (the "finish under the old version" policy of
+        :mod:`megatron_rl.train.async_rollouts`). Same seeds as :meth:`generate`.
+        """
+        if self.weight_sync is not None and not self.synced:
+            self.update_weights(self.weight_version)
+        pending = PendingGeneration(list(prompts), params, return_routed_experts, self._seeds(seed, len(prompts)),
+                                    expected=str(self.weight_version) if self.synced else None)
+        if self._leader():
+            pending.thread = threading.Thread(target=pending.run, args=(self,), daemon=True,
+                                              name="megatron-rl-async-rollouts")
+            pending.thread.start()
+        return pending
+
+    def finish_generate(self, pending: "PendingGeneration", version: int) -> list[RolloutSample]:
+        """Collective (as :meth:`generate`): wait for a batch begun by :meth:`start_generate`
+        and share it with the model-parallel peers.
+
+        ``version`` is the trainer's weight version now. Samples that the background round
+        could not get because a server restarted (it came back behind) are asked for again
+        here, after the weights are pushed again, which only the main thread may do (a
+        collective): the trainer's weights are at ``version`` by now, so they are pushed,
+        and those samples tagged, as ``version``. Retries, never lost samples.
+        """
+        if pending.thread is not None:
+            pending.thread.join()
+        if pending.error is not None:
+            raise pending.error
+        self.stats = pending.stats
+        outcome = pending.outcome if self._leader() else None
+        # A re-push, if one is needed, can only send the trainer's weights as they are now.
+        return self._complete(pending.prompts, pending.params, pending.want_routes, pending.seeds,
+                              ("shared", outcome), resync_version=version)
+
     def _round(self, prompts, todo, params, want_routes, seeds) -> tuple[dict[int, RolloutSample], dict[str, str]]:
         """Samples for the indices ``todo``, and every server (on any rank) found behind."""
-        outcome: tuple | None = None
-        if self._leader():
-            try:
-                outcome = ("ok", *asyncio.run(self._generate(prompts, todo, params, want_routes, seeds)))
-            except Exception as err:  # noqa: BLE001 - peers must learn about any failure
-                if not self._shares_outcome():
-                    raise
-                outcome = ("error", f"{type(err).__name__}: {err}")
+        outcome = self._leader_outcome(prompts, todo, params, want_routes, seeds) if self._leader() else None
+        return self._share(("shared", outcome))
+
+    def _leader_outcome(self, prompts, todo, params, want_routes, seeds, expected: str | None = None,
+                        stats: ClientStats | None = None) -> tuple:
+        """``("ok", samples, behind)`` or ``("error", message)``: the leader's HTTP work of one round."""
+        try:
+            return ("ok", *asyncio.run(self._generate(prompts, todo, params, want_routes, seeds, expected, stats)))
+        except Exception as err:  # noqa: BLE001 - peers must learn about any failure
+            if not self._shares_outcome():
+                raise
+            return ("error", f"{type(err).__name__}: {err}")
+
+    def _share(self, wrapped: tuple) -> tuple[dict[int, RolloutSample], dict[str, str]]:
+        """The leader's outcome of a round on every rank that must hear it (collective)."""
+        outcome = wrapped[1]
         if self.groups is not None and self.groups.mp.size() > 1:
             box = [outcome]
             dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.mp, 0), group=self.groups.mp)
@@ -166,10 +266,14 @@ class SGLangEngine:
                                       + (f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""))
         return outcome[1], behind
 
-    async def _generate(self, prompts, todo, params, want_routes, seeds) -> tuple[dict, dict[str, str]]:
+    async def _generate(self, prompts, todo, params, want_routes, seeds, expected: str | None = None,
+                        stats: ClientStats | None = None) -> tuple[dict, dict[str, str]]:
+        """``stats``/``expected``: given by the background thread, which must not read the
+        engine's fields (the main thread owns them); else this call's own."""
         if not todo:
             return {}, {}
-        expected = str(self.weight_version) if self.synced else None
+        if stats is None:
+            expected = str(self.weight_version) if self.synced else None
         async with SGLangClient(self.cfg, self.routes) as client:
             try:
                 if not self.server_info:
@@ -183,7 +287,7 @@ class SGLangEngine:
                 except ServersBehindError as err:
                     got, behind = err.partial, err.behind
             finally:
-                self.stats.add(client.stats)
+                (self.stats if stats is None else stats).add(client.stats)
         return {todo[j]: self._sample(prompts[todo[j]], r) for j, r in got.items()}, behind
 
     def step_metrics(self) -> dict[str, torch.Tensor]:

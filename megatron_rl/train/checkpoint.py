@@ -24,6 +24,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -75,8 +76,12 @@ def _sharded_state(model, optimizer, create_optimizer_state: bool) -> dict:
     return state
 
 
-def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict) -> Path:
-    """Collectively save model, optimizer, RNG and trainer state; then publish it."""
+def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,
+                    write_more: Callable[[Path], None] | None = None) -> Path:
+    """Collectively save model, optimizer, RNG and trainer state; then publish it.
+
+    ``write_more(path)``, called on every rank before publishing, adds files of its own
+    (the rollouts generated ahead, :mod:`megatron_rl.train.async_rollouts`)."""
     root = _checkpoint_root(run_dir)
     path = root / f"step_{state.step:06d}"
     rank = dist.get_rank()
@@ -90,6 +95,8 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
     dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
+    if write_more is not None:
+        write_more(path)
     dist.barrier()
     if rank == 0:
         body = {"step": state.step, "data_position": state.data_position,

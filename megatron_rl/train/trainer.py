@@ -17,6 +17,7 @@ order by (seed, epoch), so a resumed run continues exactly as an uninterrupted o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -46,6 +47,7 @@ from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.rewards import RewardInput, RewardResult, RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
+from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
 from megatron_rl.train.evaluation import pass_at_k
 from megatron_rl.train.hf_export import HFExportSpec, export_hf
@@ -105,6 +107,8 @@ class Trainer:
         self.telemetry = GpuTelemetry() if self.rank0 else None
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
         self.scorer = RewardScorer(cfg.reward)
+        # rollout.max_staleness > 0: the next step's first round is generated while a step trains.
+        self.ahead = AsyncRollouts(self) if cfg.rollout.max_staleness > 0 else None
 
     def _rollout_urls(self) -> list[str]:
         """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines)."""
@@ -208,18 +212,31 @@ class Trainer:
         return rewards
 
     @staticmethod
-    def _check_versions(samples: list[RolloutSample], version: int) -> None:
-        """Every rollout must come from the weights the old-policy pass will use."""
-        stale = [i for i, s in enumerate(samples) if s.weight_version != version]
+    def _check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
+        """Every rollout must come from the weights the old-policy pass will use, or from one
+        at most ``max_staleness`` versions older."""
+        stale = [i for i, s in enumerate(samples) if not version - max_staleness <= s.weight_version <= version]
         if stale:
             raise RuntimeError(
                 f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight version "
-                f"{samples[stale[0]].weight_version}, but the trainer is at version {version}: the engine "
+                f"{samples[stale[0]].weight_version}, but the trainer is at version {version}"
+                f"{f' (rollout.max_staleness {max_staleness})' if max_staleness else ''}: the engine "
                 "served stale weights (check rollout.sglang.weight_sync)"
             )
 
-    def _rollouts(self, step: int, state: TrainerState, metrics: dict) -> Groups:
-        """Sample groups until this rank holds enough with informative rewards (DAPO)."""
+    def _draw(self, state: TrainerState) -> list[PromptRecord]:
+        """This rank's prompts of the next sampling round (advances the data position)."""
+        start = state.data_position
+        state.data_position += self.cfg.rollout.prompts_per_step
+        return self._mine([self.train_set.at(p, self.cfg.seed) for p in range(start, state.data_position)])
+
+    def _round_seed(self, step: int, rounds: int) -> int:
+        """Sampling seed of round ``rounds`` (from 1) of RL step ``step``."""
+        return self.cfg.seed * 7919 + step * 131 + rounds
+
+    def _rollouts(self, step: int, state: TrainerState, metrics: dict, first: tuple | None = None) -> Groups:
+        """Sample groups until this rank holds enough with informative rewards (DAPO);
+        ``first``: the first round's (problems, samples), generated ahead."""
         r, G = self.cfg.rollout, self.cfg.rollout.group_size
         kept, dropped = Groups([], [], []), Groups([], [], [])
         drawn_rewards, drawn_correct, lengths, rounds = [], [], [], 0
@@ -227,14 +244,15 @@ class Trainer:
         errors: dict = {}
         while True:
             rounds += 1
-            start = state.data_position
-            state.data_position += r.prompts_per_step
-            problems = self._mine([self.train_set.at(p, self.cfg.seed) for p in range(start, state.data_position)])
-            prompts = [p.prompt_ids for p in problems for _ in range(G)]
-            samples = self.engine.generate(prompts, self._sampling(r.temperature),
-                                           return_routed_experts=r.return_routed_experts,
-                                           seed=self.cfg.seed * 7919 + step * 131 + rounds)
-            self._check_versions(samples, state.weight_version)
+            if first is not None:
+                (problems, samples), first = first, None
+            else:
+                problems = self._draw(state)
+                prompts = [p.prompt_ids for p in problems for _ in range(G)]
+                samples = self.engine.generate(prompts, self._sampling(r.temperature),
+                                               return_routed_experts=r.return_routed_experts,
+                                               seed=self._round_seed(step, rounds))
+            self._check_versions(samples, state.weight_version, r.max_staleness)
             results = self._score([p for p in problems for _ in range(G)], samples, errors)
             for res in results:
                 for name, value in res.extras.items():
@@ -404,13 +422,21 @@ class Trainer:
         metrics: dict[str, torch.Tensor] = {}
         start = time.perf_counter()
         with phase_timer(metrics, "rollout"):
-            chosen = self._rollouts(step, state, metrics)
+            if self.ahead is None:
+                chosen = self._rollouts(step, state, metrics)
+            else:
+                # Asynchronous: train the round generated ahead, and generate the next while training.
+                chosen = self._rollouts(step, state, metrics, self.ahead.take(step, state))
+                metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
+                if step < self.cfg.train.steps:
+                    self.ahead.launch(step + 1, state)
         chosen = self._balanced(chosen, metrics)
         batch = self._batch(chosen, metrics)
         with phase_timer(metrics, "update"):
             self._update(batch, metrics)
         state.weight_version += 1
-        self.engine.update_weights(state.weight_version)
+        if self.ahead is None:
+            self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
         tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
         if self.groups.dp_size > 1:
             all_reduce(tokens, self.groups.dp)
@@ -424,6 +450,9 @@ class Trainer:
         path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer)
+            ahead = resume_batch(self, path, state)
+            if self.ahead is not None:
+                self.ahead.next = ahead
             self.engine.update_weights(state.weight_version)
             if self.rank0:
                 print(f"resumed from {path} (step {state.step})", flush=True)
@@ -452,8 +481,16 @@ class Trainer:
                            t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
             # The warm start changed the weights the engine was built with (same version 0).
             self.engine.update_weights(state.weight_version)
-        save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+        self._save(state)
         return state
+
+    def _save(self, state: TrainerState) -> None:
+        """Checkpoint, with the batch generated ahead when rollouts are asynchronous."""
+        write_more = None
+        if self.ahead is not None:
+            self.ahead.settle(state)
+            write_more = functools.partial(self.ahead.save, state=state)
+        save_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), write_more)
 
     def _setup_reference(self, state: TrainerState) -> None:
         """A frozen copy of the starting policy, when the objective uses KL to a reference.
@@ -507,14 +544,19 @@ class Trainer:
             for step in bar:
                 metrics = self.rl_step(step, state)
                 state.step = step
-                if step % t.eval_every == 0 or step == t.steps:
+                evaluating = step % t.eval_every == 0 or step == t.steps
+                saving = step % t.save_every == 0 or step == t.steps
+                if self.ahead is not None and (evaluating or saving):
+                    # Evaluation sees this step's weights; a checkpoint holds the next batch, whole.
+                    self.ahead.settle(state)
+                if evaluating:
                     metrics.update(self.evaluate())
                 if self.telemetry is not None:
                     metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
                 metrics.update(self._engine_metrics())
                 log(step, metrics)
-                if step % t.save_every == 0 or step == t.steps:
-                    save_checkpoint(t.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg))
+                if saving:
+                    self._save(state)
                 if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
                     self.export_hf(step)
                 if os.environ.get(FAULT_ENV) == str(step):

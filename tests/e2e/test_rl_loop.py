@@ -104,3 +104,18 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
             if key.startswith(("time/", "perf/")):
                 continue
             assert resumed[step][key] == value, (step, key, resumed[step][key], value)
+
+
+def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(ep2_run):
+    """rollout.max_staleness defaults to 0; the loop must then be the one from before
+    asynchronous rollouts existed: every metric and the exported weights, exactly, as
+    recorded at 924ca5a on this platform (CPU, torch 2.13.0)."""
+    import hashlib
+
+    run_dir, rows = ep2_run
+    recorded = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "sync_loop_924ca5a.json").read_text())
+    ours = {str(step): {k: v for k, v in row.items() if not k.startswith(("time/", "perf/"))}
+            for step, row in rows.items()}
+    assert ours == recorded["rows"]
+    weights = (run_dir / "hf" / "step_000004" / "model.safetensors").read_bytes()
+    assert hashlib.sha256(weights).hexdigest() == recorded["sha256"]

@@ -79,6 +79,12 @@ CASES = {
                                 "{root}/truncated_state/checkpoints/step_000002/trainer_state.json is unreadable"),
     "reward does not import": (["reward.function=no_such_module:score"], "reward.function"),
     "reward wrong signature": (["reward.function=my_rewards:two_args"], "reward.function"),
+    "staleness with the in-process engine": (["rollout.max_staleness=1"],
+                                             "rollout.max_staleness: 1 needs rollout.engine=sglang"),
+    "staleness without weight sync": (["rollout.max_staleness=1", "rollout.engine=sglang",
+                                       "rollout.sglang.urls=[http://127.0.0.1:9]", "rollout.sglang.weight_sync=none"],
+                                      "rollout.max_staleness: 1 with rollout.sglang.weight_sync=none"),
+    "staleness deeper than offered": (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is not offered"),
 }
 
 

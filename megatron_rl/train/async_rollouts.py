@@ -1,0 +1,226 @@
+"""Asynchronous rollouts with a staleness bound (``rollout.max_staleness``).
+
+With ``max_staleness: 0`` (the default) the RL loop is synchronous: a step generates its
+samples with the weights it trains, then trains, then pushes the new weights. With
+``max_staleness: 1`` the first sampling round of step s+1 is generated while step s trains,
+on SGLang servers in their own processes (disaggregated GPUs; on CPU the protocol server),
+so a sample may come from weights one version older than the ones it trains.
+
+Design (one batch in flight, "finish under the old version"):
+
+* Step s (the trainer holds version v = s - 1): join the batch generated in the background
+  for step s, push version v (deferred from the end of step s - 1), finish step s's
+  sampling synchronously if dynamic sampling needs more rounds (those run under v, tagged v),
+  start step s + 1's first round in the background under v, then train. Every weight push
+  happens in the main thread while no request is in flight, so every request is generated
+  entirely by one version and tagged with the version the server reported; the trainer
+  checks each sample is at most ``max_staleness`` versions old. We chose this over
+  aborting in-flight requests at a push and continuing them under the new weights (slime's
+  and miles's partial rollouts): with one batch in flight the push is free (the batch was
+  due anyway), a response has a single behaviour policy (no per-token version tags, no
+  mixed routes), and the servers never need an abort-and-resume protocol; the price is
+  that a deeper pipeline (k > 1) would need pushes with requests in flight, so only 0 and 1
+  are offered.
+* Only HTTP runs off the main thread: a model-parallel leader's background thread has its
+  own event loop and client (:meth:`SGLangEngine.start_generate`); the broadcast to its
+  peers, the all-gather that finds restarted servers and any weight push are collectives,
+  which the main thread alone issues (gloo groups are not safe to use from two threads).
+  A server that dies during background generation costs retries: the thread retries
+  within the client's budget; a server that came back behind (its launch weights) is set
+  aside, and the samples it still owed are asked for again when the batch is joined,
+  after the collective re-push of the trainer's weights (version v by then), and carry
+  the version that generated them. None is lost, none is counted twice (the client's
+  ledger keeps one answer per sample).
+* Losses (AReaL's decoupled objective, which this repo already has): the "old" log-probs
+  of the PPO ratio are the proximal policy, the trainer's own pass at the start of the step
+  (version v); the rollout log-probs each sample carries are the behaviour policy, the
+  engine's at the version that generated it, and TIS, MIS and IcePop correct between the
+  two, so staleness is corrected with the train/rollout mismatch. R3 replays the routes a
+  sample carries, produced with its tokens by that same version.
+* Evaluation, checkpoints and the end of the run first "settle": join the batch in flight
+  and push the current weights, so evaluation sees this step's policy, and a checkpoint
+  stores the already-generated batch of the next step with its versions
+  (``<checkpoint>/rollouts/rank_NNNNN.pt``, written before the checkpoint is published):
+  a resumed run trains exactly the samples an uninterrupted one would, none twice, none
+  skipped. A checkpoint whose batch cannot be used (another data-parallel size, or a run
+  resumed with ``max_staleness: 0``) gives its prompts back (the data position is rewound
+  to the batch's first prompt), so they are drawn again, still exactly once.
+* Deterministic by construction: the interleaving is fixed (join, push, launch, train);
+  threads share no state until the join. With a server that answers each request on its
+  own (``protocol_server --max-batch 1``) a run is reproducible bit for bit, and tests
+  compare runs exactly.
+
+Owns the in-flight batch and its checkpoint file; the sampling rounds, scoring and losses
+stay in :mod:`megatron_rl.train.trainer`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config_loading import ConfigError
+
+if TYPE_CHECKING:
+    from megatron_rl.config import RunConfig
+    from megatron_rl.data.prompts import PromptRecord
+    from megatron_rl.rollout.engine import RolloutSample
+    from megatron_rl.rollout.sglang_engine import PendingGeneration
+    from megatron_rl.train.checkpoint import TrainerState
+    from megatron_rl.train.trainer import Trainer
+
+MAX_STALENESS = 1
+"""Largest ``rollout.max_staleness`` offered: one batch in flight (see the module docstring)."""
+
+
+def check_staleness(cfg: RunConfig) -> None:
+    """Config rules of ``rollout.max_staleness`` (cheap, before any heavy work)."""
+    r = cfg.rollout
+    k = r.max_staleness
+    if not 0 <= k <= MAX_STALENESS:
+        raise ConfigError(f"rollout.max_staleness: {k} is not offered; use 0 (synchronous) or {MAX_STALENESS} "
+                          "(one batch generated while a step trains; deeper pipelines would push weights under "
+                          "requests in flight)")
+    if k == 0:
+        return
+    if r.engine != "sglang":
+        raise ConfigError(f"rollout.max_staleness: {k} needs rollout.engine=sglang (servers in their own "
+                          f"processes); rollout.engine={r.engine} generates inside the trainer's processes with "
+                          "its live weights, so it cannot generate while a step trains")
+    if r.sglang.weight_sync == "none":
+        raise ConfigError(f"rollout.max_staleness: {k} with rollout.sglang.weight_sync=none: the servers' weights "
+                          "are managed elsewhere, so no sample's version can be held to the bound")
+
+
+@dataclass
+class NextBatch:
+    """The first sampling round of a coming step, in flight or generated."""
+
+    step: int
+    """The RL step it is for."""
+    start: int
+    """Data position of its first prompt (``state.data_position`` when it was drawn)."""
+    end: int
+    """Data position after its last prompt."""
+    problems: list[PromptRecord]
+    """This data-parallel rank's prompts (one per group)."""
+    pending: PendingGeneration | None
+    """The background generation, until joined."""
+    samples: list[RolloutSample] | None = None
+    """G responses per prompt, once joined."""
+
+
+class AsyncRollouts:
+    """The trainer's batch in flight (``rollout.max_staleness`` > 0); every method is called
+    on every rank together, in the main thread."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self.engine = trainer.engine
+        self.next: NextBatch | None = None
+
+    # ------------------------------------------------------------------ the step
+
+    def take(self, step: int, state: TrainerState) -> tuple[list, list] | None:
+        """Step ``step``'s first round (problems, samples) if it was generated ahead, else
+        None; either way the servers hold the trainer's weights when this returns."""
+        batch, self.next = self.next, None
+        if batch is not None and batch.step != step:
+            raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not {step}")
+        if batch is not None:
+            self._join(batch, state)
+        self._push(state)
+        return None if batch is None else (batch.problems, batch.samples)
+
+    def launch(self, step: int, state: TrainerState) -> None:
+        """Draw step ``step``'s first round of prompts and generate it in the background."""
+        t, r = self.trainer, self.trainer.cfg.rollout
+        start = state.data_position
+        problems = t._draw(state)
+        prompts = [p.prompt_ids for p in problems for _ in range(r.group_size)]
+        pending = self.engine.start_generate(prompts, t._sampling(r.temperature),
+                                             return_routed_experts=r.return_routed_experts,
+                                             seed=t._round_seed(step, 1))
+        self.next = NextBatch(step, start, state.data_position, problems, pending)
+
+    def settle(self, state: TrainerState) -> None:
+        """Join the batch in flight (kept for its step) and push the current weights."""
+        if self.next is not None:
+            self._join(self.next, state)
+        self._push(state)
+
+    def _join(self, batch: NextBatch, state: TrainerState) -> None:
+        if batch.samples is None:
+            batch.samples = self.engine.finish_generate(batch.pending, state.weight_version)
+            batch.pending = None
+
+    def _push(self, state: TrainerState) -> None:
+        if self.engine.weight_version != state.weight_version:
+            self.engine.update_weights(state.weight_version)
+
+    def metrics(self, samples: list[RolloutSample], state: TrainerState) -> dict[str, torch.Tensor]:
+        """``rollout/staleness_mean``/``_max``: versions between a trained sample's generating
+        weights and the weights it trains, over the step's samples of every rank."""
+        ages = torch.tensor([float(state.weight_version - s.weight_version) for s in samples], dtype=torch.float64)
+        out = self.trainer._global_means({"rollout/staleness_mean": ages.mean()})
+        oldest = ages.max().reshape(1)
+        if self.trainer.groups.dp_size > 1:
+            dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=self.trainer.groups.dp)
+        out["rollout/staleness_max"] = oldest[0].float()
+        return out
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, checkpoint: Path, state: TrainerState) -> None:
+        """Write the generated batch (or that there is none) into ``checkpoint`` before it is
+        published: its prompts and positions (``rollouts/batch.json``, rank 0) and each
+        rank's samples; call :meth:`settle` first. Every rank calls it (``save_checkpoint``'s
+        ``write_more``), and the checkpoint is published after all have."""
+        batch = self.next
+        root = Path(checkpoint) / "rollouts"
+        root.mkdir(parents=True, exist_ok=True)
+        if batch is not None:
+            torch.save({"samples": batch.samples, "sample_ids": [p.sample_id for p in batch.problems]},
+                       _rank_file(checkpoint))
+        if dist.get_rank() == 0:
+            about = None if batch is None else {"step": batch.step, "start": batch.start, "end": batch.end,
+                                                "dp_size": self.trainer.groups.dp_size}
+            (root / "batch.json").write_text(json.dumps({"saved_at_step": state.step, "batch": about}))
+
+
+def _rank_file(checkpoint: Path) -> Path:
+    return Path(checkpoint) / "rollouts" / f"rank_{dist.get_rank():05d}.pt"
+
+
+def resume_batch(trainer: Trainer, checkpoint: Path, state: TrainerState) -> NextBatch | None:
+    """The batch a checkpoint holds for its next step, ready to train, or None.
+
+    Only a checkpoint written with ``max_staleness`` > 0 holds one (files a run before it
+    left in the same directory are never read: the checkpoint's own config says). When this
+    run cannot train it as saved (synchronous now, or another data-parallel size), the
+    batch's prompts are given back: ``state.data_position`` is rewound to its first prompt,
+    the same on every rank (``batch.json`` says where).
+    """
+    saved_cfg = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["config"]
+    if saved_cfg.get("rollout", {}).get("max_staleness", 0) == 0:
+        return None
+    about = json.loads((Path(checkpoint) / "rollouts" / "batch.json").read_text())["batch"]
+    if about is None:
+        return None
+    if trainer.cfg.rollout.max_staleness == 0 or about["dp_size"] != trainer.groups.dp_size:
+        state.data_position = about["start"]
+        if dist.get_rank() == 0:
+            print(f"{Path(checkpoint).name}: the rollouts generated ahead for step {about['step']} are not used (this "
+                  "run is synchronous or has another data-parallel size); their prompts are drawn again", flush=True)
+        return None
+    saved = torch.load(_rank_file(checkpoint), weights_only=False)
+    problems = trainer._mine([trainer.train_set.at(p, trainer.cfg.seed) for p in range(about["start"], about["end"])])
+    if [p.sample_id for p in problems] != saved["sample_ids"]:
+        raise RuntimeError(f"{_rank_file(checkpoint)}: the saved rollouts answer other prompts than the training "
+                           f"order gives at positions {about['start']}..{about['end']} (the data changed since)")
+    return NextBatch(about["step"], about["start"], about["end"], problems, None, saved["samples"])
