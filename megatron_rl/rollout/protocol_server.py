@@ -1,7 +1,7 @@
 """A server that speaks SGLang 0.5.23's HTTP protocol, backed by a local engine (tests).
 
     python -m megatron_rl.rollout.protocol_server --config configs/demo_cpu.yaml --port 30000 \\
-        [--engine hf|megatron] [--weight-version default] [key=value ...]
+        [--engine hf|megatron] [--weight-version default] [--max-batch N] [--token-latency-s S] [key=value ...]
 
 SGLang cannot run on CPU machines, so the real client and weight sync are tested over real
 HTTP against this stand-in. It builds the config's model in its own single-process gloo
@@ -22,6 +22,10 @@ wants them (HF names of the Qwen3-MoE conversion table, fused back here) or as
 Concurrent ``/generate`` requests with equal sampling parameters are batched into one
 engine call (as SGLang batches continuously); every Megatron call runs on one dedicated
 thread, where the CPU platform and the parallel state live.
+``--max-batch 1`` answers each request alone, so a sample depends on its seed and the
+weights only (reproducible runs, as SGLang's deterministic inference); ``--token-latency-s``
+sleeps per generated token after each batch, a GPU's decode time without its compute
+(``tools/bench_async.py``).
 
 TEST-ONLY fault injection: ``POST /_test/fault`` ``{"kind": K, "times": n, "delay_s": s}``
 makes the next ``n`` ``/generate`` requests fail as K: ``http_500``, ``malformed_json``,

@@ -12,6 +12,8 @@ is no GPU). Each data-parallel rank owns whole groups (all G responses of a prom
 group advantages need no communication; losses are normalized over the global batch.
 Everything random is drawn from generators seeded by (seed, step, round), and the data
 order by (seed, epoch), so a resumed run continues exactly as an uninterrupted one.
+With ``rollout.max_staleness: 1`` the next step's first round is generated while a step
+trains (:mod:`megatron_rl.train.async_rollouts`); 0 keeps the synchronous loop.
 """
 
 from __future__ import annotations
