@@ -202,8 +202,9 @@ def test_run_agent_tees_output_and_passes_the_exit_status_on(code, expected, tmp
 
 
 def test_sglang_option_adds_a_server_per_node_and_points_the_trainer_at_it(no_processes, capsys, tmp_path):
+    # rollout.max_staleness=1 needs the SGLang engine: the launch is planned without it, then checked with it.
     argv = ["--config", str(DEMO), f"train.run_dir={tmp_path}", "--rdzv-id", "job7", "--dry-run",
-            "--sglang", "--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4"]
+            "--sglang", "--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4", "rollout.max_staleness=1"]
     assert launcher.main(argv) == 0
     out = capsys.readouterr().out
     server = next(line for line in out.splitlines() if line.startswith("launch: SGLang server:"))
