@@ -85,7 +85,8 @@ def _run(k: int, args, out: Path) -> dict:
                         seen.setdefault(step, time.monotonic())
                 time.sleep(0.05)
         if trainer.returncode != 0:
-            raise SystemExit(f"staleness {k}: the trainer failed (exit {trainer.returncode}); see {run_dir}/trainer.log")
+            raise SystemExit(f"staleness {k}: the trainer failed (exit {trainer.returncode}); "
+                             f"see {run_dir}/trainer.log")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait()
@@ -108,6 +109,7 @@ def _run(k: int, args, out: Path) -> dict:
 
 def _report(results: list[dict], args, out: Path) -> str:
     sync, ahead = results
+    nan = float("nan")
     lines = [
         f"Command: `python tools/bench_async.py --steps {args.steps} --token-latency-s {args.token_latency_s}"
         + "".join(f" {o}" for o in args.overrides) + "`",
@@ -123,8 +125,8 @@ def _report(results: list[dict], args, out: Path) -> str:
         lines.append(
             f"| {r['max_staleness']} | {r['steps_per_hour']:.0f} | {r['seconds'] / r['steps_timed']:.2f} "
             f"| {p['time/rollout']:.2f} | {p['time/old_logprobs']:.2f} | {p['time/update']:.2f} "
-            f"| {r['eval_start'].get('eval/accuracy', float('nan')):.3f} -> {r['eval_end'].get('eval/accuracy', float('nan')):.3f} "
-            f"| {r['eval_end'].get('eval/accuracy_greedy', float('nan')):.3f} |")
+            f"| {r['eval_start'].get('eval/accuracy', nan):.3f} -> {r['eval_end'].get('eval/accuracy', nan):.3f} "
+            f"| {r['eval_end'].get('eval/accuracy_greedy', nan):.3f} |")
     lines += ["", f"Speed-up (steps/hour, staleness 1 over 0): {ahead['steps_per_hour'] / sync['steps_per_hour']:.2f}x"]
     return "\n".join(lines) + "\n"
 
