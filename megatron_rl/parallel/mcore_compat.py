@@ -26,6 +26,8 @@ any process starts and import no Megatron.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
 import importlib
 import importlib.metadata
@@ -33,7 +35,6 @@ import inspect
 import os
 import re
 import warnings
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 SUPPORTED = ((0, 16, 1), (0, 20, 0))
@@ -70,7 +71,7 @@ if _refusal is not None:
     warnings.warn(_refusal, RuntimeWarning, stacklevel=2)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Internal:
     """One Megatron-Core name we depend on beyond its public API."""
 
@@ -315,6 +316,19 @@ def replay_hazards(config: Mapping[str, Any] | Any) -> list[str]:
 # ------------------------------------------------------------------------ layer specs
 
 
+def spec_fields(use_te: bool) -> dict[str, Any]:
+    """TransformerConfig fields that say which layer spec builds the model.
+
+    0.19.2 resolves some submodules (MLA's q/kv norms and projections) from
+    ``transformer_impl``, default ``transformer_engine``; 0.16.1 has no such field.
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    if "transformer_impl" not in {f.name for f in dataclasses.fields(TransformerConfig)}:
+        return {}
+    return {"transformer_impl": "transformer_engine" if use_te else "local"}
+
+
 def spec_class(spec: Any) -> type | None:
     """The module class a layer-spec entry builds.
 
@@ -334,25 +348,55 @@ def mla_without_transformer_engine() -> Iterator[None]:
 
     0.16.1's ``multi_latent_attention`` sets ``HAVE_TE`` when its TE extension module
     imports, which it does without TE, with a placeholder (not a class) for ``TELinear``;
-    its constructor then calls ``isinstance`` on that placeholder. The flag is corrected
-    for the build only. 0.19.2 takes ``HAVE_TE`` from the TE extension itself and needs
-    nothing (the condition below is then false).
+    its constructor then calls ``isinstance`` on that placeholder: the flag is corrected.
+    0.19.2 takes ``HAVE_TE`` from the TE extension itself, but then leaves its module-level
+    ``Linear`` (the replicated linear it accepts for the down projections) None, so the
+    local spec's :data:`ReplicatedLinear` is refused: it is set to that class. Both only
+    for the build.
     """
     mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
-    wrong = mla.HAVE_TE and not isinstance(mla.TELinear, type)
-    if wrong:
-        mla.HAVE_TE = False
+    fixes: list[tuple[Any, str, Any]] = []
+    if mla.HAVE_TE and not isinstance(mla.TELinear, type):
+        fixes.append((mla, "HAVE_TE", False))
+    if hasattr(mla, "Linear") and mla.Linear is None:
+        fixes.append((mla, "Linear", __getattr__("ReplicatedLinear")))
+    owner = next((c for c in mla.MLASelfAttention.__mro__ if "_resolve_qk_norm_config" in vars(c)), None)
+    if owner is not None:
+        fixes.append((owner, "_resolve_qk_norm_config", _resolve_qk_norm_without_q_latent))
+    saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in fixes]
+    for owner, name, value in fixes:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        if wrong:
-            mla.HAVE_TE = True
+        for owner, name, value in saved:
+            setattr(owner, name, value)
+
+
+def _resolve_qk_norm_without_q_latent(attention: Any, submodules: Any) -> dict:
+    """0.19's ``MLASelfAttention._resolve_qk_norm_config`` with 0.16.1's meaning of QK norm
+    when queries have no LoRA latent (``q_lora_rank`` None, e.g. Moonlight).
+
+    0.16.1 then norms the kv latent only (as HF does); 0.19 demands a fused norm+linear
+    for ``linear_q_proj``, which the local spec has none of. Resolved here as QK norm off
+    for the queries and the spec's own kv norm kept.
+    """
+    resolver_class = importlib.import_module("megatron.core.transformer.mla_qk_norm_config").QKNormConfigResolver
+    config = attention.config
+    if not (config.qk_layernorm and config.q_lora_rank is None):
+        return resolver_class(config, submodules).resolve()
+    identity = __getattr__("IdentityOp")
+    without = copy.copy(config)
+    without.qk_layernorm = False
+    resolved = resolver_class(without, dataclasses.replace(submodules, q_layernorm=identity, kv_layernorm=identity)).resolve()
+    resolved["kv_layernorm"] = submodules.kv_layernorm
+    return resolved
 
 
 # ------------------------------------------------------------------------ checkpoint shards
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class StoredBox:
     """One box of a stored tensor: ``key`` at ``offsets`` with ``shape`` (prepended axes included)."""
 

@@ -133,6 +133,7 @@ def build_transformer_config(
         use_cpu_initialization=not on_gpu,
     )
     fields.update(family_fields(model))
+    fields.update(mc.spec_fields(use_te))
     fields.update(overrides)
     check_replay_fields(fields)
     config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
@@ -154,14 +155,20 @@ def check_replay_fields(fields: dict) -> None:
         raise ConfigError("moe_enable_routing_replay=True conflicts with " + "; ".join(hazards))
 
 
-def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
+def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool, q_latent: bool = True) -> ModuleSpec:
     """Copy of a local layer spec whose norms are ``norm`` (q/k norms only if ``qk_norm``)
-    and whose core attention consumes THD ``PackedSeqParams`` (no dense mask)."""
+    and whose core attention consumes THD ``PackedSeqParams`` (no dense mask).
+
+    ``q_latent``: an MLA layer compresses queries (``q_lora_rank`` set); without that
+    latent its q norm is an ``IdentityOp`` (0.16.1 never builds it, 0.19.2 refuses a norm).
+    """
     layer = spec.submodules
     attn = layer.self_attention.submodules
     qk = norm if qk_norm else IdentityOp
     # MLA's submodules norm the q and kv latents (q_layernorm, kv_layernorm) instead.
     norms = {name: qk for name in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(attn, name)}
+    if hasattr(attn, "kv_layernorm") and not q_latent:
+        norms["q_layernorm"] = IdentityOp
     attn = dataclasses.replace(attn, **norms, core_attention=PackedCoreAttention)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     # Checkpoint keys as the TE spec writes them, so either spec reads the other's
@@ -191,7 +198,9 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
     if use_te:
         return block
     layers = [
-        replicated_mla_down_projections(_with_norm(spec, SequenceParallelRMSNorm, config.qk_layernorm))
+        replicated_mla_down_projections(_with_norm(
+            spec, SequenceParallelRMSNorm, config.qk_layernorm, q_latent=getattr(config, "q_lora_rank", None) is not None
+        ))
         for spec in block.layer_specs
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)

@@ -11,6 +11,9 @@ import dataclasses
 import importlib
 import inspect
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -35,6 +38,21 @@ def test_version_range():
     for bad in ("0.16.0", "0.15.3", "0.20.0", "1.0.0"):
         message = mc.check_version(bad)
         assert message is not None and "0.16.1 ... 0.19.x" in message and bad in message, bad
+
+
+def test_import_refuses_an_unsupported_version():
+    """The check runs at import (a fresh interpreter told megatron-core 0.20.0 is installed)."""
+    code = ("import importlib.metadata as m, warnings; real = m.version; "
+            "m.version = lambda name: '0.20.0' if name == 'megatron-core' else real(name); "
+            "warnings.simplefilter('error'); import megatron_rl.parallel.mcore_compat")
+    env = {k: v for k, v in os.environ.items() if k != mc.ALLOW_ENV}
+    refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert refused.returncode != 0
+    assert "ImportError: megatron-core 0.20.0 is installed; megatron-rl supports 0.16.1 ... 0.19.x" in refused.stderr
+    allowed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**env, mc.ALLOW_ENV: "1"})
+    assert allowed.returncode != 0 and "RuntimeWarning: megatron-core 0.20.0 is installed" in allowed.stderr
+    code = code.replace("warnings.simplefilter('error')", "warnings.simplefilter('ignore')")
+    assert subprocess.run([sys.executable, "-c", code], env={**env, mc.ALLOW_ENV: "1"}).returncode == 0
 
 
 def test_every_internal_resolves():
@@ -193,10 +211,13 @@ def test_mla_transformer_engine_flag():
     mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
     expect(hasattr(mla, "HAVE_TE") and hasattr(mla, "TELinear"), "multi_latent_attention.HAVE_TE/TELinear",
            "module-level flags (the MLA build reads them)")
-    before = mla.HAVE_TE
+    before = (mla.HAVE_TE, getattr(mla, "Linear", None))
     with mc.mla_without_transformer_engine():
         assert not mla.HAVE_TE or isinstance(mla.TELinear, type)
-    assert mla.HAVE_TE == before
+        # MLA's down projections accept the replicated linear our local spec uses.
+        expect(getattr(mla, "Linear", mc.ReplicatedLinear) is mc.ReplicatedLinear or mla.HAVE_TE,
+               "multi_latent_attention.Linear", "the replicated linear (or absent) while building without TE")
+    assert (mla.HAVE_TE, getattr(mla, "Linear", None)) == before
 
 
 def test_core_attention_contract():

@@ -123,3 +123,13 @@ def test_scanner_catches_planted_internals(tmp_path):
         "9: string 'megatron.core.dist_checkpointing.serialization'",
     }
     assert set(found) == expected, found
+
+
+def test_warnings_are_accepted_one_by_one(pytestconfig):
+    """No warning category is silenced wholesale: every ignore names a message and a module."""
+    lines = pytestconfig.getini("filterwarnings")
+    assert lines, "tests/conftest.py's ACCEPTED_WARNINGS are not installed"
+    for line in lines:
+        action, message, category, module = (line.split(":") + ["", "", "", ""])[:4]
+        if action == "ignore":
+            assert message and category and module, f"filterwarnings {line!r} silences too much"
