@@ -23,6 +23,9 @@ ACCEPTED_WARNINGS = (
      "0.16.1's MLA module imports its own deprecated TE shim; we do not import it"),
     ("`torch.jit.script_method` is deprecated", "DeprecationWarning", r"torch\.jit\._script",
      "torch.utils.mkldnn (imported by torch.compile, which Megatron's fusions call at import) uses it"),
+    ("`load_state_dict` is deprecated and will be removed", "FutureWarning",
+     r"megatron\.core\.dist_checkpointing\.strategies\.torch",
+     "0.16.1's torch_dist loader calls torch's deprecated load_state_dict (0.19.2 calls load)"),
     # megatron-core 0.19.2 only:
     ("Warning. tp_group is None, using default tp group", "DeprecationWarning", r"megatron\.core\.tensor_parallel",
      "0.19.2's own layer constructors omit tp_group; we build no parallel linear ourselves"),
