@@ -1,4 +1,4 @@
-"""CPU platform: lets unmodified megatron-core 0.16.1 run on CPU with gloo.
+"""CPU platform: lets unmodified megatron-core (0.16.1 to 0.19.x) run on CPU with gloo.
 
 Megatron-Core assumes CUDA in a handful of places (RNG trackers, ``device="cuda"``
 literals, CUDA streams in the all-to-all dispatcher, ``torch.cuda.current_device()``).
