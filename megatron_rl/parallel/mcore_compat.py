@@ -16,7 +16,9 @@ instance internals we read, override or rewrite (``TopKRouter.routing``,
 ``RouterReplay.get_replay_topk`` and its queues, the class-level instance list),
 module flags we correct, private (underscore) names, and facts about Megatron's on-disk
 checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the versions it
-is known to hold for; ``test_mcore_contract.py`` has one contract test per entry.
+is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
+build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
+0.19.2 unless it says otherwise. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
 Megatron-Core: the checkpoint-format constants serve the input checks, which run before
