@@ -18,7 +18,8 @@ setup(
     package_data={"megatron_rl": ["py.typed", "assets/**/*"]},
     install_requires=[
         "torch>=2.6,<=2.13.0",
-        "megatron-core==0.16.1",
+        # 0.16.1 on Python 3.11 (the newest release there); 0.17+ need Python 3.12 (tools/py312_env.sh tests 0.19.2).
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "pyyaml>=6",
         # megatron-core's distributed checkpoint writer measures worker memory with psutil.

@@ -34,6 +34,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from megatron_rl.parallel.mcore_compat import override_routing
 from moe_routing.scores import dispatched_by_score, router_log_scores, same_expert_set, selection_topk
 from moe_routing.types import compact_id_dtype
 
@@ -60,8 +61,7 @@ class LayerCall:
 @dataclass
 class _RouterEntry:
     router: torch.nn.Module
-    original_routing: Callable
-    had_instance_routing: bool
+    undo: Callable[[], None] | None = None
     calls: list[LayerCall] = field(default_factory=list)
     queries: list[torch.Tensor] = field(default_factory=list)
 
@@ -72,7 +72,7 @@ def find_routers(model_chunks: Iterable[torch.nn.Module]) -> dict[int, torch.nn.
     Raises:
         ValueError: the model has no MoE layers, or two routers share a layer number.
     """
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron_rl.parallel.mcore_compat import TopKRouter
 
     routers: dict[int, torch.nn.Module] = {}
     for chunk in model_chunks:
@@ -113,11 +113,7 @@ class RouterRecorder:
         self.probs_dtype = probs_dtype
         self.diagnostics = diagnostics
         self._entries = {
-            number: _RouterEntry(
-                router=router,
-                original_routing=router.routing,
-                had_instance_routing="routing" in vars(router),
-            )
+            number: _RouterEntry(router=router)
             for number, router in sorted(routers.items())
         }
         self._active = False
@@ -148,22 +144,19 @@ class RouterRecorder:
         if self._active:
             raise RuntimeError("RouterRecorder is already active")
         for number, entry in self._entries.items():
-            entry.router.routing = self._wrap(number, entry)
+            entry.undo = override_routing(entry.router, self._wrap(number, entry, entry.router.routing))
         self._active = True
         return self
 
     def __exit__(self, *exc_info) -> None:
         for entry in self._entries.values():
-            if entry.had_instance_routing:
-                entry.router.routing = entry.original_routing
-            else:
-                # Deleting our instance attribute re-exposes the class's routing method.
-                del entry.router.routing
+            if entry.undo is not None:
+                entry.undo()
+                entry.undo = None
         self._active = False
 
-    def _wrap(self, layer_number: int, entry: _RouterEntry) -> Callable:
+    def _wrap(self, layer_number: int, entry: _RouterEntry, original: Callable) -> Callable:
         router = entry.router
-        original = entry.original_routing
 
         def routing(logits, *args, **kwargs):
             probs_NE, routing_map_NE = original(logits, *args, **kwargs)

@@ -3,7 +3,7 @@
 Shape legend: N tokens one router call sees (this rank's sequence-parallel shard of one
 micro-batch), K experts per token.
 
-Megatron-Core 0.16.1 gives each ``TopKRouter`` a ``RouterReplay`` when the model is built
+Megatron-Core (0.16.1 to 0.19.x) gives each ``TopKRouter`` a ``RouterReplay`` when the model is built
 with ``moe_enable_routing_replay=True``. In replay mode the router dispatches the target
 experts and gathers its *current* scores at them: for softmax routing the gate weights are
 the softmax of the current logits restricted to the replayed experts, for sigmoid routing
@@ -26,6 +26,11 @@ Replaying a pass's own routing reproduces that pass bit for bit (R2 with unchang
 weights): rows that no record covers (a micro-batch row's padding) are routed by the
 router's own top-K as in a pass without replay, so every expert's GEMM sees the same
 tokens, and the replayed scores go to the gate function in top-K's descending order.
+
+Every Megatron internal used here goes through ``megatron_rl.parallel.mcore_compat``. A
+router whose config makes replay silently wrong (fused router, quantile or Sinkhorn
+balancing, MTP, virtual pipeline stages, token dropping: ``mcore_compat.replay_hazards``)
+or that belongs to an MTP layer is refused when the context is created.
 """
 
 from __future__ import annotations
@@ -33,9 +38,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
-from megatron.core.tensor_parallel.random import is_checkpointing
-from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+from megatron_rl.parallel import mcore_compat as mc
 from moe_routing.layout import local_ids_per_call
 from moe_routing.record import find_routers
 
@@ -77,11 +80,16 @@ class RoutingReplay:
     def __init__(self, model_chunks, ids_per_call: dict[int, list[torch.Tensor]]) -> None:
         self._routers = find_routers(model_chunks)
         for number, router in self._routers.items():
-            if getattr(router, "router_replay", None) is None:
+            if mc.router_replay(router) is None:
                 raise ValueError(
                     f"layer {number}: router has no RouterReplay; build the model with "
                     "moe_enable_routing_replay=True"
                 )
+            hazards = mc.replay_hazards(router.config)
+            if mc.is_mtp_router(router):
+                hazards.append("the router belongs to an MTP layer, which must not replay backbone routes")
+            if hazards:
+                raise ValueError(f"layer {number}: routing replay would be silently wrong: " + "; ".join(hazards))
         missing = sorted(set(self._routers) - set(ids_per_call))
         if missing:
             raise ValueError(f"replay ids are missing for local MoE layer(s) {missing}")
@@ -93,35 +101,28 @@ class RoutingReplay:
     def before_forward(self, micro_batch: int) -> None:
         """Queue micro-batch ``micro_batch``'s ids for the next forward of every router."""
         for number, router in self._routers.items():
-            router.router_replay.set_target_indices(self._ids[number][micro_batch])
+            mc.router_replay(router).set_target_indices(self._ids[number][micro_batch])
         self.replayed_micro_batches += 1
 
     def __enter__(self) -> "RoutingReplay":
         for number, router in self._routers.items():
-            replay = router.router_replay
+            replay = mc.router_replay(router)
             replay.clear_indices()
-            self._saved[number] = replay.get_replay_topk
-            replay.get_replay_topk = self._choose_action(replay, self._saved[number])
+            self._saved[number] = mc.override_replay_topk(replay, lambda original: self._choose_action(replay, original))
         return self
 
     def __exit__(self, *exc_info) -> None:
-        for number, router in self._routers.items():
-            replay = router.router_replay
-            if "get_replay_topk" in vars(replay):
-                del replay.get_replay_topk
-            replay.clear_indices()
-            replay.clear_router_replay_action()
+        for router in self._routers.values():
+            mc.reset_replay(mc.router_replay(router))
         self._saved.clear()
 
     @staticmethod
     def _choose_action(replay, original: Callable) -> Callable:
-        def get_replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        def replay_topk(scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
             # The backward recompute of a checkpointed layer runs with grad enabled inside
             # Megatron's checkpoint; the first forward runs under no_grad (or outside it).
-            recompute = is_checkpointing() and torch.is_grad_enabled()
-            replay.set_router_replay_action(
-                RouterReplayAction.REPLAY_BACKWARD if recompute else RouterReplayAction.REPLAY_FORWARD
-            )
+            recompute = mc.is_checkpointing() and torch.is_grad_enabled()
+            mc.set_replay_action(replay, recompute)
             _route_natural_rows(replay, recompute, scores, lambda: default_compute_topk(
                 scores, topk, num_groups=num_groups, group_topk=group_topk))
             if recompute:
@@ -129,11 +130,11 @@ class RoutingReplay:
             # A forward that will not be recomputed never pops its ids again: drop them from
             # the recompute queue so it stays aligned with the forwards that will be.
             result = original(scores, topk, num_groups, group_topk, default_compute_topk)
-            if not is_checkpointing() and replay.replay_backward_list:
-                replay.replay_backward_list.pop(0)
+            if not mc.is_checkpointing():
+                mc.drop_recompute_ids(replay)
             return _descending(*result)
 
-        return get_replay_topk
+        return replay_topk
 
 
 def _route_natural_rows(replay, recompute: bool, scores: torch.Tensor, natural_topk: Callable) -> None:
@@ -142,7 +143,7 @@ def _route_natural_rows(replay, recompute: bool, scores: torch.Tensor, natural_t
     ``natural_topk`` is the very call a pass without replay makes on these scores (all rows:
     group-limited top-K reshapes by the full token count), so those rows route identically.
     """
-    queued_NK = replay.replay_backward_list[0] if recompute else replay.target_topk_idx
+    queued_NK = mc.queued_replay_ids(replay, recompute)
     # Ids stay on the host until Megatron moves them, so this test never waits for the device.
     natural_N = queued_NK[:, 0] == NATURAL
     if not bool(natural_N.any()):
@@ -150,10 +151,7 @@ def _route_natural_rows(replay, recompute: bool, scores: torch.Tensor, natural_t
     filled_NK = torch.where(
         natural_N.to(scores.device)[:, None], natural_topk()[1], queued_NK.to(scores.device)
     )
-    if recompute:
-        replay.replay_backward_list[0] = filled_NK
-    else:
-        replay.target_topk_idx = filled_NK
+    mc.set_queued_replay_ids(replay, recompute, filled_NK)
 
 
 def _descending(scores_NK: torch.Tensor, ids_NK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

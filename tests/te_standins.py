@@ -158,15 +158,21 @@ class GroupedLinear(_TEModule):
 
 
 class RMSNorm(_TEModule):
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None, device="cpu", **unused):
+    # TE 2.x names the size ``normalized_shape`` (``hidden_size`` is its older keyword):
+    # megatron-core 0.16.1 passes it positionally, 0.19.2 as ``normalized_shape=``.
+    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None, device="cpu",
+                 hidden_size=None, **unused):
         super().__init__()
+        hidden_size = normalized_shape if hidden_size is None else hidden_size
         self.register_parameter("weight", torch.nn.Parameter(torch.ones(hidden_size, dtype=params_dtype, device=device)))
         if sequence_parallel is not None:
             self.weight.sequence_parallel = sequence_parallel
 
 
 class LayerNorm(RMSNorm):
-    def __init__(self, hidden_size, eps=1e-5, sequence_parallel=None, params_dtype=None, device="cpu", **unused):
+    def __init__(self, normalized_shape=None, eps=1e-5, sequence_parallel=None, params_dtype=None, device="cpu",
+                 hidden_size=None, **unused):
+        hidden_size = normalized_shape if hidden_size is None else hidden_size
         super().__init__(hidden_size, eps, sequence_parallel, params_dtype, device)
         self.register_parameter("bias", torch.nn.Parameter(torch.zeros(hidden_size, dtype=params_dtype, device=device)))
         if sequence_parallel is not None:
@@ -224,7 +230,9 @@ def install() -> None:
         "AllReduce", "ReduceScatter", "LayerNorm", "RMSNorm")})
     # isinstance checks of Megatron's FP8 utilities: no parameter here is quantized.
     module("transformer_engine.pytorch.tensor", QuantizedTensor=type("QuantizedTensor", (torch.Tensor,), {}))
-    module("transformer_engine.pytorch.fp8", FP8GlobalStateManager=_FP8GlobalStateManager, fp8_autocast=_unavailable)
+    # fp8_model_init: megatron-core 0.19 imports it with the other two to decide HAVE_TE.
+    module("transformer_engine.pytorch.fp8", FP8GlobalStateManager=_FP8GlobalStateManager, fp8_autocast=_unavailable,
+           fp8_model_init=_unavailable)
     module("transformer_engine.pytorch.distributed", CudaRNGStatesTracker=_Recipe, checkpoint=_unavailable,
            activation_recompute_forward=_unavailable)
     module("transformer_engine.pytorch.router", fused_compute_score_for_moe_aux_loss=_unavailable,

@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+# Megatron's torch_dist format facts live with its other internals (importing it loads no Megatron).
+from megatron_rl.parallel.mcore_compat import MEGATRON_COMMON_NAME, MEGATRON_METADATA_NAME, SHARDED_OBJECT_SEPARATOR
 
 DCP_METADATA_NAME = ".metadata"
-MEGATRON_METADATA_NAME = "metadata.json"
-MEGATRON_COMMON_NAME = "common.pt"
 
 
 def read_json(path: str | Path, required: tuple[str, ...] = ()) -> Any:
@@ -104,7 +104,7 @@ def check_dist_checkpoint(directory: str | Path) -> None:
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
         # Megatron's per-shard byte objects (``.../shard_<i>``) would crowd the tensor names out.
-        if "/shard_" not in index.fqn:
+        if SHARDED_OBJECT_SEPARATOR not in index.fqn:
             holders.setdefault(info.relative_path, []).append(index.fqn)
     for name in sorted(needed):
         path = directory / name

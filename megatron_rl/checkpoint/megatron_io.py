@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
@@ -45,6 +42,7 @@ from megatron_rl.parallel.te_names import canonical_name
 from megatron_rl.checkpoint.trainer_source import is_optimizer_key, is_trainer_checkpoint
 from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
+from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.model import build_model
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
@@ -198,7 +196,7 @@ def hf_to_megatron_rank(
         raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")
     # The staging directory already holds the INCOMPLETE marker and the conversion record,
     # which Megatron's save would report as an "old incomplete / corrupted checkpoint".
-    quiet = logging.getLogger("megatron.core.dist_checkpointing.serialization")
+    quiet = logging.getLogger(mc.DIST_CHECKPOINT_LOGGER)
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     try:
@@ -210,16 +208,6 @@ def hf_to_megatron_rank(
 # ------------------------------------------------------------------ reading a dist checkpoint
 
 
-@dataclass(frozen=True)
-class _Box:
-    """One box of a stored tensor: ``key`` at ``offsets`` with ``shape`` (prepended axes included)."""
-
-    key: str
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 class _BoxPlanner(DefaultLoadPlanner):
     """Reads boxes of stored tensors into plain tensors.
 
@@ -227,7 +215,7 @@ class _BoxPlanner(DefaultLoadPlanner):
     torch DCP's planner interface can read any box directly, without a process group.
     """
 
-    def __init__(self, boxes: list[tuple[_Box, torch.Tensor]]) -> None:
+    def __init__(self, boxes: list[tuple[mc.StoredBox, torch.Tensor]]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._boxes = boxes
         self._targets = {(box.key, box.offsets): tensor for box, tensor in boxes}
@@ -242,22 +230,6 @@ class _BoxPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         return self._targets[(index.fqn, tuple(index.offset))]
-
-
-def _boxes_of(entry) -> tuple[list[_Box], Callable[[list[torch.Tensor]], torch.Tensor]]:
-    """The stored boxes that make one parameter and how to merge them back."""
-    if isinstance(entry, ShardedTensorFactory):
-        parts = entry.build()
-        parts = parts if isinstance(parts, list) else [parts]
-        boxes = [_boxes_of(p)[0][0] for p in parts]
-
-        def merge(tensors, parts=parts):
-            return entry.merge_fn([t.reshape(p.local_shape) for t, p in zip(tensors, parts)])
-
-        return boxes, merge
-    shape = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
-    box = _Box(entry.key, tuple(entry.global_offset), shape, entry.dtype)
-    return [box], lambda tensors: tensors[0].reshape(entry.local_shape)
 
 
 class DistCheckpointReader:
@@ -280,25 +252,21 @@ class DistCheckpointReader:
     def __init__(self, directory: str | Path, template: GPTModel) -> None:
         self.directory = str(directory)
         sharded = template.sharded_state_dict()
-        self._entries = {name: _boxes_of(sharded[name]) for name in named_weights(template)}
-        objects = {e.key for e in sharded.values() if isinstance(e, ShardedObject)}
+        self._entries = {name: mc.stored_boxes(sharded[name]) for name in named_weights(template)}
+        objects = mc.stored_object_keys(sharded)
         stored = dcp.FileSystemReader(self.directory).read_metadata().state_dict_metadata
-        expected: dict[str, tuple[int, ...]] = {}
-        for name, entry in sharded.items():
-            parts = entry.build() if isinstance(entry, ShardedTensorFactory) else [entry]
-            for part in parts if isinstance(parts, list) else [parts]:
-                if isinstance(part, ShardedTensor):
-                    expected[part.key] = tuple(part.global_shape)
+        expected = mc.stored_tensor_shapes(sharded)
         skip = is_optimizer_key if is_trainer_checkpoint(directory) else (lambda key: False)
         problems = []
         for key, meta in stored.items():
             if skip(key):
                 continue
             if isinstance(meta, BytesStorageMetadata):
-                base = key.split("/shard_")[0]
+                base = mc.object_base_key(key)
                 # A TE-spec model's norms write ``_extra_state`` (FP8 scaling metadata, no
                 # weights) that the local-spec template lacks; reading weights skips it.
-                if base not in objects and not base.endswith("_extra_state"):
+                # Megatron's own common state (0.19: an object in the DCP files) is no weight either.
+                if base not in objects and not base.endswith("_extra_state") and not mc.is_megatron_object(base):
                     problems.append(f"unknown object {key}")
             elif key not in expected:
                 problems.append(f"unknown tensor {key} {tuple(meta.size)}")

@@ -15,7 +15,6 @@ Megatron, like the rest of the validation code.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.inputs import check_dist_checkpoint, load_torch_file, read_json
 from megatron_rl.checkpoint.mapping import ARCHITECTURES
 from megatron_rl.config import ConfigError, ModelConfig, from_dict
+from megatron_rl.parallel.mcore_compat import OPTIMIZER_KEY
 
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINER_STATE_KEYS = ("step", "data_position", "weight_version", "config")
@@ -33,9 +33,6 @@ RNG_DIR = "rng"
 DEFAULT_ARCHITECTURE = "qwen3_moe"
 """What the trainer's ``rollout.sglang.hf_architecture`` defaults to."""
 
-# Megatron's optimizer state dict: ``optimizer.state.<name>.<param key>`` for one optimizer,
-# prefixed ``chained_<i>.`` for each member of a ChainedOptimizer (dense + experts).
-_OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 
 # ModelConfig fields that do not change the forward pass an exported HF model computes and
 # that HF configs do not record faithfully (or at all: the vocabulary padding is Megatron's).
@@ -59,7 +56,8 @@ def is_trainer_checkpoint(directory: str | Path) -> bool:
 
 def is_optimizer_key(key: str) -> bool:
     """Whether a stored key (tensor, or byte object ``<key>/shard_...``) is the optimizer's."""
-    return _OPTIMIZER_KEY.match(key) is not None
+    # Megatron's optimizer state dict naming (mcore_compat.OPTIMIZER_KEY).
+    return OPTIMIZER_KEY.match(key) is not None
 
 
 def read_trainer_model(directory: str | Path) -> TrainerModel:

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_rl.parallel.mcore_compat import return_unexpected
+
 
 def save_model(model: torch.nn.Module, directory: str | Path) -> None:
     """Collectively save ``model``'s sharded state dict into ``directory``.
@@ -60,12 +62,8 @@ def load_sharded(sharded_state_dict: dict, directory: str | Path) -> dict:
     Raises:
         RuntimeError: a requested tensor is not in the checkpoint (named).
     """
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     # "Unexpected" in Megatron's terms: asked for, not in the checkpoint (left out of the load).
-    state, _, absent = dist_checkpointing.load(
-        sharded_state_dict, str(directory), strict=StrictHandling.RETURN_UNEXPECTED
-    )
+    state, _, absent = dist_checkpointing.load(sharded_state_dict, str(directory), strict=return_unexpected())
     absent = sorted(str(k) for k in absent if not str(k).endswith("_extra_state"))
     if absent:
         raise RuntimeError(f"checkpoint {directory} lacks {absent[:10]} ({len(absent)} in all)")

@@ -1,4 +1,4 @@
-"""CPU platform: lets unmodified megatron-core 0.16.1 run on CPU with gloo.
+"""CPU platform: lets unmodified megatron-core (0.16.1 to 0.19.x) run on CPU with gloo.
 
 Megatron-Core assumes CUDA in a handful of places (RNG trackers, ``device="cuda"``
 literals, CUDA streams in the all-to-all dispatcher, ``torch.cuda.current_device()``).
@@ -177,13 +177,15 @@ def _patch_megatron(p: _Patcher) -> None:
     dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
     original_all_to_all: Callable = dispatcher.all_to_all
 
-    def all_to_all_with_int_splits(group, input_, output_split_sizes=None, input_split_sizes=None):
+    def all_to_all_with_int_splits(group, input_, output_split_sizes=None, input_split_sizes=None, **kwargs):
         # gloo rejects tensor/ndarray split sizes, which the alltoall dispatcher passes.
+        # (0.19 adds a use_nccl_stream keyword, passed on as given.)
         return original_all_to_all(
             group,
             input_,
             _split_sizes_as_ints(output_split_sizes),
             _split_sizes_as_ints(input_split_sizes),
+            **kwargs,
         )
 
     p.set(dispatcher, "all_to_all", all_to_all_with_int_splits)

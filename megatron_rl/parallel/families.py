@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer import ModuleSpec
 
 from megatron_rl.config import ModelConfig
 
@@ -84,7 +84,7 @@ def moe_layer_numbers(config) -> tuple[int, ...]:
 def replicated_mla_down_projections(spec: ModuleSpec) -> ModuleSpec:
     """A local layer spec whose MLA down projections are replicated over TP (no-op without MLA).
 
-    Megatron-Core 0.16.1's local MLA spec splits the q and kv down projections over TP and
+    Megatron-Core's local MLA spec (0.16.1 to 0.19.2) splits the q and kv down projections over TP and
     gathers their outputs; the rope key part of the gathered kv latent then feeds every
     rank's heads over the whole sequence, but its gradient is split back without summing
     over the ranks' heads, so layers below get wrong gradients under TP (router gradients
@@ -98,8 +98,8 @@ def replicated_mla_down_projections(spec: ModuleSpec) -> ModuleSpec:
     attn = layer.self_attention.submodules
     if not hasattr(attn, "linear_kv_down_proj"):
         return spec
-    from megatron.core.post_training.modelopt.layers import Linear
+    from megatron_rl.parallel.mcore_compat import ReplicatedLinear
 
-    attn = dataclasses.replace(attn, linear_q_down_proj=Linear, linear_kv_down_proj=Linear)
+    attn = dataclasses.replace(attn, linear_q_down_proj=ReplicatedLinear, linear_kv_down_proj=ReplicatedLinear)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     return dataclasses.replace(spec, submodules=dataclasses.replace(layer, self_attention=self_attention))

@@ -14,23 +14,23 @@ consumer of its logits passes on so that padded ids never enter a softmax or a s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-from megatron.core.transformer import MLATransformerConfig, TransformerConfig
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer import MLATransformerConfig, ModuleSpec, TransformerConfig
 
-from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel.mcore_compat import (
+    IdentityOp,
+    MLASelfAttention,
+    MoELayer,
+    TransformerBlockSubmodules,
+    get_gpt_decoder_block_spec,
+)
 from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
 from megatron_rl.parallel.packed_attention import PackedCoreAttention
 from megatron_rl.parallel.te_names import te_checkpoint_prefixes
@@ -133,26 +133,49 @@ def build_transformer_config(
         use_cpu_initialization=not on_gpu,
     )
     fields.update(family_fields(model))
+    fields.update(mc.spec_fields(use_te))
     fields.update(overrides)
+    check_replay_fields(fields)
     config_class = MLATransformerConfig if model.multi_latent_attention else TransformerConfig
     return config_class(**fields)
 
 
-def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool) -> ModuleSpec:
+def check_replay_fields(fields: dict) -> None:
+    """Refuse a routing-replay model whose TransformerConfig fields would make replay silently wrong.
+
+    The run config cannot express these features; a caller's ``build_model`` overrides can.
+
+    Raises:
+        ConfigError: one line naming every offending field (``mcore_compat.replay_hazards``).
+    """
+    if not fields.get("moe_enable_routing_replay"):
+        return
+    hazards = mc.replay_hazards(fields)
+    if hazards:
+        raise ConfigError("moe_enable_routing_replay=True conflicts with " + "; ".join(hazards))
+
+
+def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool, q_latent: bool = True) -> ModuleSpec:
     """Copy of a local layer spec whose norms are ``norm`` (q/k norms only if ``qk_norm``)
-    and whose core attention consumes THD ``PackedSeqParams`` (no dense mask)."""
+    and whose core attention consumes THD ``PackedSeqParams`` (no dense mask).
+
+    ``q_latent``: an MLA layer compresses queries (``q_lora_rank`` set); without that
+    latent its q norm is an ``IdentityOp`` (0.16.1 never builds it, 0.19.2 refuses a norm).
+    """
     layer = spec.submodules
     attn = layer.self_attention.submodules
     qk = norm if qk_norm else IdentityOp
     # MLA's submodules norm the q and kv latents (q_layernorm, kv_layernorm) instead.
     norms = {name: qk for name in ("q_layernorm", "k_layernorm", "kv_layernorm") if hasattr(attn, name)}
+    if hasattr(attn, "kv_layernorm") and not q_latent:
+        norms["q_layernorm"] = IdentityOp
     attn = dataclasses.replace(attn, **norms, core_attention=PackedCoreAttention)
     self_attention = dataclasses.replace(layer.self_attention, submodules=attn)
     # Checkpoint keys as the TE spec writes them, so either spec reads the other's
     # checkpoints (Megatron's local MoE spec maps its pre-MLP norm to the dense key).
     keys = te_checkpoint_prefixes(
-        dense_mlp=not issubclass(layer.mlp.module, MoELayer),
-        mla=issubclass(layer.self_attention.module, MLASelfAttention),
+        dense_mlp=not issubclass(mc.spec_class(layer.mlp), MoELayer),
+        mla=issubclass(mc.spec_class(layer.self_attention), MLASelfAttention),
     )
     layer = dataclasses.replace(
         layer, input_layernorm=norm, pre_mlp_layernorm=norm, self_attention=self_attention,
@@ -175,7 +198,9 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
     if use_te:
         return block
     layers = [
-        replicated_mla_down_projections(_with_norm(spec, SequenceParallelRMSNorm, config.qk_layernorm))
+        replicated_mla_down_projections(_with_norm(
+            spec, SequenceParallelRMSNorm, config.qk_layernorm, q_latent=getattr(config, "q_lora_rank", None) is not None
+        ))
         for spec in block.layer_specs
     ]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
@@ -203,11 +228,13 @@ def build_model(
     config = build_transformer_config(model, parallel, use_te=use_te, **config_overrides)
     if config.fp8 and not use_te:
         raise ValueError("fp8.enabled: FP8 training needs the Transformer Engine layer spec (TE + CUDA)")
-    with _mla_without_transformer_engine():
+    with mc.mla_without_transformer_engine():
         gpt = _build_gpt(model, parallel, config, use_te)
     gpt.true_vocab_size = model.vocab_size
     if config.moe_enable_routing_replay:
-        _forget_global_replay_instances(gpt)
+        # Replay addresses routers by layer number; Megatron's class-level list would only
+        # keep every model ever built alive.
+        mc.forget_replay_instances(gpt)
     return gpt
 
 
@@ -225,38 +252,3 @@ def _build_gpt(model: ModelConfig, parallel: ParallelConfig, config: Transformer
         rotary_percent=model.rotary_percent,
         parallel_output=True,
     )
-
-
-@contextlib.contextmanager
-def _mla_without_transformer_engine() -> Iterator[None]:
-    """Build MLA layers where Transformer Engine is absent.
-
-    Megatron-Core 0.16.1's ``multi_latent_attention`` sets ``HAVE_TE`` when its TE extension
-    module imports, which it does without TE, with a placeholder (not a class) for
-    ``TELinear``; its constructor then calls ``isinstance`` on that placeholder. The flag
-    is corrected for the build only.
-    """
-    from megatron.core.transformer import multi_latent_attention as mla
-
-    wrong = mla.HAVE_TE and not isinstance(mla.TELinear, type)
-    if wrong:
-        mla.HAVE_TE = False
-    try:
-        yield
-    finally:
-        if wrong:
-            mla.HAVE_TE = True
-
-
-def _forget_global_replay_instances(gpt: GPTModel) -> None:
-    """Drop this model's routers from Megatron's class-level RouterReplay list.
-
-    Replay here addresses routers by layer number (``moe_routing.replay``); the class-level
-    list would only keep every model ever built alive and ordered by construction.
-    """
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
-    mine = {id(m.router_replay) for m in gpt.modules() if getattr(m, "router_replay", None)}
-    RouterReplay.global_router_replay_instances[:] = [
-        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine
-    ]

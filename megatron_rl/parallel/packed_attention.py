@@ -20,8 +20,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer import MegatronModule
+
+from megatron_rl.parallel.mcore_compat import AttnMaskType
 
 
 class PackedCoreAttention(MegatronModule):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_rl.parallel.mcore_compat import PackedSeqParams
 
 
 @dataclass

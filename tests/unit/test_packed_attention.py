@@ -5,9 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.enums import AttnMaskType
 
+from megatron_rl.parallel.mcore_compat import AttnMaskType, PackedSeqParams
 from megatron_rl.parallel.packed_attention import PackedCoreAttention
 
 HEADS, GROUPS, DIM = 4, 2, 8

@@ -110,17 +110,15 @@ def test_rspo_gamma_worked_example():
 
 def test_replay_gate_worked_example():
     """objectives.md §19.14: logits [2.0, 1.9, 0.5, -1.0], replayed experts {0, 2}."""
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
-    from megatron.core.transformer.moe.router_replay import RouterReplay
-
+    from megatron_rl.parallel import mcore_compat as mc
     from moe_routing.replay import RoutingReplay
 
-    replay = RouterReplay()
-    RouterReplay.global_router_replay_instances.remove(replay)
-    replay.get_replay_topk = RoutingReplay._choose_action(replay, replay.get_replay_topk)
+    replay = mc.RouterReplay()
+    mc.RouterReplay.global_router_replay_instances.remove(replay)
+    mc.override_replay_topk(replay, lambda original: RoutingReplay._choose_action(replay, original))
     replay.set_target_indices(torch.tensor([[0, 2]]))
     logits = torch.tensor([[2.0, 1.9, 0.5, -1.0]], requires_grad=True)
-    probs, routing_map = topk_routing_with_score_function(logits, 2, router_replay=replay)
+    probs, routing_map = mc.topk_routing_with_score_function(logits, 2, router_replay=replay)
     assert routing_map.tolist() == [[True, False, True, False]]
     assert torch.allclose(probs, torch.tensor([[0.817574, 0.0, 0.182426, 0.0]]), atol=1e-6)
     probs[0, 0].backward()

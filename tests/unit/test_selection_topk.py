@@ -17,7 +17,7 @@ def _sets(ids_NK):
 
 
 def _megatron_ids(logits_NE, topk, bias_E, groups, group_topk):
-    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+    from megatron_rl.parallel.mcore_compat import topk_routing_with_score_function
 
     _, routing_map_NE = topk_routing_with_score_function(
         logits_NE, topk, num_groups=groups or None, group_topk=group_topk or None,
