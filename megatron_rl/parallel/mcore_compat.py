@@ -381,11 +381,13 @@ def _resolve_qk_norm_without_q_latent(attention: Any, submodules: Any) -> dict:
 
     0.16.1 then norms the kv latent only (as HF does); 0.19 demands a fused norm+linear
     for ``linear_q_proj``, which the local spec has none of. Resolved here as QK norm off
-    for the queries and the spec's own kv norm kept.
+    for the queries and the spec's own kv norm kept (local spec only).
     """
     resolver_class = importlib.import_module("megatron.core.transformer.mla_qk_norm_config").QKNormConfigResolver
     config = attention.config
-    if not (config.qk_layernorm and config.q_lora_rank is None):
+    # Only the local spec: the TE spec fuses its norms into the projections, as 0.19 expects.
+    local = getattr(config, "transformer_impl", "local") == "local"
+    if not (local and config.qk_layernorm and config.q_lora_rank is None):
         return resolver_class(config, submodules).resolve()
     identity = __getattr__("IdentityOp")
     without = copy.copy(config)
