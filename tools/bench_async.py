@@ -46,9 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_server(port: int, latency: float, log: Path) -> subprocess.Popen:
+def _start_server(port: int, args, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG), "--port", str(port),
-           "--threads", "1", "--token-latency-s", str(latency)]
+           "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     from megatron_rl.rollout.sglang_client import probe_servers
@@ -61,7 +61,7 @@ def _run(k: int, args, out: Path) -> dict:
     run_dir = out / f"staleness{k}"
     run_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
-    server = _start_server(port, args.token_latency_s, run_dir / "server.log")
+    server = _start_server(port, args, run_dir / "server.log")
     overrides = [f"train.run_dir={run_dir}", f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                  f"train.save_every={args.steps}", "train.save_hf=false", "train.progress=false",
                  "train.resume=false", "rollout.engine=sglang", f"rollout.sglang.urls=[http://127.0.0.1:{port}]",
@@ -100,8 +100,9 @@ def _run(k: int, args, out: Path) -> dict:
         "eval_end": {key: v for key, v in rows[n].items() if key.startswith("eval/")},
         "reward_mean": [rows[s]["reward/mean"] for s in range(1, n + 1)],
         "row_seconds": [seen[s] - seen[0] for s in range(1, n)],
-        "phase_means": {key: sum(rows[s][key] for s in range(2, n)) / (n - 2)
-                        for key in ("time/rollout", "time/old_logprobs", "time/update")},
+        "phase_means": {key: sum(rows[s].get(key, 0.0) for s in range(2, n)) / (n - 2)
+                        for key in ("time/rollout", "time/rollout_join", "time/reward", "time/weight_sync",
+                                    "time/old_logprobs", "time/update")},
         "staleness_mean": [rows[s].get("rollout/staleness_mean", 0.0) for s in range(1, n + 1)],
         "mismatch_abs_diff": [rows[s]["mismatch/train_rollout_abs_diff"] for s in range(1, n + 1)],
     }
@@ -110,21 +111,25 @@ def _run(k: int, args, out: Path) -> dict:
 def _report(results: list[dict], args, out: Path) -> str:
     sync, ahead = results
     nan = float("nan")
+    gpu = f"--token-latency-s {args.token_latency_s}"
+    model = (f"the rollout server sleeps {args.token_latency_s} s per generated token of a batch after computing it, "
+             "batches side by side (a modelled GPU with continuous batching; its CPU compute, one thread, is added "
+             "and competes with the trainer's)")
     lines = [
-        f"Command: `python tools/bench_async.py --steps {args.steps} --token-latency-s {args.token_latency_s}"
-        + "".join(f" {o}" for o in args.overrides) + "`",
-        f"Machine: {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the rollout "
-        f"server sleeps {args.token_latency_s} s per generated token of a batch (a modelled GPU, not CPU work).",
+        f"Command: `python tools/bench_async.py --steps {args.steps} {gpu}" + "".join(f" {o}" for o in args.overrides)
+        + "`",
+        f"Machine: {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}.",
         "",
-        "| max_staleness | steps/hour (steps 1..N-1) | s/step | rollout wait s | old log-probs s | update s "
-        "| eval/accuracy start -> end | greedy end |",
+        "| max_staleness | steps/hour (steps 1..N-1) | s/step | rollout s (join / reward / weight push) "
+        "| old log-probs s | update s | eval/accuracy start -> end | greedy end |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p = r["phase_means"]
         lines.append(
             f"| {r['max_staleness']} | {r['steps_per_hour']:.0f} | {r['seconds'] / r['steps_timed']:.2f} "
-            f"| {p['time/rollout']:.2f} | {p['time/old_logprobs']:.2f} | {p['time/update']:.2f} "
+            f"| {p['time/rollout']:.2f} ({p['time/rollout_join']:.2f} / {p['time/reward']:.2f} / "
+            f"{p['time/weight_sync']:.2f}) | {p['time/old_logprobs']:.2f} | {p['time/update']:.2f} "
             f"| {r['eval_start'].get('eval/accuracy', nan):.3f} -> {r['eval_end'].get('eval/accuracy', nan):.3f} "
             f"| {r['eval_end'].get('eval/accuracy_greedy', nan):.3f} |")
     lines += ["", f"Speed-up (steps/hour, staleness 1 over 0): {ahead['steps_per_hour'] / sync['steps_per_hour']:.2f}x"]

@@ -30,6 +30,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -92,7 +93,8 @@ class RewardScorer:
 
     Use as a context manager, or call :meth:`close`. The pool starts in ``__init__``
     (0.1 to 1 s: a fork from the forkserver plus importing the reward's module, sympy for
-    ``math``) and is reused by every :meth:`score` call. One :meth:`score` at a time.
+    ``math``) and is reused by every :meth:`score` call. Calls from several threads (the
+    trainer's, and the thread that scores a batch generated ahead) run one at a time.
     """
 
     def __init__(self, cfg: RewardConfig) -> None:
@@ -103,6 +105,7 @@ class RewardScorer:
         self._executor: ProcessPoolExecutor | None = None
         self._pids: set[int] = set()
         self._closed = False
+        self._one_at_a_time = threading.Lock()
         self.pool_starts = 0
         """How many pools this scorer started (more than one: workers hung or died)."""
         if cfg.num_workers > 0:
@@ -116,20 +119,28 @@ class RewardScorer:
 
     def close(self) -> None:
         """Stop the workers; the scorer cannot score afterwards. Safe to call twice."""
-        self._closed = True
-        if self._executor is not None:
-            self._stop_pool(grace_s=CLOSE_GRACE_S)
+        # A score() in another thread may still run (a run stopping mid-step): wait for it a
+        # while, then stop the pool under it (that call then fails, and nobody waits for it).
+        waited = self._one_at_a_time.acquire(timeout=CLOSE_GRACE_S)
+        try:
+            self._closed = True
+            if self._executor is not None:
+                self._stop_pool(grace_s=CLOSE_GRACE_S)
+        finally:
+            if waited:
+                self._one_at_a_time.release()
 
     def score(self, items: list[RewardInput]) -> list[RewardResult]:
         """One result per item, in input order; raises RewardError if fatal_errors is set."""
-        if self._closed:
-            raise RuntimeError("RewardScorer.score called after close()")
-        if self.cfg.num_workers == 0:
-            results = [self._score_in_process(item) for item in items]
-        else:
-            results = self._score_in_pool(items)
-        self._report_errors(items, results)
-        return results
+        with self._one_at_a_time:
+            if self._closed:
+                raise RuntimeError("RewardScorer.score called after close()")
+            if self.cfg.num_workers == 0:
+                results = [self._score_in_process(item) for item in items]
+            else:
+                results = self._score_in_pool(items)
+            self._report_errors(items, results)
+            return results
 
     def _score_in_process(self, item: RewardInput) -> RewardResult:
         start = time.monotonic()

@@ -223,13 +223,15 @@ class ProtocolServer:
         model_path: reported by ``/model_info``.
         token_latency_s: after computing a batch, sleep this long per token of its longest
             response, as a GPU server's decode would take (benchmarks on CPU: models
-            disaggregated accelerators without taking the trainer's cores).
+            disaggregated accelerators without taking the trainer's cores); batches sleep side
+            by side, as requests decode together under continuous batching.
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", batch_window_s: float = 0.01,
                  max_batch: int = 256, model_path: str = "", token_latency_s: float = 0.0) -> None:
         self.host, self.window, self.max_batch, self.model_path = host, batch_window_s, max_batch, model_path
         self.token_latency_s = token_latency_s
+        self._decoding: set[asyncio.Task] = set()  # batches "decoding" (token_latency_s), answered when done
         self.state = _State(weight_version=weight_version)
         self.queue: asyncio.Queue | None = None
 
@@ -256,9 +258,10 @@ class ProtocolServer:
         self.queue = asyncio.Queue()
         task = asyncio.create_task(self._batcher())
         yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        for running in (task, *self._decoding):
+            running.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
 
     # ------------------------------------------------------------------ generation
 
@@ -293,8 +296,22 @@ class ProtocolServer:
                     m.future.set_exception(err)
             return
         if self.token_latency_s > 0:
-            # Sleeps, not computes: the batch occupies the "GPU" for its decode steps.
-            await asyncio.sleep(self.token_latency_s * max(len(s.output_ids) for s in samples))
+            # Sleeps, not computes: the batch occupies the "GPU" for its decode steps. It sleeps
+            # beside the batches after it, as SGLang's continuous batching decodes a request that
+            # arrives later alongside the running ones instead of queueing it behind them.
+            delay = self.token_latency_s * max(len(s.output_ids) for s in samples)
+            task = asyncio.create_task(self._answer_after(delay, members, samples))
+            self._decoding.add(task)
+            task.add_done_callback(self._decoding.discard)
+        else:
+            self._answer(members, samples)
+
+    async def _answer_after(self, delay_s: float, members: list, samples: list) -> None:
+        await asyncio.sleep(delay_s)
+        self._answer(members, samples)
+
+    @staticmethod
+    def _answer(members: list, samples: list) -> None:
         for (_, m), sample in zip(members, samples):
             if not m.future.done():
                 m.future.set_result(sample)

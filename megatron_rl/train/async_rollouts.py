@@ -9,9 +9,11 @@ so a sample may come from weights one version older than the ones it trains.
 Design (one batch in flight, "finish under the old version"):
 
 * Step s (the trainer holds version v = s - 1): join the batch generated in the background
-  for step s, push version v (deferred from the end of step s - 1), finish step s's
-  sampling synchronously if dynamic sampling needs more rounds (those run under v, tagged v),
-  start step s + 1's first round in the background under v, then train. Every weight push
+  for step s, push version v (deferred from the end of step s - 1), start step s + 1's
+  first round in the background under v, then score step s's samples and train. With
+  dynamic sampling, step s's further rounds (if its rewards ask for them) are generated
+  synchronously under v, tagged v, before step s + 1's round starts: their prompts come
+  first in the data order, and nothing else is in flight while they run. Every weight push
   happens in the main thread while no request is in flight, so every request is generated
   entirely by one version and tagged with the version the server reported; the trainer
   checks each sample is at most ``max_staleness`` versions old. We chose this over
@@ -21,10 +23,16 @@ Design (one batch in flight, "finish under the old version"):
   mixed routes), and the servers never need an abort-and-resume protocol; the price is
   that a deeper pipeline (k > 1) would need pushes with requests in flight, so only 0 and 1
   are offered.
-* Only HTTP runs off the main thread: a model-parallel leader's background thread has its
-  own event loop and client (:meth:`SGLangEngine.start_generate`); the broadcast to its
-  peers, the all-gather that finds restarted servers and any weight push are collectives,
-  which the main thread alone issues (gloo groups are not safe to use from two threads).
+* Rewards are scored off the critical path too: the thread that generated a batch scores
+  it as soon as its samples arrive (the reward pool serves one caller at a time), and the
+  model-parallel leader's results are broadcast to its peers at the join. A sample asked
+  for again at the join, or a batch restored from a checkpoint, is scored then, by the
+  same function on the same inputs.
+* Only HTTP and scoring run off the main thread: a model-parallel leader's background
+  thread has its own event loop and client (:meth:`SGLangEngine.start_generate`); the
+  broadcast to its peers, the all-gather that finds restarted servers and any weight push
+  are collectives, which the main thread alone issues (gloo groups are not safe to use
+  from two threads).
   A server that dies during background generation costs retries: the thread retries
   within the client's budget; a server that came back behind (its launch weights) is set
   aside, and the samples it still owed are asked for again when the batch is joined,
@@ -65,11 +73,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config_loading import ConfigError
+from megatron_rl.train.metrics import phase_timer
 
 if TYPE_CHECKING:
     from megatron_rl.config import RunConfig
     from megatron_rl.data.prompts import PromptRecord
     from megatron_rl.rollout.engine import RolloutSample
+    from megatron_rl.rewards import RewardResult
     from megatron_rl.rollout.sglang_engine import PendingGeneration
     from megatron_rl.train.checkpoint import TrainerState
     from megatron_rl.train.trainer import Trainer
@@ -113,6 +123,30 @@ class NextBatch:
     """The background generation, until joined."""
     samples: list[RolloutSample] | None = None
     """G responses per prompt, once joined."""
+    scoring: ScoreAhead | None = None
+    """Rewards scored by the generation thread (the model-parallel leader's), until joined."""
+    ready: dict[int, RewardResult] | None = None
+    """Rewards of ``samples`` already scored, by index, once joined (None: none)."""
+
+
+class ScoreAhead:
+    """Scores a batch generated ahead in its generation thread, as soon as the samples
+    arrive, so that scoring overlaps training as generation does (the engine's
+    ``on_samples``). Its errors wait for the join, where the main thread raises them."""
+
+    def __init__(self, trainer: Trainer, records: list[PromptRecord]) -> None:
+        self.trainer, self.records = trainer, records
+        self.results: dict[int, tuple[list[int], RewardResult]] = {}
+        """Index -> (the scored response's token ids, its reward)."""
+        self.error: BaseException | None = None
+
+    def __call__(self, samples: dict[int, RolloutSample]) -> None:
+        try:
+            order = sorted(samples)
+            scored = self.trainer.scorer.score([self.trainer.reward_input(self.records[i], samples[i]) for i in order])
+            self.results = {i: (list(samples[i].output_ids), r) for i, r in zip(order, scored)}
+        except BaseException as err:  # noqa: BLE001 - raised by the main thread at the join
+            self.error = err
 
 
 class AsyncRollouts:
@@ -123,19 +157,28 @@ class AsyncRollouts:
         self.trainer = trainer
         self.engine = trainer.engine
         self.next: NextBatch | None = None
+        self.scored_ahead = 0.0
+        """Share of the last taken batch's samples whose rewards were scored ahead."""
 
     # ------------------------------------------------------------------ the step
 
-    def take(self, step: int, state: TrainerState) -> tuple[list, list] | None:
+    def take(self, step: int, state: TrainerState, metrics: dict) -> tuple[list, list] | None:
         """Step ``step``'s first round (problems, samples) if it was generated ahead, else
-        None; either way the servers hold the trainer's weights when this returns."""
+        None; either way the servers hold the trainer's weights when this returns. Adds
+        ``time/rollout_join`` (waiting for the batch) and ``time/weight_sync`` to ``metrics``."""
         batch, self.next = self.next, None
         if batch is not None and batch.step != step:
             raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not {step}")
         if batch is not None:
-            self._join(batch, state)
-        self._push(state)
-        return None if batch is None else (batch.problems, batch.samples)
+            with phase_timer(metrics, "rollout_join"):
+                self._join(batch, state)
+        with phase_timer(metrics, "weight_sync"):
+            self._push(state)
+        self.scored_ahead = 0.0
+        if batch is None:
+            return None
+        self.scored_ahead = len(batch.ready or {}) / max(1, len(batch.samples))
+        return batch.problems, batch.samples, batch.ready
 
     def launch(self, step: int, state: TrainerState) -> None:
         """Draw step ``step``'s first round of prompts and generate it in the background."""
@@ -143,10 +186,11 @@ class AsyncRollouts:
         start = state.data_position
         problems = t._draw(state)
         prompts = [p.prompt_ids for p in problems for _ in range(r.group_size)]
+        scoring = ScoreAhead(t, [p for p in problems for _ in range(r.group_size)])
         pending = self.engine.start_generate(prompts, t._sampling(r.temperature),
                                              return_routed_experts=r.return_routed_experts,
-                                             seed=t._round_seed(step, 1))
-        self.next = NextBatch(step, start, state.data_position, problems, pending)
+                                             seed=t._round_seed(step, 1), on_samples=scoring)
+        self.next = NextBatch(step, start, state.data_position, problems, pending, scoring=scoring)
 
     def settle(self, state: TrainerState) -> None:
         """Join the batch in flight (kept for its step) and push the current weights."""
@@ -155,9 +199,23 @@ class AsyncRollouts:
         self._push(state)
 
     def _join(self, batch: NextBatch, state: TrainerState) -> None:
-        if batch.samples is None:
-            batch.samples = self.engine.finish_generate(batch.pending, state.weight_version)
-            batch.pending = None
+        if batch.samples is not None:
+            return
+        batch.samples = self.engine.finish_generate(batch.pending, state.weight_version)
+        batch.pending, scoring, batch.scoring = None, batch.scoring, None
+        if scoring is None:
+            return
+        if scoring.error is not None:
+            raise scoring.error
+        results = scoring.results
+        mp = self.trainer.groups.mp
+        if mp.size() > 1:  # the leader scored; its peers take its results (one scoring per sample)
+            box = [results]
+            dist.broadcast_object_list(box, src=dist.get_global_rank(mp, 0), group=mp)
+            results = box[0]
+        # A sample asked for again at the join (its server restarted) is a new response: scored later.
+        batch.ready = {i: result for i, (ids, result) in results.items()
+                       if list(batch.samples[i].output_ids) == ids}
 
     def _push(self, state: TrainerState) -> None:
         if self.engine.weight_version != state.weight_version:
@@ -165,9 +223,12 @@ class AsyncRollouts:
 
     def metrics(self, samples: list[RolloutSample], state: TrainerState) -> dict[str, torch.Tensor]:
         """``rollout/staleness_mean``/``_max``: versions between a trained sample's generating
-        weights and the weights it trains, over the step's samples of every rank."""
+        weights and the weights it trains, over the step's samples of every rank;
+        ``rollout/rewards_scored_ahead``: share of the step's first round scored in the
+        background (below 1 after a resume, or when a restarted server's samples came late)."""
         ages = torch.tensor([float(state.weight_version - s.weight_version) for s in samples], dtype=torch.float64)
-        out = self.trainer._global_means({"rollout/staleness_mean": ages.mean()})
+        out = self.trainer._global_means({"rollout/staleness_mean": ages.mean(),
+                                          "rollout/rewards_scored_ahead": torch.tensor(self.scored_ahead)})
         oldest = ages.max().reshape(1)
         if self.trainer.groups.dp_size > 1:
             dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=self.trainer.groups.dp)

@@ -187,15 +187,25 @@ class Trainer:
         return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
                               max_new_tokens=r.max_new_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
 
-    def _score(self, records: list[PromptRecord], samples: list[RolloutSample], metrics: dict | None) -> list[RewardResult]:
-        """Rewards of ``samples[i]`` answering ``records[i]``, scored in the reward pool.
+    def reward_input(self, record: PromptRecord, sample: RolloutSample) -> RewardInput:
+        """What the reward function sees of ``sample`` answering ``record``."""
+        return RewardInput(sample_id=record.sample_id, prompt=record.prompt,
+                           response=self.tokenizer.decode_response(sample.output_ids),
+                           ground_truth=record.ground_truth, metadata=record.metadata)
+
+    def _score(self, records: list[PromptRecord], samples: list[RolloutSample], metrics: dict | None,
+               ready: dict[int, RewardResult] | None = None) -> list[RewardResult]:
+        """Rewards of ``samples[i]`` answering ``records[i]``, scored in the reward pool;
+        ``ready``: results already scored (by the thread that generated them), by index.
 
         A reward function that fails is counted (``reward/errors``) and printed with the
         sample's id, or ends the run when ``reward.fatal_errors`` is set.
         """
-        items = [RewardInput(sample_id=r.sample_id, prompt=r.prompt, response=self.tokenizer.decode_response(s.output_ids),
-                             ground_truth=r.ground_truth, metadata=r.metadata) for r, s in zip(records, samples)]
-        results = self.scorer.score(items)
+        ready = ready or {}
+        items = [self.reward_input(r, s) for r, s in zip(records, samples)]
+        todo = [i for i in range(len(items)) if i not in ready]
+        scored = dict(zip(todo, self.scorer.score([items[i] for i in todo]) if todo else []))
+        results = [ready[i] if i in ready else scored[i] for i in range(len(items))]
         failed = [(item.sample_id, res.error) for item, res in zip(items, results) if res.error is not None]
         for sample_id, error in failed[:MAX_REWARD_ERRORS_PRINTED]:
             print(f"reward {self.cfg.reward.function!r} failed on sample {sample_id}: {error}", file=sys.stderr, flush=True)
@@ -238,7 +248,8 @@ class Trainer:
 
     def _rollouts(self, step: int, state: TrainerState, metrics: dict, first: tuple | None = None) -> Groups:
         """Sample groups until this rank holds enough with informative rewards (DAPO);
-        ``first``: the first round's (problems, samples), generated ahead."""
+        ``first``: the first round's (problems, samples, rewards ready by index or None),
+        generated ahead."""
         r, G = self.cfg.rollout, self.cfg.rollout.group_size
         kept, dropped = Groups([], [], []), Groups([], [], [])
         drawn_rewards, drawn_correct, lengths, rounds = [], [], [], 0
@@ -246,8 +257,9 @@ class Trainer:
         errors: dict = {}
         while True:
             rounds += 1
+            ready = None
             if first is not None:
-                (problems, samples), first = first, None
+                (problems, samples, ready), first = first, None
             else:
                 problems = self._draw(state)
                 prompts = [p.prompt_ids for p in problems for _ in range(G)]
@@ -255,7 +267,8 @@ class Trainer:
                                                return_routed_experts=r.return_routed_experts,
                                                seed=self._round_seed(step, rounds))
             self._check_versions(samples, state.weight_version, r.max_staleness)
-            results = self._score([p for p in problems for _ in range(G)], samples, errors)
+            with phase_timer(metrics, "reward"):
+                results = self._score([p for p in problems for _ in range(G)], samples, errors, ready)
             for res in results:
                 for name, value in res.extras.items():
                     extras.setdefault(f"reward/{name}", []).append(value)
@@ -427,10 +440,19 @@ class Trainer:
             if self.ahead is None:
                 chosen = self._rollouts(step, state, metrics)
             else:
-                # Asynchronous: train the round generated ahead, and generate the next while training.
-                chosen = self._rollouts(step, state, metrics, self.ahead.take(step, state))
+                # Asynchronous: train the round generated ahead, and generate the next meanwhile.
+                first = self.ahead.take(step, state, metrics)
+                more = step < self.cfg.train.steps
+                # Without dynamic sampling a step has one round: once it is here the servers owe
+                # this step nothing, so the next batch starts before this one is even scored.
+                # Further rounds are drawn before the next batch and generated with nothing in
+                # flight, so with dynamic sampling the next batch waits for them.
+                early = more and first is not None and not self.objective.dynamic_sampling
+                if early:
+                    self.ahead.launch(step + 1, state)
+                chosen = self._rollouts(step, state, metrics, first)
                 metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
-                if step < self.cfg.train.steps:
+                if more and not early:
                     self.ahead.launch(step + 1, state)
         chosen = self._balanced(chosen, metrics)
         batch = self._batch(chosen, metrics)
@@ -438,7 +460,8 @@ class Trainer:
             self._update(batch, metrics)
         state.weight_version += 1
         if self.ahead is None:
-            self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
+            with phase_timer(metrics, "weight_sync"):
+                self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
         tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
         if self.groups.dp_size > 1:
             all_reduce(tokens, self.groups.dp)

@@ -15,7 +15,7 @@ log-probs the loss used (``rollout_logprobs_T``) are the served model's at exact
 version (and measurably not the next one's); the proximal "old" log-probs are the
 trainer's own at the start of the step, exactly; every prompt of the training order is
 trained once, none twice, none skipped, across the kill and the restart; B's step 3 is A's
-step 3 bit for bit.
+step 3 bit for bit (A scored its rewards in the generation thread, B after loading them).
 """
 
 import os
@@ -220,8 +220,13 @@ def test_staleness_one_versions_logprobs_and_exactly_once_across_a_server_kill_a
         assert checks[("A", 3)]["ids"] == checks[("B", 3)]["ids"]
         assert torch.equal(checks[("A", 3)]["rollout_lp"], checks[("B", 3)]["rollout_lp"])
         assert torch.equal(checks[("A", 3)]["old_lp"], checks[("B", 3)]["old_lp"])
+    # Rewards: scored in the generation thread where it had the samples (A's step 3, B's step 4);
+    # step 2's were all re-asked at the join, and B's step 3 came from the checkpoint, so they
+    # were scored at the join, by the same function on the same inputs: B's step 3 = A's.
+    assert [rows_a[2]["rollout/rewards_scored_ahead"], rows_a[3]["rollout/rewards_scored_ahead"],
+            rows_b[3]["rollout/rewards_scored_ahead"], rows_b[4]["rollout/rewards_scored_ahead"]] == [0, 1, 0, 1]
     for key, value in rows_a[3].items():
-        if not key.startswith(("time/", "perf/")):
+        if not key.startswith(("time/", "perf/", "rollout/rewards_scored_ahead")):
             assert rows_b[3][key] == value, (key, rows_b[3][key], value)
     assert [rows_a[s]["rollout/staleness_max"] for s in (1, 3)] == [0, 1] and rows_b[4]["rollout/staleness_max"] == 1
     assert rows_b[4]["rollout/staleness_mean"] == 1

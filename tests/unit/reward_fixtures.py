@@ -43,6 +43,22 @@ def dies(prompt, response, ground_truth, metadata):
     os._exit(3)
 
 
+_inside = {"now": 0, "most": 0}
+
+
+def counts_callers(prompt, response, ground_truth, metadata):
+    """In-process only: records how many calls run at once (``most_at_once``)."""
+    _inside["now"] += 1
+    _inside["most"] = max(_inside["most"], _inside["now"])
+    time.sleep(0.02)
+    _inside["now"] -= 1
+    return 1.0
+
+
+def most_at_once() -> int:
+    return _inside["most"]
+
+
 NOT_CALLABLE = 3
 
 _BEHAVIOURS = {

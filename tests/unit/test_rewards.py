@@ -194,6 +194,26 @@ def test_order_is_kept_and_in_process_matches_pool(pool_scorer):
     assert RewardScorer(cfg).score(items) == pooled
 
 
+def test_callers_in_two_threads_are_scored_one_at_a_time():
+    """The trainer's thread and the thread scoring a batch generated ahead share one scorer."""
+    import reward_fixtures
+
+    scorer = RewardScorer(RewardConfig(function=f"{FIXTURES}:counts_callers", num_workers=0))
+    start, results = threading.Barrier(2), {}
+
+    def caller(name):
+        start.wait()
+        results[name] = scorer.score([_item(name, response=name * (i + 1)) for i in range(5)])
+
+    threads = [threading.Thread(target=caller, args=(name,)) for name in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reward_fixtures.most_at_once() == 1
+    assert results["a"] == results["b"] == [RewardResult(score=1.0)] * 5
+
+
 def test_score_after_close_raises():
     scorer = RewardScorer(RewardConfig(function="exact_match", num_workers=1))
     scorer.close()
