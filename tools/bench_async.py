@@ -11,8 +11,10 @@ generation server side by side at full speed, so the server models a disaggregat
 after computing a batch it SLEEPS ``--token-latency-s`` per token of the batch's longest
 response (``protocol_server --token-latency-s``): generation occupies wall time the way a
 separate accelerator would, without taking the trainer's cores (its own compute, one
-thread, still does). Choose the latency so that generation and training take similar time
-per step (the synchronous run's ``time/rollout`` vs ``time/update + time/old_logprobs``).
+thread, still does). Batches sleep side by side, as requests that arrive a little apart
+decode together in SGLang's continuous batching. Choose the latency so that generation and
+training take similar time per step (the synchronous run's ``time/rollout`` vs
+``time/update + time/old_logprobs``).
 
 Dynamic sampling is off in both runs (``objective.dynamic_sampling=false``; a later
 override wins): its extra rounds are generated synchronously under staleness 1 too, so
@@ -49,6 +51,8 @@ def _free_port() -> int:
 def _start_server(port: int, args, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG), "--port", str(port),
            "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
+    if args.server_nice:
+        cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
     from megatron_rl.rollout.sglang_client import probe_servers
@@ -111,10 +115,11 @@ def _run(k: int, args, out: Path) -> dict:
 def _report(results: list[dict], args, out: Path) -> str:
     sync, ahead = results
     nan = float("nan")
-    gpu = f"--token-latency-s {args.token_latency_s}"
+    gpu = f"--token-latency-s {args.token_latency_s}" + (f" --server-nice {args.server_nice}" * bool(args.server_nice))
     model = (f"the rollout server sleeps {args.token_latency_s} s per generated token of a batch after computing it, "
              "batches side by side (a modelled GPU with continuous batching; its CPU compute, one thread, is added "
-             "and competes with the trainer's)")
+             + ("and competes with the trainer's)" if not args.server_nice else
+                f"and runs at nice {args.server_nice}, on the cores the trainer leaves idle)"))
     lines = [
         f"Command: `python tools/bench_async.py --steps {args.steps} {gpu}" + "".join(f" {o}" for o in args.overrides)
         + "`",
@@ -162,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="RL steps per run (>= 4)")
     parser.add_argument("--token-latency-s", type=float, default=0.06, help="server sleep per generated token")
+    parser.add_argument("--server-nice", type=int, default=0,
+                        help="run the server at this niceness (19: its CPU compute, which a GPU would do, takes "
+                             "only the cores the trainer leaves idle)")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_async"))
     parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
     args = parser.parse_args(argv)
