@@ -44,13 +44,13 @@ from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
-from megatron_rl.rollout.embedded import EmbeddedEngine
-from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.rewards import RewardInput, RewardResult, RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.train.dp_balance import rebalance_over_dp
+from megatron_rl.train.engines import build_engine, hf_architecture, probe_rollout_servers, rollout_urls
 from megatron_rl.train.evaluation import pass_at_k
 from megatron_rl.train.hf_export import HFExportSpec, export_hf
 from megatron_rl.train.init_weights import load_initial_weights
@@ -92,7 +92,7 @@ class Trainer:
         validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
         self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         # Before the model exists: a run whose rollout servers are missing fails in seconds.
-        self.rollout_urls = self._rollout_urls()
+        self.rollout_urls = rollout_urls(cfg)
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
                                  **transformer_config_fields(cfg.fp8))
         self.resume_path = latest_checkpoint(cfg.train.run_dir) if cfg.train.resume else None
@@ -102,7 +102,7 @@ class Trainer:
             load_initial_weights(self.model, self.init, cfg.model, groups)
         self.ddp = wrap_for_training(self.model)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
-        self.engine = self._build_engine()
+        self.engine = build_engine(cfg, self.ddp, groups, self.rollout_urls, self.hf_architecture())
         self.reference = None
         self.rank0 = dist.get_rank() == 0
         # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
@@ -112,67 +112,9 @@ class Trainer:
         # rollout.max_staleness > 0: the next step's first round is generated while a step trains.
         self.ahead = AsyncRollouts(self) if cfg.rollout.max_staleness > 0 else None
 
-    def _rollout_urls(self) -> list[str]:
-        """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines)."""
-        if self.cfg.rollout.engine != "sglang":
-            return []
-        from megatron_rl.rollout.sglang_server import read_url_files
-
-        s = self.cfg.rollout.sglang
-        urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
-        self._probe_rollout_servers(urls)
-        return urls
-
-    def _probe_rollout_servers(self, urls: list[str]) -> None:
-        """Collective: every rank probes (each model-parallel leader will send requests) and
-        all fail together, with one line per unreachable server."""
-        from megatron_rl.rollout.sglang_client import RolloutRequestError, probe_servers
-
-        try:
-            probe_servers(urls, timeout_s=self.cfg.rollout.sglang.health_timeout_s)
-            problem = None
-        except RolloutRequestError as err:
-            problem = str(err)
-        everyone: list = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, problem)
-        failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
-        if failed:
-            raise RuntimeError(f"rank {failed[0][0]}: {failed[0][1]}")
-
-    def _build_engine(self):
-        """The rollout engine the config names (collective: weight sync spans every rank)."""
-        cfg = self.cfg
-        if cfg.rollout.engine == "megatron":
-            return EmbeddedEngine(self.ddp, self.groups, cfg.train.micro_batch_sequences,
-                                  cfg.train.micro_batch_tokens)
-        if cfg.rollout.engine == "hf":
-            from megatron_rl.rollout.hf_engine import HFEngine
-
-            return HFEngine(self.ddp, self.groups, architecture=self.hf_architecture(), model_config=cfg.model,
-                            dtype=cfg.rollout.hf_dtype)
-        # Imported here so that runs with a local engine need no HTTP client.
-        from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
-        from megatron_rl.rollout.sglang_client import SGLangClientConfig
-        from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
-
-        s = cfg.rollout.sglang
-        client = SGLangClientConfig(urls=self.rollout_urls, request_timeout_s=s.request_timeout_s,
-                                    max_concurrency=s.max_concurrency, retry_budget_s=s.retry_budget_s,
-                                    max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
-                                    backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
-                                    health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs)
-        sync = None
-        if s.weight_sync != "none":
-            # A sync waits for a restarting server as long as a sample would.
-            sync = WeightSyncConfig(mode=s.weight_sync, bucket_bytes=s.weight_sync_bucket_mb << 20,
-                                    server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
-                                    master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s)
-        name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
-        return sglang_engine(self.ddp, self.groups, client, sync, name_map=name_map)
-
     def hf_architecture(self) -> str:
         """The policy's HF ``model_type``: the starting checkpoint's, else ``rollout.sglang.hf_architecture``."""
-        return self.init.hf.architecture if self.init is not None else self.cfg.rollout.sglang.hf_architecture
+        return hf_architecture(self.cfg, self.init)
 
     # ------------------------------------------------------------------ data
 
@@ -488,7 +430,7 @@ class Trainer:
         if t.sft_steps > 0:
             if self.rollout_urls:
                 # Servers may have died while the model was built; find out before the warm start.
-                self._probe_rollout_servers(self.rollout_urls)
+                probe_rollout_servers(self.cfg, self.rollout_urls)
             sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
             per_rank = t.sft_batch_size // self.groups.dp_size
 

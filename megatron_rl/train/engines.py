@@ -1,0 +1,85 @@
+"""The rollout engine a run's config names, and the SGLang servers it needs, probed first.
+
+Owns choosing and building the engine (``rollout.engine``: the embedded Megatron engine,
+the HF replica, or SGLang servers with weight sync) and finding the servers (``urls`` or
+``url_dir``) and checking that every one answers before the model is built. It does not own
+generation itself (``megatron_rl.rollout``) nor when the trainer calls it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_rl.checkpoint.init_source import InitSource
+    from megatron_rl.config import RunConfig
+    from megatron_rl.parallel.groups import ParallelGroups
+
+
+def rollout_urls(cfg: RunConfig) -> list[str]:
+    """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines);
+    collective."""
+    if cfg.rollout.engine != "sglang":
+        return []
+    from megatron_rl.rollout.sglang_server import read_url_files
+
+    s = cfg.rollout.sglang
+    urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
+    probe_rollout_servers(cfg, urls)
+    return urls
+
+
+def probe_rollout_servers(cfg: RunConfig, urls: list[str]) -> None:
+    """Collective: every rank probes (each model-parallel leader will send requests) and all
+    fail together, with one line per unreachable server."""
+    from megatron_rl.rollout.sglang_client import RolloutRequestError, probe_servers
+
+    try:
+        probe_servers(urls, timeout_s=cfg.rollout.sglang.health_timeout_s)
+        problem = None
+    except RolloutRequestError as err:
+        problem = str(err)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
+    if failed:
+        raise RuntimeError(f"rank {failed[0][0]}: {failed[0][1]}")
+
+
+def hf_architecture(cfg: RunConfig, init: InitSource | None) -> str:
+    """The policy's HF ``model_type``: the starting checkpoint's, else ``rollout.sglang.hf_architecture``."""
+    return init.hf.architecture if init is not None else cfg.rollout.sglang.hf_architecture
+
+
+def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], architecture: str):
+    """The rollout engine the config names over the trained model ``ddp`` (collective: weight
+    sync spans every rank); ``urls``: from :func:`rollout_urls`."""
+    if cfg.rollout.engine == "megatron":
+        from megatron_rl.rollout.embedded import EmbeddedEngine
+
+        return EmbeddedEngine(ddp, groups, cfg.train.micro_batch_sequences, cfg.train.micro_batch_tokens)
+    if cfg.rollout.engine == "hf":
+        from megatron_rl.rollout.hf_engine import HFEngine
+
+        return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype)
+    # Imported here so that runs with a local engine need no HTTP client.
+    from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
+    from megatron_rl.rollout.sglang_client import SGLangClientConfig
+    from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
+
+    s = cfg.rollout.sglang
+    client = SGLangClientConfig(urls=urls, request_timeout_s=s.request_timeout_s,
+                                max_concurrency=s.max_concurrency, retry_budget_s=s.retry_budget_s,
+                                max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
+                                backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
+                                health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs)
+    sync = None
+    if s.weight_sync != "none":
+        # A sync waits for a restarting server as long as a sample would.
+        sync = WeightSyncConfig(mode=s.weight_sync, bucket_bytes=s.weight_sync_bucket_mb << 20,
+                                server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
+                                master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s)
+    name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
+    return sglang_engine(ddp, groups, client, sync, name_map=name_map)
