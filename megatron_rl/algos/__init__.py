@@ -16,7 +16,7 @@ Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``loss`` (en
 ``validation``.
 """
 
-from megatron_rl.algos.advantages import (
+from .advantages import (
     ADVANTAGE_ESTIMATORS,
     compute_advantages,
     dr_grpo_advantages_S,
@@ -25,15 +25,15 @@ from megatron_rl.algos.advantages import (
     rloo_advantages_S,
     token_returns_T,
 )
-from megatron_rl.algos.aggregation import aggregate_loss, kept_counts
-from megatron_rl.algos.config import ObjectiveConfig, ObjectiveConfigError
-from megatron_rl.algos.kl import kl_estimate_T, kl_reward_penalty_T
-from megatron_rl.algos.loss import policy_loss
-from megatron_rl.algos.masks import build_loss_mask
-from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
-from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
-from megatron_rl.algos.shaping import dynamic_sampling_keep_S, soft_overlong_penalty_S
-from megatron_rl.algos.validation import InputError
+from .aggregation import aggregate_loss, kept_counts
+from .config import ObjectiveConfig, ObjectiveConfigError
+from .kl import kl_estimate_T, kl_reward_penalty_T
+from .loss import policy_loss
+from .masks import build_loss_mask
+from .presets import OBJECTIVE_PRESETS, get_preset
+from .segments import seq_ids_from_cu_seqlens
+from .shaping import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from .validation import InputError
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",

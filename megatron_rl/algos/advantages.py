@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.kl import kl_reward_penalty_T
-from megatron_rl.algos.segments import segment_count, segment_first_index, segment_sum
-from megatron_rl.algos.validation import (
+from .kl import kl_reward_penalty_T
+from .segments import segment_count, segment_first_index, segment_sum
+from .validation import (
     InputError,
     check_shapes,
     finite_checks,
@@ -50,10 +50,10 @@ from megatron_rl.algos.validation import (
     range_check,
     run_value_checks,
 )
-from megatron_rl.registry import Registry
+from ..registry import Registry
 
 if TYPE_CHECKING:
-    from megatron_rl.algos.config import ObjectiveConfig
+    from .config import ObjectiveConfig
 
 
 @dataclass(frozen=True)

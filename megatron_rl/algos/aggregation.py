@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.segments import KeptTokens
+from .segments import KeptTokens
 
 Count = int | float | Tensor | None
 

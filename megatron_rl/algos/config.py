@@ -17,8 +17,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from megatron_rl.algos.advantages import ADVANTAGE_ESTIMATORS
-from megatron_rl.algos.log_ratio import DEFAULT_LOG_RATIO_CLAMP
+from .advantages import ADVANTAGE_ESTIMATORS
+from .log_ratio import DEFAULT_LOG_RATIO_CLAMP
 
 RATIO_UNITS = ("token", "sequence", "sequence_token", "geometric", "none")
 GATES = ("clip", "soft", "cispo", "none")

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.log_ratio import DEFAULT_LOG_RATIO_CLAMP, clamp_log_ratio
+from .log_ratio import DEFAULT_LOG_RATIO_CLAMP, clamp_log_ratio
 
 
 def kl_estimate_T(

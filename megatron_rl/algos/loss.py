@@ -39,14 +39,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.aggregation import Count, aggregate_kept
-from megatron_rl.algos.config import ObjectiveConfig
-from megatron_rl.algos.kl import kl_estimate_T
-from megatron_rl.algos.log_ratio import exp_log_ratio
-from megatron_rl.algos.masks import build_loss_mask
-from megatron_rl.algos.segments import KeptTokens, segment_sum
-from megatron_rl.algos.surrogate import SurrogateOut, compute_surrogate, rspo_weights_gated_term
-from megatron_rl.algos.validation import (
+from .aggregation import Count, aggregate_kept
+from .config import ObjectiveConfig
+from .kl import kl_estimate_T
+from .log_ratio import exp_log_ratio
+from .masks import build_loss_mask
+from .segments import KeptTokens, segment_sum
+from .surrogate import SurrogateOut, compute_surrogate, rspo_weights_gated_term
+from .validation import (
     InputError,
     check_shapes,
     finite_checks,
@@ -54,7 +54,7 @@ from megatron_rl.algos.validation import (
     id_checks,
     run_value_checks,
 )
-from megatron_rl.algos.weights import floor_router_shift_T, mismatch_log_ratio_T, mismatch_weight_T
+from .weights import floor_router_shift_T, mismatch_log_ratio_T, mismatch_weight_T
 
 
 def policy_loss(

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.config import ObjectiveConfig
-from megatron_rl.algos.order_stats import kth_smallest, top_k_mask
-from megatron_rl.algos.validation import InputError
+from .config import ObjectiveConfig
+from .order_stats import kth_smallest, top_k_mask
+from .validation import InputError
 
 # rho * N is computed in float64; 0.7 * 10 = 7.000000000000001 must still give k = 7.
 _CEIL_SLACK = 1e-9

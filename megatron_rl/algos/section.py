@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from megatron_rl.algos.config import ObjectiveConfig, ObjectiveConfigError
-from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
+from .config import ObjectiveConfig, ObjectiveConfigError
+from .presets import OBJECTIVE_PRESETS, get_preset
 
 FROM_PRESET = "preset"
 """Value of an option left to the preset (the default of every option)."""

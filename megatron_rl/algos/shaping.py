@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.segments import segment_amin_amax
+from .segments import segment_amin_amax
 
 
 def soft_overlong_penalty_S(lengths_S: Tensor, max_len: int, cache_len: int) -> Tensor:

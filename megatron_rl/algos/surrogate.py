@@ -54,9 +54,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.config import ObjectiveConfig
-from megatron_rl.algos.log_ratio import exp_log_ratio
-from megatron_rl.algos.segments import KeptTokens, segment_sum
+from .config import ObjectiveConfig
+from .log_ratio import exp_log_ratio
+from .segments import KeptTokens, segment_sum
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ import math
 import torch
 from torch import Tensor
 
-from megatron_rl.algos.config import ObjectiveConfig
-from megatron_rl.algos.log_ratio import exp_log_ratio
-from megatron_rl.algos.segments import KeptTokens
+from .config import ObjectiveConfig
+from .log_ratio import exp_log_ratio
+from .segments import KeptTokens
 
 
 def floor_router_shift_T(gamma_T: Tensor, gamma_min: float) -> Tensor:

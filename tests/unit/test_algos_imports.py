@@ -23,14 +23,18 @@ FORBIDDEN = (
 )
 
 
-def _imports(path: Path) -> list[str]:
+def _imports(path: Path, package: str = "megatron_rl.algos") -> list[str]:
+    """Absolute names of everything ``path`` imports; relative imports are resolved against
+    ``package``, so ``from ..parallel import comm`` counts as ``megatron_rl.parallel.comm``."""
     names = []
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.append(node.module)
-            names += [f"{node.module}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.append(module)
+            names += [f"{module}.{alias.name}" for alias in node.names]
     return names
 
 
@@ -50,6 +54,7 @@ def test_scanner_catches_forbidden_imports(tmp_path):
     sample.write_text(
         "import torch.distributed as dist\nfrom megatron.core import mpu\nimport requests\n"
         "from torch import distributed\nfrom megatron_rl.algos import loss\n"
+        "from ..parallel import comm\nfrom .. import config\nfrom .kl import kl_estimate_T\n"
     )
     found = [n for n in _imports(sample) if _forbidden(n)]
     assert found == [
@@ -58,6 +63,9 @@ def test_scanner_catches_forbidden_imports(tmp_path):
         "megatron.core.mpu",
         "requests",
         "torch.distributed",
+        "megatron_rl.parallel",
+        "megatron_rl.parallel.comm",
+        "megatron_rl.config",
     ]
 
 
