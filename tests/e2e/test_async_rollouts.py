@@ -20,7 +20,6 @@ step 3 bit for bit (A scored its rewards in the generation thread, B after loadi
 
 import os
 import signal
-import sys
 import threading
 import time
 from pathlib import Path
@@ -29,9 +28,9 @@ import pytest
 import torch
 
 from megatron_rl.config import RunConfig, load_config, to_dict
-from megatron_rl.parallel.world import free_port, run_world
+from megatron_rl.parallel.world import run_world
 from megatron_rl.rollout.sglang_client import request_json
-from megatron_rl.rollout.sglang_server import ManagedServer
+from protocol_servers import running_protocol_server
 
 pytestmark = pytest.mark.parallel
 
@@ -51,15 +50,7 @@ PER_RANK = 2 * 4
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    command = [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG),
-               "--port", str(port), "--threads", "1", "--max-batch", "1"]
-    srv = ManagedServer(command, f"http://127.0.0.1:{port}", env={"PYTHONWARNINGS": "ignore"},
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    srv.start()
-    srv.wait_healthy(timeout_s=180, poll_s=0.2)
-    yield srv
-    srv.stop()
+    yield from running_protocol_server(tmp_path_factory.mktemp("server"), "--max-batch", "1")
 
 
 class _Recorder:
@@ -113,8 +104,6 @@ def _kill_during_background_generation(trainer, url: str, pid: int) -> None:
 
 
 def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
-    import torch.distributed as dist
-
     from megatron_rl.config import from_dict
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -29,27 +28,16 @@ from megatron_rl.rollout.sglang_client import (
     request_json,
 )
 from megatron_rl.rollout.sglang_server import ManagedServer, ServerStartError, SGLangServerConfig, build_command
+from protocol_servers import running_protocol_server
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
 QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
-def protocol_server_command(port: int) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG),
-            "--port", str(port), "--weight-version", "0", "--threads", "1"]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = free_port()
-    srv = ManagedServer(protocol_server_command(port), f"http://127.0.0.1:{port}", env=QUIET,
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    srv.start()
-    srv.wait_healthy(timeout_s=180, poll_s=0.2)
-    yield srv
-    srv.stop()
+    yield from running_protocol_server(tmp_path_factory.mktemp("server"), "--weight-version", "0")
 
 
 def _prompts(n: int) -> list[list[int]]:

@@ -9,10 +9,8 @@ a bounded time, and that the counters say what happened.
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -29,9 +27,8 @@ from megatron_rl.rollout.sglang_client import (
     request_json,
 )
 from megatron_rl.rollout.sglang_engine import STEP_METRICS, SGLangEngine
-from megatron_rl.rollout.sglang_server import ManagedServer
+from protocol_servers import running_protocol_server
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
 
@@ -39,15 +36,7 @@ PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A protocol server launched at weight version "0", as a restarted one comes back."""
-    port = free_port()
-    command = [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG),
-               "--port", str(port), "--weight-version", "0", "--threads", "1"]
-    srv = ManagedServer(command, f"http://127.0.0.1:{port}", env={"PYTHONWARNINGS": "ignore"},
-                        log_path=tmp_path_factory.mktemp("server") / "server.log")
-    srv.start()
-    srv.wait_healthy(timeout_s=180, poll_s=0.2)
-    yield srv
-    srv.stop()
+    yield from running_protocol_server(tmp_path_factory.mktemp("server"), "--weight-version", "0")
 
 
 def _prompts(n: int) -> list[list[int]]:

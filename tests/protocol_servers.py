@@ -1,0 +1,31 @@
+"""A protocol server (SGLang's HTTP protocol over a local engine) in its own process, for
+the e2e tests that need one running for a whole module."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+from megatron_rl.parallel.world import free_port
+from megatron_rl.rollout.sglang_server import ManagedServer
+
+DEMO_TASK = Path(__file__).resolve().parents[1] / "configs" / "demo_task.yaml"
+
+
+def protocol_server_command(port: int, *extra: str, config: Path = DEMO_TASK) -> list[str]:
+    """The server's command line: one torch thread, then ``extra`` arguments."""
+    return [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(config),
+            "--port", str(port), "--threads", "1", *extra]
+
+
+def running_protocol_server(log_dir: Path, *extra: str) -> Iterator[ManagedServer]:
+    """Yields a healthy server (warnings off, log in ``log_dir``) and stops it afterwards;
+    a module fixture's body: ``yield from running_protocol_server(...)``."""
+    port = free_port()
+    srv = ManagedServer(protocol_server_command(port, *extra), f"http://127.0.0.1:{port}",
+                        env={"PYTHONWARNINGS": "ignore"}, log_path=log_dir / "server.log")
+    srv.start()
+    srv.wait_healthy(timeout_s=180, poll_s=0.2)
+    yield srv
+    srv.stop()
