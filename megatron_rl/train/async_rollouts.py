@@ -162,9 +162,9 @@ class AsyncRollouts:
 
     # ------------------------------------------------------------------ the step
 
-    def take(self, step: int, state: TrainerState, metrics: dict) -> tuple[list, list] | None:
-        """Step ``step``'s first round (problems, samples) if it was generated ahead, else
-        None; either way the servers hold the trainer's weights when this returns. Adds
+    def take(self, step: int, state: TrainerState, metrics: dict) -> tuple[list, list, dict | None] | None:
+        """Step ``step``'s first round (problems, samples, rewards already scored by index) if
+        it was generated ahead, else None; either way the servers hold the trainer's weights when this returns. Adds
         ``time/rollout_join`` (waiting for the batch) and ``time/weight_sync`` to ``metrics``."""
         batch, self.next = self.next, None
         if batch is not None and batch.step != step:
