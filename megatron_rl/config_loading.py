@@ -1,8 +1,8 @@
 """Generic loading of nested config dataclasses: strict types, dotted overrides, merging.
 
 Owns the mechanics only (mapping -> dataclass with unknown keys and wrong types rejected,
-``key.path=value`` parsing, dict merging); the sections and their rules live in
-``megatron_rl.config``.
+``key.path=value`` parsing, dict merging, :func:`require`); the sections live with their
+owners (``megatron_rl.sections`` for the shared ones) and ``megatron_rl.config`` composes them.
 """
 
 from __future__ import annotations
@@ -19,6 +19,12 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, mistyped or breaks a rule."""
+
+
+def require(ok: bool, key: str, rule: str) -> None:
+    """Raise :class:`ConfigError` ``"<key>: <rule>"`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}: {rule}")
 
 
 def _field_types(cls: type) -> dict[str, Any]:

@@ -48,10 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
-from megatron_rl.config import ConfigError, RunConfig, validate_layout
-from megatron_rl.train.prepare import check_inputs, load_run_config
+from megatron_rl.config import RunConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.fp8 import Fp8Environment, check_fp8
-from megatron_rl.rollout.sglang_server import FAILED_SUFFIX, parent_death_signal
+from megatron_rl.rollout.sglang.server import FAILED_SUFFIX, parent_death_signal
+from megatron_rl.sections import validate_layout
+from megatron_rl.train.prepare import check_inputs, load_run_config
 
 DEFAULT_ENTRY = "megatron_rl.train.main"
 """Module every worker runs unless ``--entry`` names another."""
@@ -332,7 +334,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--entry", default=DEFAULT_ENTRY, help="module or .py script each worker runs")
     parser.add_argument("--sglang", metavar="ARGS", default=None,
                         help="also run an SGLang server on this node for the rollouts (colocated, weights "
-                             "through /update_weights_from_tensor); ARGS are megatron_rl.rollout.sglang_server's "
+                             "through /update_weights_from_tensor); ARGS are megatron_rl.rollout.sglang.server's "
                              "options, e.g. --sglang='--model-path /ckpt/hf --tp-size 8 --mem-fraction-static 0.4'")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command; start nothing")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides; arguments after -- go to the entry")
@@ -414,7 +416,7 @@ def colocated_sglang(plan: LaunchPlan, cfg: RunConfig, server_args: str) -> tupl
     url_dir = Path(cfg.train.run_dir) / "sglang_urls" / plan.rdzv_id
     own = ["--url-file", str(url_dir / plan.node_name),
            "--log-file", str(plan.log_file.parent / f"sglang-{plan.node_name}.log")]
-    command = [sys.executable, "-m", "megatron_rl.rollout.sglang_server", *own, *shlex.split(server_args)]
+    command = [sys.executable, "-m", "megatron_rl.rollout.sglang.server", *own, *shlex.split(server_args)]
     overrides = ["rollout.engine=sglang", "rollout.sglang.urls=[]", f"rollout.sglang.url_dir={url_dir}",
                  f"rollout.sglang.num_servers={plan.nnodes}", "rollout.sglang.weight_sync=tensor"]
     return command, overrides

@@ -25,7 +25,7 @@ from pathlib import Path
 # Without TE/apex megatron-core warns about its torch fallbacks at import; expected here.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-from megatron_rl.config import ParallelConfig, load_config  # noqa: E402
+from megatron_rl.config import load_config  # noqa: E402
 from megatron_rl.parallel.layout_check import (  # noqa: E402
     LayoutRun,
     compare,
@@ -34,6 +34,7 @@ from megatron_rl.parallel.layout_check import (  # noqa: E402
     random_sequences,
 )
 from megatron_rl.parallel.world import run_world  # noqa: E402
+from megatron_rl.sections import ParallelConfig  # noqa: E402
 
 LOGIT_TOL = 1e-5
 GRAD_TOL = 1e-4

@@ -35,7 +35,12 @@ from typing import Callable, Iterable
 import torch
 
 from megatron_rl.parallel.mcore_compat import override_routing
-from moe_routing.scores import dispatched_by_score, router_log_scores, same_expert_set, selection_topk
+from moe_routing.scores import (
+    dispatched_by_score,
+    router_log_scores,
+    same_expert_set,
+    selection_topk,
+)
 from moe_routing.types import compact_id_dtype
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+
 from megatron_rl.parallel import mcore_compat as mc
 from moe_routing.layout import local_ids_per_call
 from moe_routing.record import find_routers

@@ -96,9 +96,9 @@ def build_pretrained(use_te: bool, dtype: str, groups):
     from megatron_rl.checkpoint.hf_io import HFCheckpoint
     from megatron_rl.checkpoint.mapping import ARCHITECTURES
     from megatron_rl.checkpoint.megatron_io import fill_from_hf
-    from megatron_rl.config import ParallelConfig
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.schedule import wrap_for_training
+    from megatron_rl.sections import ParallelConfig
 
     cfg = model_config_from_hf(read_config(CHECKPOINT), dtype)
     model = build_model(cfg, ParallelConfig(), use_te=use_te, moe_enable_routing_replay=True)
@@ -154,7 +154,11 @@ def r2_step_comparison(model, ddp, groups, samples: list[torch.Tensor]) -> dict:
     """One R2 RSPO step on the packed batch vs the same step one sample per micro-batch."""
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.parallel.logprobs import compute_logprobs
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
 
     prompts = [PROMPT_TOKENS] * len(samples)
     old = compute_logprobs(ddp, groups, samples, prompts, micro_batch_sequences=len(samples), record_routing=True)
@@ -197,9 +201,9 @@ def run_checks(use_te: bool, dtype: str, groups) -> dict:
 
 def cpu_worker(dtypes: tuple[str, ...]) -> dict:
     """One-rank CPU world body: the checks on the local spec, per dtype."""
-    from megatron_rl.config import ParallelConfig
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.sections import ParallelConfig
 
     with cpu_platform(), model_parallel(ParallelConfig(), seed=1234) as groups:
         return {dtype: run_checks(use_te=False, dtype=dtype, groups=groups) for dtype in dtypes}

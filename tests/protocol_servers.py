@@ -8,14 +8,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from megatron_rl.parallel.world import free_port
-from megatron_rl.rollout.sglang_server import ManagedServer
+from megatron_rl.rollout.sglang.server import ManagedServer
 
 DEMO_TASK = Path(__file__).resolve().parents[1] / "configs" / "demo_task.yaml"
 
 
 def protocol_server_command(port: int, *extra: str, config: Path = DEMO_TASK) -> list[str]:
     """The server's command line: one torch thread, then ``extra`` arguments."""
-    return [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(config),
+    return [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(config),
             "--port", str(port), "--threads", "1", *extra]
 
 

@@ -128,7 +128,7 @@ def _trainer_run_dir(run_dir: Path, megatron: Path) -> Path:
     """
     import torch
 
-    from megatron_rl.config import to_dict
+    from megatron_rl.config_loading import to_dict
     from megatron_rl.train.prepare import load_run_config
 
     step = Path(shutil.copytree(megatron, run_dir / "checkpoints" / "step_000002"))

@@ -49,13 +49,13 @@ def _free_port() -> int:
 
 
 def _start_server(port: int, args, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.protocol_server", "--config", str(CONFIG), "--port", str(port),
+    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(CONFIG), "--port", str(port),
            "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    from megatron_rl.rollout.sglang_client import probe_servers
+    from megatron_rl.rollout.sglang.client import probe_servers
 
     probe_servers([f"http://127.0.0.1:{port}"], timeout_s=5, wait_s=300, poll_s=0.5)
     return proc

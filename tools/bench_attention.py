@@ -88,13 +88,14 @@ def _rss_bytes() -> int:
 def _case_in_world(path: str, tokens: int, dtype_name: str, repeats: int, seed: int, save: str | None) -> dict:
     """One case, inside a one-rank gloo world: timings, peak memory, and optionally the outputs."""
     import torch
-    from megatron_rl.config import ModelConfig, ParallelConfig
-    from megatron_rl.parallel.mcore_compat import AttnMaskType, DotProductAttention
+
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.mcore_compat import AttnMaskType, DotProductAttention
     from megatron_rl.parallel.model import build_transformer_config
     from megatron_rl.parallel.packed_attention import PackedCoreAttention
     from megatron_rl.parallel.packing import pack_sequences
+    from megatron_rl.sections import ModelConfig, ParallelConfig
 
     dtype = getattr(torch, dtype_name)
     model = ModelConfig(

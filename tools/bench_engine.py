@@ -37,9 +37,9 @@ def _bench(batch: int, new_tokens: int, engines: list[str]) -> dict:
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.local.embedded import EmbeddedEngine
+    from megatron_rl.rollout.local.hf_engine import HFEngine
     from megatron_rl.train.init_weights import load_initial_weights
     from megatron_rl.train.prepare import load_run_config, run_tokenizer
 

@@ -127,14 +127,18 @@ def _worker(mode: str, responses: int, seed: int, per_micro_batch: int, budget: 
 
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.checkpoint.hf_config import model_config_from_hf
-    from megatron_rl.config import OptimConfig, ParallelConfig
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import compute_logprobs, pack_for_rank
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
     from megatron_rl.parallel.schedule import wrap_for_training
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
+    from megatron_rl.sections import OptimConfig, ParallelConfig
 
     model_cfg = model_config_from_hf(json.loads(ASSET_CONFIG.read_text()), "float32")
     model_cfg = dataclasses.replace(model_cfg, max_position_embeddings=MAX_PROMPT + MAX_RESPONSE)

@@ -20,8 +20,8 @@ import torch
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-from megatron_rl.config import ModelConfig, ParallelConfig  # noqa: E402
 from megatron_rl.parallel.world import run_world  # noqa: E402
+from megatron_rl.sections import ModelConfig, ParallelConfig  # noqa: E402
 
 # (name, MoE layers L, top-K, experts E) of public checkpoints, for the size comparison.
 PUBLISHED_SHAPES = [

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
+from ..registry import Registry
 from .kl import kl_reward_penalty_T
 from .segments import segment_count, segment_first_index, segment_sum
 from .validation import (
@@ -50,10 +51,18 @@ from .validation import (
     range_check,
     run_value_checks,
 )
-from ..registry import Registry
 
-if TYPE_CHECKING:
-    from .config import ObjectiveConfig
+
+class AdvantageSettings(Protocol):
+    """The objective fields the estimators read (``ObjectiveConfig`` has them all); a protocol
+    so that this module does not import the config, which lists the estimators registered here."""
+
+    advantage: str
+    std_estimator: Literal["population", "sample"]
+    adv_std_eps: float
+    whiten_eps: float
+    kl_in_reward_coef: float
+    check_inputs: bool
 
 
 @dataclass(frozen=True)
@@ -85,7 +94,7 @@ class AdvantageBatch:
         )
 
 
-AdvantageEstimator = Callable[[AdvantageBatch, "ObjectiveConfig"], Tensor]
+AdvantageEstimator = Callable[[AdvantageBatch, AdvantageSettings], Tensor]
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
 
@@ -201,7 +210,7 @@ def masked_whiten_T(
 
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
-def _grpo(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _grpo(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     adv_S = grpo_advantages_S(
         batch.total_rewards_S(),
         batch.group_ids_S,
@@ -213,28 +222,28 @@ def _grpo(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("dr_grpo")
-def _dr_grpo(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _dr_grpo(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     return dr_grpo_advantages_S(batch.total_rewards_S(), batch.group_ids_S, batch.num_groups)[
         batch.seq_ids_T
     ]
 
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
-def _rloo(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _rloo(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     return rloo_advantages_S(batch.total_rewards_S(), batch.group_ids_S, batch.num_groups)[
         batch.seq_ids_T
     ]
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce")
-def _reinforce(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _reinforce(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     return token_returns_T(
         batch.rewards_S, batch.seq_ids_T, batch.loss_mask_T, batch.token_rewards_T
     )
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp")
-def _reinforce_pp(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _reinforce_pp(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     returns_T = token_returns_T(
         batch.rewards_S, batch.seq_ids_T, batch.loss_mask_T, batch.token_rewards_T
     )
@@ -244,7 +253,7 @@ def _reinforce_pp(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
-def _reinforce_pp_baseline(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tensor:
+def _reinforce_pp_baseline(batch: AdvantageBatch, cfg: AdvantageSettings) -> Tensor:
     centred_S = dr_grpo_advantages_S(batch.total_rewards_S(), batch.group_ids_S, batch.num_groups)
     return masked_whiten_T(
         centred_S[batch.seq_ids_T],
@@ -255,7 +264,7 @@ def _reinforce_pp_baseline(batch: AdvantageBatch, cfg: ObjectiveConfig) -> Tenso
 
 
 def compute_advantages(
-    cfg: ObjectiveConfig,
+    cfg: AdvantageSettings,
     *,
     rewards_S: Tensor,
     group_ids_S: Tensor,

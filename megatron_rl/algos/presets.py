@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 from typing import Any
 
-from .config import ObjectiveConfig, ObjectiveConfigError
 from ..registry import Registry
+from .config import ObjectiveConfig, ObjectiveConfigError
 
 OBJECTIVE_PRESETS: Registry[Callable[[], ObjectiveConfig]] = Registry("objective preset")
 

@@ -14,6 +14,7 @@ Imports here stay free of Megatron so that validation and FP8 export run without
 """
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, MIXTRAL, QWEN3_MOE, Architecture, WeightRule
+from megatron_rl.checkpoint.families import ARCHITECTURES, MIXTRAL, QWEN3_MOE
+from megatron_rl.checkpoint.weight_rules import Architecture, WeightRule
 
 __all__ = ["ARCHITECTURES", "MIXTRAL", "QWEN3_MOE", "Architecture", "CheckpointMismatchError", "WeightRule"]

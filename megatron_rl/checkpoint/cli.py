@@ -24,8 +24,9 @@ from typing import Callable, Iterator, Sequence
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.local_world import one_line
-from megatron_rl.config import ConfigError, ParallelConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel.world import WorldError
+from megatron_rl.sections import ParallelConfig
 
 TRACEBACK_ENV = "MEGATRON_RL_TRACEBACK"
 _QUIET = "ignore::UserWarning,ignore::FutureWarning,ignore::DeprecationWarning"
@@ -174,7 +175,12 @@ def megatron_to_hf_main(argv: Sequence[str] | None = None) -> int:
 def parity_main(argv: Sequence[str] | None = None) -> int:
     """``logprob_parity --hf DIR --megatron DIR [--prompts FILE | --random-prompts N]``."""
     from megatron_rl.checkpoint.convert import read_export_source
-    from megatron_rl.checkpoint.parity import ParityTolerances, check_parity, load_prompts, random_prompts
+    from megatron_rl.checkpoint.parity import (
+        ParityTolerances,
+        check_parity,
+        load_prompts,
+        random_prompts,
+    )
 
     parser = _parser("megatron-rl-logprob-parity", "Log-prob and routing parity: transformers vs Megatron")
     parser.add_argument("--hf", required=True, help="HF checkpoint directory")

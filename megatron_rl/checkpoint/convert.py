@@ -50,7 +50,11 @@ from megatron_rl.checkpoint.inputs import (
     read_json,
     remove_created_parents,
 )
-from megatron_rl.checkpoint.local_world import check_layout, minimal_world_size, run_local
+from megatron_rl.checkpoint.local_world import (
+    check_layout,
+    minimal_world_size,
+    run_local,
+)
 from megatron_rl.checkpoint.mapping import (
     ARCHITECTURES,
     Architecture,
@@ -65,7 +69,8 @@ from megatron_rl.checkpoint.trainer_source import (
     is_trainer_checkpoint,
     read_trainer_model,
 )
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, from_dict
+from megatron_rl.config_loading import ConfigError, from_dict
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 RECORD_NAME = "conversion.json"
 HF_FILES_DIR = "hf_files"

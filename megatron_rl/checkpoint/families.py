@@ -1,12 +1,13 @@
-"""HF tables and config translation of DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5 and Qwen2-MoE.
+"""HF weight tables of every supported family (Qwen3-MoE, Mixtral, DeepSeek-V3 with Kimi-K2 and
+Moonlight, GLM-4.5, Qwen2-MoE) and the config translation of the families past the first two.
 
 Shape legend as in :mod:`megatron_rl.checkpoint.mapping`, plus: ffn (a dense layer's MLP
 width), shared_ffn (the shared expert's width), q_lora / kv_lora (MLA latent ranks), mla_q
 (heads x (nope + rope) query channels), mla_kv_down (kv_lora + rope), mla_kv_up (heads x
 (nope + v)), mla_o (heads x v).
 
-Owns: the three architectures' weight tables (registered in ``mapping.ARCHITECTURES``) and
-the config.json keys that describe their features (multi-latent attention, YaRN, dense
+Owns: the weight tables, built from shared rows (embedding and norms, attention, experts) and
+registered in :data:`ARCHITECTURES`, and the config.json keys that describe their features (multi-latent attention, YaRN, dense
 first layers, shared experts, sigmoid routing with an expert-score-correction bias, group-
 limited top-K, routed scaling, partial rotary embeddings, QKV biases). Everything a config
 says that the Megatron model would compute differently stops here, naming the key:
@@ -33,8 +34,10 @@ import re
 from typing import Any, Iterable
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, Architecture, _rule
-from megatron_rl.config import ModelConfig
+from megatron_rl.checkpoint.weight_rules import Architecture
+from megatron_rl.checkpoint.weight_rules import weight_rule as _rule
+from megatron_rl.registry import Registry
+from megatron_rl.sections import ModelConfig
 
 _L = "decoder.layers.{layer}."
 _H = "model.layers.{layer}."
@@ -49,18 +52,22 @@ _EMBEDDING_AND_NORMS = (
     _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
 )
 
-_GQA_WITH_BIAS = (
+_QKV_AND_OUTPUT = (
     _rule(
         _A + "linear_qkv.weight",
         (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
         (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), fuse="qkv", tp_axis=0, fp8=True,
     ),
+    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "q"), tp_axis=1, fp8=True),
+)
+
+_GQA_WITH_BIAS = (
+    *_QKV_AND_OUTPUT,
     _rule(
         _A + "linear_qkv.bias",
         (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
         (("q",), ("kv",), ("kv",)), fuse="qkv", tp_axis=0, needs="qkv_bias",
     ),
-    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "q"), tp_axis=1, fp8=True),
     _rule(_A + "q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",), needs="qk_norm"),
     _rule(_A + "k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",), needs="qk_norm"),
 )
@@ -92,12 +99,12 @@ _DENSE_MLP = (
 )
 
 
-def _experts(hf_expert: str) -> tuple:
+def _experts(hf_expert: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> tuple:
     return (
         _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-              (hf_expert + "gate_proj.weight", hf_expert + "up_proj.weight"),
+              (hf_expert + gate + ".weight", hf_expert + up + ".weight"),
               ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="moe"),
-        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + "down_proj.weight",
+        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + down + ".weight",
               ("hidden", "expert_ffn"), tp_axis=1, fp8=True, layers="moe"),
     )
 
@@ -335,6 +342,42 @@ def _write_qwen2_moe(model: ModelConfig) -> dict[str, Any]:
 
 _COMMON_UNSUPPORTED = {"tie_word_embeddings": False, "hidden_act": "silu"}
 
+QWEN3_MOE = Architecture(
+    name="qwen3_moe",
+    hf_class="Qwen3MoeForCausalLM",
+    # transformers 5 writes num_local_experts; Hub checkpoints carry num_experts.
+    experts_keys=("num_experts", "num_local_experts"),
+    expert_ffn_key="moe_intermediate_size",
+    norm_topk_key="norm_topk_prob",
+    qk_layernorm=True,
+    supported_values={
+        **_COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+        "use_sliding_window": False,
+    },
+    rules=(
+        *_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS,
+        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
+        *_experts(_H + "mlp.experts.{expert}."),
+    ),
+)
+
+MIXTRAL = Architecture(
+    name="mixtral",
+    hf_class="MixtralForCausalLM",
+    experts_keys=("num_local_experts",),
+    expert_ffn_key="intermediate_size",
+    # Mixtral always renormalizes its top-K softmax weights.
+    norm_topk_key=None,
+    qk_layernorm=False,
+    supported_values={**_COMMON_UNSUPPORTED, "sliding_window": None, "attention_bias": False},
+    rules=(
+        *_EMBEDDING_AND_NORMS, *_QKV_AND_OUTPUT,
+        _rule(_L + "mlp.router.weight", _H + "block_sparse_moe.gate.weight", ("experts", "hidden")),
+        # w1 is the gate projection, w3 the up projection, w2 the down projection.
+        *_experts(_H + "block_sparse_moe.experts.{expert}.", gate="w1", up="w3", down="w2"),
+    ),
+)
+
 DEEPSEEK_V3 = Architecture(
     name="deepseek_v3",
     hf_class="DeepseekV3ForCausalLM",
@@ -394,7 +437,9 @@ QWEN2_MOE = Architecture(
 # that engines can tell them apart); transformers itself knows it only as deepseek_v3.
 KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2")
 
-for _arch in (DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE):
+ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
+"""Every supported HF ``model_type`` and its table."""
+for _arch in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE):
     ARCHITECTURES.register(_arch.name)(_arch)
 
 

@@ -31,9 +31,16 @@ from pathlib import Path
 import torch
 
 from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
-from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardPlan, ShardWriter, atomic_output_dir, copy_files
-from megatron_rl.checkpoint.mapping import Architecture, all_weights
-from megatron_rl.config import ModelConfig
+from megatron_rl.checkpoint.hf_io import (
+    HFCheckpoint,
+    ShardPlan,
+    ShardWriter,
+    atomic_output_dir,
+    copy_files,
+)
+from megatron_rl.checkpoint.mapping import all_weights
+from megatron_rl.checkpoint.weight_rules import Architecture
+from megatron_rl.sections import ModelConfig
 
 BLOCK = 128
 E4M3_MAX = 448.0

@@ -1,4 +1,4 @@
-"""HF ``config.json`` <-> :class:`~megatron_rl.config.ModelConfig`, refusing what it cannot honour.
+"""HF ``config.json`` <-> :class:`~megatron_rl.sections.model.ModelConfig`, refusing what it cannot honour.
 
 Owns: reading an HF model config as a plain dict (no transformers import, so conversion
 workers stay light), generating one for a model that has no HF origin (the inverse, used
@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.families import ARCHITECTURES
 from megatron_rl.checkpoint.inputs import read_json
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, Architecture
-from megatron_rl.config import ConfigError, ModelConfig, validate_model
+from megatron_rl.checkpoint.weight_rules import Architecture
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.registry import UnknownNameError
+from megatron_rl.sections.model import ModelConfig, validate_model
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -244,3 +246,17 @@ def _family_features_used(model: ModelConfig, arch: Architecture) -> list[str]:
         for name in names
         if getattr(model, name) != getattr(defaults, name)
     ]
+
+
+def check_architecture_holds(name: str, model: ModelConfig | None, key: str) -> None:
+    """Raise :class:`ConfigError` naming ``key`` unless ``name`` is a known HF architecture whose
+    own block computes ``model`` (its config.json checks name the model field that differs);
+    ``model`` None checks the name only."""
+    if name not in ARCHITECTURES.names():
+        raise ConfigError(f"{key}: unknown architecture {name!r}; available: {sorted(ARCHITECTURES.names())}")
+    if model is None:
+        return
+    try:
+        hf_config_from_model(name, model)
+    except CheckpointMismatchError as err:
+        raise ConfigError(f"{key}: {err}") from None

@@ -26,7 +26,12 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
-from megatron_rl.checkpoint.inputs import check_output_dir, missing_parents, read_json, remove_created_parents
+from megatron_rl.checkpoint.inputs import (
+    check_output_dir,
+    missing_parents,
+    read_json,
+    remove_created_parents,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"

@@ -20,7 +20,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from megatron_rl.checkpoint.convert import RECORD_NAME, HFSource, inspect_hf_checkpoint, read_export_source
+from megatron_rl.checkpoint.convert import (
+    RECORD_NAME,
+    HFSource,
+    inspect_hf_checkpoint,
+    read_export_source,
+)
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
 from megatron_rl.config_loading import ConfigError

@@ -20,8 +20,13 @@ from typing import Any
 import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+
 # Megatron's torch_dist format facts live with its other internals (importing it loads no Megatron).
-from megatron_rl.parallel.mcore_compat import MEGATRON_COMMON_NAME, MEGATRON_METADATA_NAME, SHARDED_OBJECT_SEPARATOR
+from megatron_rl.parallel.mcore_compat import (
+    MEGATRON_COMMON_NAME,
+    MEGATRON_METADATA_NAME,
+    SHARDED_OBJECT_SEPARATOR,
+)
 
 DCP_METADATA_NAME = ".metadata"
 

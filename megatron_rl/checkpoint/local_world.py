@@ -25,8 +25,14 @@ import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.inputs import describe_os_error
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, validate_layout, vocab_padding_hint
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel.world import WorldError, free_port, run_world
+from megatron_rl.sections import (
+    ModelConfig,
+    ParallelConfig,
+    validate_layout,
+    vocab_padding_hint,
+)
 
 _INPUT_ERRORS = (CheckpointMismatchError, ConfigError, OSError)
 

@@ -3,8 +3,8 @@
 Shape legend: V vocabulary, H hidden size, Q query width (heads x head_dim), G key/value
 width (query groups x head_dim), D head_dim, E experts per layer, F one expert's FFN width.
 
-Owns: the per-architecture tables (Qwen3-MoE, Mixtral) saying which HF tensors make each
-Megatron parameter and how (copied; Q, K, V interleaved per query group; SwiGLU gate and
+Owns: applying the per-architecture tables (:mod:`megatron_rl.checkpoint.families`), which say
+which HF tensors make each Megatron parameter and how (copied; Q, K, V interleaved per query group; SwiGLU gate and
 up stacked), which HF config keys describe the model, the shapes both sides must have for
 a :class:`~megatron_rl.config.ModelConfig`, and the pure tensor functions that fuse, split
 and tensor-parallel-shard those layouts. Megatron names are those of a TP1/EP1/PP1 model
@@ -21,204 +21,17 @@ or loss ever reads them: they are masked) and :func:`split` drops the rows past 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.config import ModelConfig
-from megatron_rl.registry import Registry
+from megatron_rl.checkpoint.families import ARCHITECTURES, MIXTRAL, QWEN3_MOE
+from megatron_rl.checkpoint.weight_rules import Architecture, WeightRule, applies
+from megatron_rl.sections import ModelConfig
 
-Fuse = Literal["copy", "qkv", "gate_up"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class WeightRule:
-    """One Megatron parameter and the HF tensors it is made of."""
-
-    megatron: str
-    """Megatron name template; ``{layer}`` and ``{expert}`` are global 0-based indices."""
-    hf: tuple[str, ...]
-    """HF name templates of the tensors that make it, in fuse order."""
-    hf_dims: tuple[tuple[str, ...], ...]
-    """Symbolic shape of each HF tensor (keys of :func:`dimensions`)."""
-    fuse: Fuse = "copy"
-    """copy: one tensor as is; qkv: Q, K, V interleaved per query group; gate_up: [gate; up]."""
-    tp_axis: int | None = None
-    """Axis of the Megatron tensor split over tensor parallelism (None: replicated)."""
-    fp8: bool = False
-    """A linear weight the FP8 export quantizes; router, norms, embeddings, output stay high precision."""
-    pads_vocab: bool = False
-    """Rows are the vocabulary: Megatron holds ``padded_vocab_size`` of them, HF ``vocab_size``."""
-    layers: Literal["all", "dense", "moe"] = "all"
-    """Layers that have it: every layer, the dense first layers only, or the MoE layers only."""
-    needs: str | None = None
-    """Model feature it exists under (a key of :data:`FEATURES`); None: always."""
-    buffer: bool = False
-    """A persistent Megatron buffer, not a parameter (the router's expert bias, never trained)."""
-
-    @property
-    def scope(self) -> Literal["model", "layer", "expert"]:
-        """Whether the rule exists once, once per layer, or once per layer and expert."""
-        if "{expert}" in self.megatron:
-            return "expert"
-        return "layer" if "{layer}" in self.megatron else "model"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Architecture:
-    """Everything about one HF model family that conversion needs."""
-
-    name: str
-    """HF ``model_type`` (the registry key)."""
-    hf_class: str
-    """transformers model class (the ``architectures`` entry of a config.json)."""
-    experts_keys: tuple[str, ...]
-    """config.json keys that may hold E (the first present one is used)."""
-    expert_ffn_key: str
-    """config.json key that holds F."""
-    norm_topk_key: str | None
-    """config.json key saying whether top-K gates are renormalized (None: always)."""
-    qk_layernorm: bool | None
-    """Per-head RMSNorm on queries and keys before RoPE (None: the config says, see ``read_extra``)."""
-    supported_values: dict[str, Any] = field(default_factory=dict)
-    """config.json keys that must hold these values (when present) for the mapping to hold."""
-    rules: tuple[WeightRule, ...]
-    """The name and layout table."""
-    score_function: Literal["softmax", "sigmoid"] = "softmax"
-    """Router score function of the family."""
-    read_extra: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    """config.json -> extra ModelConfig fields (family features); raises on what it cannot honour."""
-    write_extra: Callable[[ModelConfig], dict[str, Any]] | None = None
-    """ModelConfig -> extra config.json keys (inverse of ``read_extra``)."""
-
-
-FEATURES: dict[str, Callable[[ModelConfig], bool]] = {
-    "q_lora": lambda m: m.q_lora_rank is not None,
-    "no_q_lora": lambda m: m.q_lora_rank is None,
-    "qkv_bias": lambda m: m.add_qkv_bias,
-    "qk_norm": lambda m: m.qk_layernorm,
-    "shared_expert": lambda m: m.moe_shared_expert_intermediate_size > 0,
-    "shared_expert_gate": lambda m: m.moe_shared_expert_gate,
-    "expert_bias": lambda m: m.moe_router_enable_expert_bias,
-}
-"""Model features that decide whether a weight exists (``WeightRule.needs``)."""
-
-
-def applies(rule: WeightRule, cfg: ModelConfig, layer: int | None = None) -> bool:
-    """Whether ``rule`` makes a weight of ``cfg`` (at ``layer``, for per-layer rules)."""
-    if rule.needs is not None and not FEATURES[rule.needs](cfg):
-        return False
-    if layer is None or rule.layers == "all":
-        return True
-    return (layer < cfg.num_dense_layers) == (rule.layers == "dense")
-
-
-def _rule(megatron: str, hf: str | tuple[str, ...], dims, **kw) -> WeightRule:
-    hf = (hf,) if isinstance(hf, str) else hf
-    dims = (dims,) * len(hf) if isinstance(dims[0], str) else dims
-    return WeightRule(megatron=megatron, hf=hf, hf_dims=tuple(dims), **kw)
-
-
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_MIXTRAL_EXPERT = _H + "block_sparse_moe.experts.{expert}."
-_QKV_DIMS = (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden"))
-_VH = ("vocab", "hidden")
-_HQ = ("hidden", "q")
-
-QWEN3_MOE = Architecture(
-    name="qwen3_moe",
-    hf_class="Qwen3MoeForCausalLM",
-    # transformers 5 writes num_local_experts; Hub checkpoints carry num_experts.
-    experts_keys=("num_experts", "num_local_experts"),
-    expert_ffn_key="moe_intermediate_size",
-    norm_topk_key="norm_topk_prob",
-    qk_layernorm=True,
-    supported_values={
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
-    rules=(
-        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
-        _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
-        _rule(
-            _L + "self_attention.linear_qkv.weight",
-            (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-            _QKV_DIMS, fuse="qkv", tp_axis=0, fp8=True,
-        ),
-        _rule(
-            _L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight", _HQ, tp_axis=1, fp8=True
-        ),
-        _rule(_L + "self_attention.q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",)),
-        _rule(_L + "self_attention.k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",)),
-        _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
-        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
-        _rule(
-            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-            (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
-            ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True,
-        ),
-        _rule(
-            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-            _H + "mlp.experts.{expert}.down_proj.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
-        ),
-        _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
-    ),
-)
-
-MIXTRAL = Architecture(
-    name="mixtral",
-    hf_class="MixtralForCausalLM",
-    experts_keys=("num_local_experts",),
-    expert_ffn_key="intermediate_size",
-    # Mixtral always renormalizes its top-K softmax weights.
-    norm_topk_key=None,
-    qk_layernorm=False,
-    supported_values={
-        "sliding_window": None,
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-    },
-    rules=(
-        _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
-        _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
-        _rule(
-            _L + "self_attention.linear_qkv.weight",
-            (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-            _QKV_DIMS, fuse="qkv", tp_axis=0, fp8=True,
-        ),
-        _rule(
-            _L + "self_attention.linear_proj.weight", _H + "self_attn.o_proj.weight", _HQ, tp_axis=1, fp8=True
-        ),
-        _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
-        _rule(_L + "mlp.router.weight", _H + "block_sparse_moe.gate.weight", ("experts", "hidden")),
-        # w1 is the gate projection, w3 the up projection, w2 the down projection.
-        _rule(
-            _L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-            (_MIXTRAL_EXPERT + "w1.weight", _MIXTRAL_EXPERT + "w3.weight"),
-            ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True,
-        ),
-        _rule(
-            _L + "mlp.experts.local_experts.{expert}.linear_fc2.weight",
-            _MIXTRAL_EXPERT + "w2.weight", ("hidden", "expert_ffn"), tp_axis=1, fp8=True,
-        ),
-        _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-        _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
-    ),
-)
-
-ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
-for _arch in (QWEN3_MOE, MIXTRAL):
-    ARCHITECTURES.register(_arch.name)(_arch)
-
+__all__ = ["ARCHITECTURES", "MIXTRAL", "QWEN3_MOE", "Architecture", "WeightRule"]  # the tables, re-exported for callers
 
 @dataclass(frozen=True)
 class BoundWeight:
@@ -431,8 +244,3 @@ def tp_shard(weight: BoundWeight, full: torch.Tensor, rank: int, size: int) -> t
         gate, up = full.chunk(2, dim=0)
         return torch.cat([gate.chunk(size, dim=0)[rank], up.chunk(size, dim=0)[rank]], dim=0)
     return full.chunk(size, dim=axis)[rank]
-
-
-# DeepSeek-V3, GLM-4.5 and Qwen2-MoE live in their own module (they need the rules above)
-# and register themselves here, so that every user of ARCHITECTURES sees them.
-from megatron_rl.checkpoint import families as _families  # noqa: E402,F401

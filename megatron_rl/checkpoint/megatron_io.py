@@ -21,12 +21,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+)
 from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner_helpers import (
+    create_read_items_for_chunk_list,
+)
 from tqdm import tqdm
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
+from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardWriter
 from megatron_rl.checkpoint.mapping import (
     Architecture,
@@ -36,14 +44,15 @@ from megatron_rl.checkpoint.mapping import (
     tp_shard,
     weight_groups,
 )
-from megatron_rl.checkpoint.families import mtp_tensor_names
-from megatron_rl.checkpoint.hf_config import read_config
-from megatron_rl.parallel.te_names import canonical_name
-from megatron_rl.checkpoint.trainer_source import is_optimizer_key, is_trainer_checkpoint
-from megatron_rl.config import ModelConfig, ParallelConfig
-from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
+from megatron_rl.checkpoint.trainer_source import (
+    is_optimizer_key,
+    is_trainer_checkpoint,
+)
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
 from megatron_rl.parallel.model import build_model
+from megatron_rl.parallel.te_names import canonical_name
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")

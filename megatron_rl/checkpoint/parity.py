@@ -20,7 +20,7 @@ import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.inputs import read_json
-from megatron_rl.config import ParallelConfig
+from megatron_rl.sections import ParallelConfig
 
 if TYPE_CHECKING:
     from megatron_rl.parallel.groups import ParallelGroups
@@ -224,7 +224,11 @@ def check_parity(
 ) -> ParityReport:
     """Run both sides on ``sequences`` (HF here, Megatron in a local gloo world) and compare."""
     from megatron_rl.checkpoint.convert import inspect_hf_checkpoint, read_export_source
-    from megatron_rl.checkpoint.local_world import check_layout, minimal_world_size, run_local
+    from megatron_rl.checkpoint.local_world import (
+        check_layout,
+        minimal_world_size,
+        run_local,
+    )
 
     parallel = parallel or ParallelConfig()
     source = read_export_source(megatron_dir)

@@ -21,10 +21,15 @@ from pathlib import Path
 import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.inputs import check_dist_checkpoint, load_torch_file, read_json
+from megatron_rl.checkpoint.inputs import (
+    check_dist_checkpoint,
+    load_torch_file,
+    read_json,
+)
 from megatron_rl.checkpoint.mapping import ARCHITECTURES
-from megatron_rl.config import ConfigError, ModelConfig, from_dict
+from megatron_rl.config_loading import ConfigError, from_dict
 from megatron_rl.parallel.mcore_compat import OPTIMIZER_KEY
+from megatron_rl.sections import ModelConfig
 
 TRAINER_STATE_NAME = "trainer_state.json"
 TRAINER_STATE_KEYS = ("step", "data_position", "weight_version", "config")

@@ -5,8 +5,8 @@ Parquet) or a built-in task into tokenized :class:`PromptRecord` lists with a re
 seeded order. It does not own generation, rewards or the trainer's use of the records.
 """
 
+from megatron_rl.data.config import DataConfig, TokenizerConfig
 from megatron_rl.data.prompts import (
-    DataConfig,
     PromptRecord,
     PromptSet,
     check_data_config,
@@ -14,7 +14,6 @@ from megatron_rl.data.prompts import (
 )
 from megatron_rl.data.tokenizer import (
     PromptTokenizer,
-    TokenizerConfig,
     char_tokenizer_adapter,
     check_tokenizer_config,
     load_tokenizer,

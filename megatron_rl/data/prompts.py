@@ -5,7 +5,7 @@ Owns the data section of the run config (:class:`DataConfig`), the prompt record
 order, :func:`load_prompts` and the config-time check :func:`check_data_config`.
 
 It does not own tokenization rules (``megatron_rl.data.tokenizer``), the built-in tasks
-themselves (``megatron_rl.rollout.tasks``), rewards, or which rank uses which prompt (the
+themselves (``megatron_rl.data.tasks``), rewards, or which rank uses which prompt (the
 trainer splits the positions). Files are read with Hugging Face ``datasets``; every call
 uses its own temporary cache and keeps the table in memory, so processes reading the same
 file at once never share cache files.
@@ -27,37 +27,14 @@ from typing import Any, Literal
 import torch
 
 from megatron_rl.config_loading import ConfigError
+from megatron_rl.data.config import DataConfig
+from megatron_rl.data.tasks import TASKS, build_task
 from megatron_rl.data.tokenizer import CharPromptTokenizer, PromptTokenizer
-from megatron_rl.rollout.tasks import TASKS, TaskConfig, build_task
 
 Split = Literal["train", "eval"]
 
 _FORMAT_OF_SUFFIX = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 """Supported file suffixes and the ``datasets`` builder that reads each."""
-
-
-@dataclass(kw_only=True)
-class DataConfig:
-    """Where prompts come from."""
-
-    source: Literal["files", "task"] = "files"
-    """files: JSONL/JSON/Parquet prompt files; task: a built-in task (``megatron_rl.rollout.tasks``)."""
-    train_files: list[str] = field(default_factory=list)
-    """Training prompt files (.jsonl, .json, .parquet); at least one when source is files."""
-    eval_files: list[str] = field(default_factory=list)
-    """Held-out prompt files; optional: none gives an empty eval split."""
-    prompt_key: str = "prompt"
-    """Column of the prompt: a string, or a list of {"role", "content"} messages."""
-    answer_key: str = "answer"
-    """Column of the ground truth passed to the reward (converted with str())."""
-    id_key: str | None = "id"
-    """Column of the sample id; None or an absent column: "<file stem>:<row>"."""
-    metadata_keys: list[str] = field(default_factory=list)
-    """Extra columns passed to the reward as metadata."""
-    max_prompt_tokens: int | None = None
-    """Longer prompts (after the template) are dropped and counted; None: set by the trainer."""
-    task: TaskConfig = field(default_factory=TaskConfig)
-    """The built-in task used when source is task."""
 
 
 @dataclass(frozen=True, kw_only=True)

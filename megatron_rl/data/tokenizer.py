@@ -17,12 +17,12 @@ from __future__ import annotations
 import abc
 import json
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.rollout.tasks import CharTokenizer
+from megatron_rl.data.config import TokenizerConfig
+from megatron_rl.data.tasks import CharTokenizer
 
 Messages = list[dict[str, Any]]
 """A chat prompt: ``[{"role": ..., "content": ...}, ...]``."""
@@ -36,20 +36,6 @@ _TOKENIZER_FILES = (
     "spiece.model",
 )
 """Any one of these marks a directory as holding a Hugging Face tokenizer."""
-
-
-@dataclass(kw_only=True)
-class TokenizerConfig:
-    """Which tokenizer turns prompts into ids and responses into text."""
-
-    path: str | None = None
-    """Local directory for ``transformers.AutoTokenizer``; None: the init checkpoint's directory."""
-    chat_template: bool = True
-    """Apply the tokenizer's chat template (with generation prompt) to prompts; False: plain encode."""
-    system_prompt: str | None = None
-    """Prepended as a system message when the template is applied and the prompt has none."""
-    extra_stop_tokens: list[str] = field(default_factory=list)
-    """More strings, each a single token of the tokenizer, whose id ends a response."""
 
 
 class PromptTokenizer(abc.ABC):

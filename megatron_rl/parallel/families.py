@@ -18,7 +18,7 @@ from typing import Any
 
 from megatron.core.transformer import ModuleSpec
 
-from megatron_rl.config import ModelConfig
+from megatron_rl.sections import ModelConfig
 
 
 def family_fields(model: ModelConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from megatron_rl.config import ParallelConfig
+from megatron_rl.sections import ParallelConfig
 
 
 @dataclass(frozen=True)

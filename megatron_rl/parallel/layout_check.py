@@ -19,16 +19,25 @@ import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
 
-from megatron_rl.config import ModelConfig, ParallelConfig, validate_layout, validate_model
 from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.comm import all_gather_cat
 from megatron_rl.parallel.cpu_platform import cpu_platform
 from megatron_rl.parallel.groups import ParallelGroups, model_parallel
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
-from megatron_rl.parallel.packing import PackedMicroBatch, next_token_targets, pack_sequences
+from megatron_rl.parallel.packing import (
+    PackedMicroBatch,
+    next_token_targets,
+    pack_sequences,
+)
 from megatron_rl.parallel.schedule import run_schedule, unwrap, wrap_for_training
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+from megatron_rl.sections import (
+    ModelConfig,
+    ParallelConfig,
+    validate_layout,
+    validate_model,
+)
 
 
 @dataclass

@@ -28,10 +28,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.balance import plan_micro_batches
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.balance import plan_micro_batches
-from megatron_rl.parallel.packing import PackedMicroBatch, pack_sequences, padded_row_length, response_targets
+from megatron_rl.parallel.packing import (
+    PackedMicroBatch,
+    pack_sequences,
+    padded_row_length,
+    response_targets,
+)
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call

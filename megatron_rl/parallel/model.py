@@ -20,10 +20,15 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer import MLATransformerConfig, ModuleSpec, TransformerConfig
+from megatron.core.transformer import (
+    MLATransformerConfig,
+    ModuleSpec,
+    TransformerConfig,
+)
 
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
 from megatron_rl.parallel.mcore_compat import (
     IdentityOp,
     MLASelfAttention,
@@ -31,9 +36,9 @@ from megatron_rl.parallel.mcore_compat import (
     TransformerBlockSubmodules,
     get_gpt_decoder_block_spec,
 )
-from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
 from megatron_rl.parallel.packed_attention import PackedCoreAttention
 from megatron_rl.parallel.te_names import te_checkpoint_prefixes
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

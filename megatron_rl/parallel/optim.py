@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-from megatron_rl.config import OptimConfig
+from megatron_rl.sections import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig):

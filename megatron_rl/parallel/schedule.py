@@ -13,7 +13,11 @@ from __future__ import annotations
 from typing import Callable, Iterable, Sequence
 
 import torch
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.parallel.packing import PackedMicroBatch

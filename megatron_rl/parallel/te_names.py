@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 
-from megatron_rl.config import ModelConfig
+from megatron_rl.sections import ModelConfig
 
 _LAYER = r"^(?P<head>(?:.*\.)?layers\.\d+\.)"
 _TO_CANONICAL: tuple[tuple[re.Pattern, str], ...] = (

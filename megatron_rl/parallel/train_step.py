@@ -42,10 +42,20 @@ from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
-from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen, all_reduce, broadcast, broadcast_object
+from megatron_rl.parallel.comm import (
+    all_gather_cat,
+    all_gather_varlen,
+    all_reduce,
+    broadcast,
+    broadcast_object,
+)
 from megatron_rl.parallel.families import moe_layer_numbers
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import compute_logprobs, needs_common_length, pack_for_rank
+from megatron_rl.parallel.logprobs import (
+    compute_logprobs,
+    needs_common_length,
+    pack_for_rank,
+)
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy

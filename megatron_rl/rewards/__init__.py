@@ -24,9 +24,9 @@ truths come from (``megatron_rl.data``) nor how scores become advantages
 every reward worker process imports it.
 """
 
+from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rewards.core import (
     BUILTIN_REWARDS,
-    RewardConfig,
     RewardError,
     RewardInput,
     RewardResult,

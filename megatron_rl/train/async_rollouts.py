@@ -72,40 +72,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config_loading import ConfigError
 from megatron_rl.train.metrics import phase_timer
 
 if TYPE_CHECKING:
-    from megatron_rl.config import RunConfig
     from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.rollout.engine import RolloutSample
     from megatron_rl.rewards import RewardResult
-    from megatron_rl.rollout.sglang_engine import PendingGeneration
+    from megatron_rl.rollout.engine import RolloutSample
+    from megatron_rl.rollout.sglang.engine import PendingGeneration
     from megatron_rl.train.checkpoint import TrainerState
     from megatron_rl.train.trainer import Trainer
-
-MAX_STALENESS = 1
-"""Largest ``rollout.max_staleness`` offered: one batch in flight (see the module docstring)."""
-
-
-def check_staleness(cfg: RunConfig) -> None:
-    """Config rules of ``rollout.max_staleness`` (cheap, before any heavy work)."""
-    r = cfg.rollout
-    k = r.max_staleness
-    if not 0 <= k <= MAX_STALENESS:
-        raise ConfigError(f"rollout.max_staleness: {k} is not offered; use 0 (synchronous) or {MAX_STALENESS} "
-                          "(one batch generated while a step trains; deeper pipelines would push weights under "
-                          "requests in flight)")
-    if k == 0:
-        return
-    if r.engine != "sglang":
-        raise ConfigError(f"rollout.max_staleness: {k} needs rollout.engine=sglang (servers in their own "
-                          f"processes); rollout.engine={r.engine} generates inside the trainer's processes with "
-                          "its live weights, so it cannot generate while a step trains")
-    if r.sglang.weight_sync == "none":
-        raise ConfigError(f"rollout.max_staleness: {k} with rollout.sglang.weight_sync=none: the servers' weights "
-                          "are managed elsewhere, so no sample's version can be held to the bound")
-
 
 @dataclass
 class NextBatch:

@@ -23,7 +23,7 @@ def rollout_urls(cfg: RunConfig) -> list[str]:
     collective."""
     if cfg.rollout.engine != "sglang":
         return []
-    from megatron_rl.rollout.sglang_server import read_url_files
+    from megatron_rl.rollout.sglang.server import read_url_files
 
     s = cfg.rollout.sglang
     urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
@@ -34,7 +34,7 @@ def rollout_urls(cfg: RunConfig) -> list[str]:
 def probe_rollout_servers(cfg: RunConfig, urls: list[str]) -> None:
     """Collective: every rank probes (each model-parallel leader will send requests) and all
     fail together, with one line per unreachable server."""
-    from megatron_rl.rollout.sglang_client import RolloutRequestError, probe_servers
+    from megatron_rl.rollout.sglang.client import RolloutRequestError, probe_servers
 
     try:
         probe_servers(urls, timeout_s=cfg.rollout.sglang.health_timeout_s)
@@ -57,17 +57,17 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
     """The rollout engine the config names over the trained model ``ddp`` (collective: weight
     sync spans every rank); ``urls``: from :func:`rollout_urls`."""
     if cfg.rollout.engine == "megatron":
-        from megatron_rl.rollout.embedded import EmbeddedEngine
+        from megatron_rl.rollout.local.embedded import EmbeddedEngine
 
         return EmbeddedEngine(ddp, groups, cfg.train.micro_batch_sequences, cfg.train.micro_batch_tokens)
     if cfg.rollout.engine == "hf":
-        from megatron_rl.rollout.hf_engine import HFEngine
+        from megatron_rl.rollout.local.hf_engine import HFEngine
 
         return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype)
     # Imported here so that runs with a local engine need no HTTP client.
     from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
-    from megatron_rl.rollout.sglang_client import SGLangClientConfig
-    from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
+    from megatron_rl.rollout.sglang.client import SGLangClientConfig
+    from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
 
     s = cfg.rollout.sglang
     client = SGLangClientConfig(urls=urls, request_timeout_s=s.request_timeout_s,

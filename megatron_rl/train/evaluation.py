@@ -9,42 +9,8 @@ runs the engine and the reward scorer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from math import comb
 from typing import Sequence
-
-
-@dataclass(kw_only=True)
-class EvalConfig:
-    """Held-out evaluation on the eval prompts (every ``train.eval_every`` steps, at the start and the end)."""
-
-    num_samples: int = 1
-    """Responses per eval prompt (n)."""
-    temperature: float = 1.0
-    """Sampling temperature of those responses (0: greedy, then n must be 1)."""
-    pass_k: list[int] = field(default_factory=lambda: [1])
-    """k values reported as ``eval/pass@k`` (each k <= num_samples)."""
-    greedy: bool = True
-    """Also report ``eval/accuracy_greedy`` (one response per prompt at temperature 0)."""
-    max_prompts: int | None = None
-    """Evaluate on the first N eval prompts only (None: all of them)."""
-
-
-def check_eval_config(cfg: EvalConfig) -> list[tuple[str, str]]:
-    """Violated rules as ``(key, rule)`` pairs (empty when valid)."""
-    problems = []
-    if cfg.num_samples < 1:
-        problems.append(("eval.num_samples", "must be >= 1"))
-    if cfg.temperature < 0:
-        problems.append(("eval.temperature", "must be >= 0"))
-    if cfg.temperature == 0 and cfg.num_samples > 1:
-        problems.append(("eval.num_samples", "greedy decoding (eval.temperature=0) gives one answer; use 1"))
-    for k in cfg.pass_k:
-        if not 1 <= k <= cfg.num_samples:
-            problems.append(("eval.pass_k", f"k={k} must be between 1 and eval.num_samples ({cfg.num_samples})"))
-    if cfg.max_prompts is not None and cfg.max_prompts < 1:
-        problems.append(("eval.max_prompts", "must be >= 1 or null"))
-    return problems
 
 
 def pass_at_k(correct_per_prompt: Sequence[int], n: int, k: int) -> float:

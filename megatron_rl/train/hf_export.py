@@ -26,12 +26,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
-from megatron_rl.checkpoint.hf_io import INDEX_NAME, SINGLE_NAME, ShardPlan, ShardWriter, atomic_output_dir, tensor_bytes
+from megatron_rl.checkpoint.hf_io import (
+    INDEX_NAME,
+    SINGLE_NAME,
+    ShardPlan,
+    ShardWriter,
+    atomic_output_dir,
+    tensor_bytes,
+)
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
-from megatron_rl.config import ModelConfig
 from megatron_rl.parallel.comm import broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.rollout.weight_sync import gather_full_params
+from megatron_rl.rollout.sglang.weight_sync import gather_full_params
+from megatron_rl.sections import ModelConfig
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """transformers' default shard size for ``save_pretrained``."""

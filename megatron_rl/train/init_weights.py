@@ -20,8 +20,8 @@ from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_rl.checkpoint.init_source import InitSource
 from megatron_rl.checkpoint.megatron_io import fill_from_hf, load_megatron_model_into
-from megatron_rl.config import ModelConfig
 from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.sections import ModelConfig
 
 
 def load_initial_weights(gpt: torch.nn.Module, source: InitSource, model: ModelConfig, groups: ParallelGroups) -> None:

@@ -26,7 +26,8 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megatron_rl.config import ConfigError, RunConfig, from_dict, to_dict, validate  # noqa: E402
+from megatron_rl.config import RunConfig, validate  # noqa: E402
+from megatron_rl.config_loading import ConfigError, from_dict, to_dict  # noqa: E402
 from megatron_rl.parallel.world import (  # noqa: E402
     Stopped,
     WorldError,

@@ -17,12 +17,21 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoint, model_section
+from megatron_rl.checkpoint.hf_config import check_architecture_holds
+from megatron_rl.checkpoint.init_source import (
+    InitSource,
+    inspect_init_checkpoint,
+    model_section,
+)
 from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
 from megatron_rl.config import RunConfig, read_preset, validate
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
 from megatron_rl.data.prompts import check_data_config, load_prompts
-from megatron_rl.data.tokenizer import PromptTokenizer, check_tokenizer_config, load_tokenizer
+from megatron_rl.data.tokenizer import (
+    PromptTokenizer,
+    check_tokenizer_config,
+    load_tokenizer,
+)
 from megatron_rl.rewards import check_reward_config
 
 
@@ -63,7 +72,18 @@ def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), worl
         data["model"] = model_section(inspect_init_checkpoint(init), requested)
     cfg = from_dict(RunConfig, data)
     validate(cfg, world_size)
+    check_served_architecture(cfg)
     return cfg
+
+
+def check_served_architecture(cfg: RunConfig) -> None:
+    """SGLang servers run an HF architecture's own block: its table must exist and, when the
+    trainer pushes weights into it, compute the same model (or rollouts would silently come
+    from another policy). Needs the checkpoint tables, so it runs here, not in ``config``."""
+    s = cfg.rollout.sglang
+    if cfg.rollout.engine == "sglang":
+        pushed = cfg.model if s.weight_sync != "none" else None
+        check_architecture_holds(s.hf_architecture, pushed, "rollout.sglang.hf_architecture")
 
 
 def max_prompt_tokens(cfg: RunConfig) -> int:
@@ -75,8 +95,8 @@ def max_prompt_tokens(cfg: RunConfig) -> int:
 def run_tokenizer(cfg: RunConfig) -> PromptTokenizer:
     """The run's tokenizer (files: from ``tokenizer.path`` or the starting checkpoint)."""
     if cfg.data.source == "task":
+        from megatron_rl.data.tasks import build_task
         from megatron_rl.data.tokenizer import char_tokenizer_adapter
-        from megatron_rl.rollout.tasks import build_task
 
         return char_tokenizer_adapter(build_task(cfg.data.task).tokenizer)
     return load_tokenizer(cfg.tokenizer, cfg.init_checkpoint)
@@ -117,7 +137,10 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
 
 def _check_hf_engine(cfg: RunConfig, init: InitSource | None) -> None:
     """The hf rollout engine can build the policy as a transformers model (before any process)."""
-    from megatron_rl.rollout.hf_model import UnsupportedArchitecture, check_servable
+    from megatron_rl.rollout.local.hf_model import (
+        UnsupportedArchitecture,
+        check_servable,
+    )
 
     architecture = init.hf.architecture if init is not None else cfg.rollout.sglang.hf_architecture
     try:

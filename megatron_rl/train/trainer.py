@@ -30,10 +30,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.algos import compute_advantages, dynamic_sampling_keep_S, kl_estimate_T, soft_overlong_penalty_S
+from megatron_rl.algos import (
+    compute_advantages,
+    dynamic_sampling_keep_S,
+    kl_estimate_T,
+    soft_overlong_penalty_S,
+)
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
-from megatron_rl.config import RunConfig, resolve_objective, to_dict, validate_batch_split
+from megatron_rl.config import RunConfig, resolve_objective, validate_batch_split
+from megatron_rl.config_loading import to_dict
 from megatron_rl.data.prompts import PromptRecord, load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
@@ -48,9 +54,19 @@ from megatron_rl.rewards import RewardInput, RewardResult, RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
-from megatron_rl.train.checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from megatron_rl.train.checkpoint import (
+    TrainerState,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from megatron_rl.train.dp_balance import rebalance_over_dp
-from megatron_rl.train.engines import build_engine, hf_architecture, probe_rollout_servers, rollout_urls
+from megatron_rl.train.engines import (
+    build_engine,
+    hf_architecture,
+    probe_rollout_servers,
+    rollout_urls,
+)
 from megatron_rl.train.evaluation import pass_at_k
 from megatron_rl.train.hf_export import HFExportSpec, export_hf
 from megatron_rl.train.init_weights import load_initial_weights

@@ -26,11 +26,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from megatron_rl.config import RunConfig, load_config, to_dict
-from megatron_rl.parallel.world import run_world
-from megatron_rl.rollout.sglang_client import request_json
 from protocol_servers import running_protocol_server
+
+from megatron_rl.config import RunConfig, load_config
+from megatron_rl.config_loading import to_dict
+from megatron_rl.parallel.world import run_world
+from megatron_rl.rollout.sglang.client import request_json
 
 pytestmark = pytest.mark.parallel
 
@@ -104,7 +105,7 @@ def _kill_during_background_generation(trainer, url: str, pid: int) -> None:
 
 
 def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
-    from megatron_rl.config import from_dict
+    from megatron_rl.config_loading import from_dict
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import compute_logprobs

@@ -16,10 +16,11 @@ import time
 import psutil
 import pytest
 import torch
+from protocol_servers import running_protocol_server
 
 from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_client import (
+from megatron_rl.rollout.sglang.client import (
     RolloutRequestError,
     RouteShape,
     SGLangClient,
@@ -27,8 +28,12 @@ from megatron_rl.rollout.sglang_client import (
     StaleWeightVersionError,
     request_json,
 )
-from megatron_rl.rollout.sglang_server import ManagedServer, ServerStartError, SGLangServerConfig, build_command
-from protocol_servers import running_protocol_server
+from megatron_rl.rollout.sglang.server import (
+    ManagedServer,
+    ServerStartError,
+    SGLangServerConfig,
+    build_command,
+)
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
@@ -179,7 +184,7 @@ FAKE_SERVER = r"""
 import sys
 from aiohttp import web
 import torch
-from megatron_rl.rollout.sglang_wire import generate_response_payload
+from megatron_rl.rollout.sglang.wire import generate_response_payload
 port, prompt_len, output_len, layers, topk = map(int, sys.argv[1:6])
 routes = torch.stack([torch.randperm(64)[:topk] for _ in range((prompt_len + output_len - 1) * layers)])
 body = web.json_response(generate_response_payload(
@@ -266,7 +271,7 @@ def test_launcher_command_line_and_cli():
     assert cmd[-1] == "--disable-radix-cache" and cfg.url == "http://127.0.0.1:31000"
     plain = build_command(SGLangServerConfig(model_path="/m"))
     assert "--quantization" not in plain and "--mem-fraction-static" not in plain
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--model-path", "/m", "--fp8",
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--model-path", "/m", "--fp8",
                           "--fp8-kv-cache", "--print-command", "--", "--disable-cuda-graph"],
                          capture_output=True, text=True, env={**os.environ, **QUIET}, check=True).stdout
     assert "--quantization fp8" in out and "--kv-cache-dtype fp8_e4m3" in out and out.strip().endswith(

@@ -2,7 +2,7 @@
 
 A protocol server (the HF engine behind SGLang's HTTP endpoints, in its own process:
 transformers numerics, not the trainer's) plays the SGLang server; the trainer runs in a 2-process gloo world with
-:func:`~megatron_rl.rollout.weight_sync.sglang_engine` in place of the embedded engine,
+:func:`~megatron_rl.rollout.sglang.weight_sync.sglang_engine` in place of the embedded engine,
 so generation goes over HTTP and weights go back, under HF names from the conversion table
 (as a real SGLang server takes them) or layout-free Megatron names, through
 ``/update_weights_from_tensor`` or a gloo broadcast group.
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from megatron_rl.checkpoint.mapping import QWEN3_MOE, hf_name_map
-from megatron_rl.config import RunConfig, load_config, to_dict
+from megatron_rl.config import RunConfig, load_config
+from megatron_rl.config_loading import to_dict
 from megatron_rl.parallel.world import free_port, run_world
-from megatron_rl.rollout.sglang_client import request_json
-from megatron_rl.rollout.sglang_server import ManagedServer
+from megatron_rl.rollout.sglang.client import request_json
+from megatron_rl.rollout.sglang.server import ManagedServer
 
 pytestmark = pytest.mark.parallel
 
@@ -36,7 +37,7 @@ def server(tmp_path_factory):
     """The launch path's server step in stand-in mode: it publishes its URL in a file once healthy."""
     port, root = free_port(), tmp_path_factory.mktemp("server")
     url_dir = root / "urls"
-    command = [sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--stand-in", str(CONFIG),
+    command = [sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in", str(CONFIG),
                "--host", "127.0.0.1", "--port", str(port), "--url-file", str(url_dir / "node0"),
                "--log-file", str(root / "server.log"), "--", "--threads", "1"]
     srv = ManagedServer(command, f"http://127.0.0.1:{port}", env={"PYTHONWARNINGS": "ignore"},
@@ -69,12 +70,17 @@ def _compare(engine, model, groups, prompts) -> dict:
 
 def _layouts_rank(url: str, cfg_dict: dict, layouts: list) -> list[dict]:
     """Per layout: a fresh model, a sync to the server, then served vs own log-probs and routes."""
-    from megatron_rl.config import ParallelConfig, from_dict
+    from megatron_rl.config_loading import from_dict
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.rollout.sglang_client import SGLangClientConfig
-    from megatron_rl.rollout.weight_sync import WeightSyncConfig, megatron_names, sglang_engine
+    from megatron_rl.rollout.sglang.client import SGLangClientConfig
+    from megatron_rl.rollout.sglang.weight_sync import (
+        WeightSyncConfig,
+        megatron_names,
+        sglang_engine,
+    )
+    from megatron_rl.sections import ParallelConfig
 
     cfg = from_dict(RunConfig, cfg_dict)
     results = []
@@ -100,8 +106,12 @@ def _layouts_rank(url: str, cfg_dict: dict, layouts: list) -> list[dict]:
 def _failures(model, groups, client, sync) -> dict:
     """A refused weight update, a refused NCCL group and a refused request fail on every rank, clearly."""
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.sglang_client import RolloutRequestError
-    from megatron_rl.rollout.weight_sync import WeightSyncConfig, WeightSyncError, sglang_engine
+    from megatron_rl.rollout.sglang.client import RolloutRequestError
+    from megatron_rl.rollout.sglang.weight_sync import (
+        WeightSyncConfig,
+        WeightSyncError,
+        sglang_engine,
+    )
 
     messages = {}
     renamed = sglang_engine(model, groups, client, sync, name_map=lambda name, t: [("renamed." + name, t)])
@@ -147,12 +157,13 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
     """The RL loop with the SGLang engine injected, then greedy embedded-vs-SGLang samples."""
     import torch.distributed as dist
 
-    from megatron_rl.config import from_dict, validate
+    from megatron_rl.config import validate
+    from megatron_rl.config_loading import from_dict
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.sglang_engine import SGLangEngine
+    from megatron_rl.rollout.local.embedded import EmbeddedEngine
+    from megatron_rl.rollout.sglang.engine import SGLangEngine
     from megatron_rl.train.trainer import Trainer
 
     cfg = from_dict(RunConfig, cfg_dict)

@@ -13,10 +13,11 @@ import threading
 import time
 
 import pytest
+from protocol_servers import running_protocol_server
 
 from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_client import (
+from megatron_rl.rollout.sglang.client import (
     RolloutRequestError,
     RouteShape,
     ServerHungError,
@@ -26,8 +27,7 @@ from megatron_rl.rollout.sglang_client import (
     probe_servers,
     request_json,
 )
-from megatron_rl.rollout.sglang_engine import STEP_METRICS, SGLangEngine
-from protocol_servers import running_protocol_server
+from megatron_rl.rollout.sglang.engine import STEP_METRICS, SGLangEngine
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=3, stop_token_ids=(2,))
@@ -172,9 +172,9 @@ def _resync_rank(url: str) -> dict:
     must still enter the re-push, which it learns about from rank 0."""
     import torch.distributed as dist
 
-    from megatron_rl.config import ParallelConfig
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.sections import ParallelConfig
 
     with cpu_platform(), model_parallel(ParallelConfig(), seed=0) as groups:
         engine = SGLangEngine(SGLangClientConfig(urls=[url], backoff_max_s=1.0), ROUTES, groups=groups,

@@ -1,4 +1,4 @@
-"""The server wrapper (``python -m megatron_rl.rollout.sglang_server``) never leaves its server
+"""The server wrapper (``python -m megatron_rl.rollout.sglang.server``) never leaves its server
 behind: SIGTERM stops it and frees the port, SIGKILL of the wrapper takes it along, and a
 wrapper refuses a port that something already answers on instead of calling that "healthy".
 
@@ -22,7 +22,7 @@ CONFIG = ROOT / "configs" / "demo_task.yaml"
 
 
 def _wrapper(port: int, log: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--stand-in", str(CONFIG),
+    return subprocess.Popen([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in", str(CONFIG),
                              "--host", "127.0.0.1", "--port", str(port), "--log-file", str(log),
                              "--", "--threads", "1"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.config import ParallelConfig
+from megatron_rl.sections import ParallelConfig
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,15 @@ import contextlib
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
-from megatron_rl.fp8 import FP8Config, detect_fp8_environment, fp8_autocast, transformer_config_fields, validate_fp8
+from megatron_rl.config_loading import ConfigError
+from megatron_rl.fp8 import (
+    FP8Config,
+    detect_fp8_environment,
+    fp8_autocast,
+    transformer_config_fields,
+    validate_fp8,
+)
+from megatron_rl.sections import ModelConfig, ParallelConfig
 from megatron_rl.telemetry import GpuTelemetry
 
 pytestmark = pytest.mark.gpu

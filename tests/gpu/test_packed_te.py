@@ -6,7 +6,6 @@ in bfloat16 on one GPU; skipped without CUDA or TE. What is checked and the tole
 """
 
 import pytest
-
 from packed_checks import assert_within, run_checks
 
 pytestmark = pytest.mark.gpu

@@ -1,9 +1,9 @@
 """A real SGLang server against the Megatron pass (needs CUDA and SGLang; skipped otherwise).
 
 Starts ``sglang.launch_server`` (the protocol of SGLang 0.5.23) through
-:class:`~megatron_rl.rollout.sglang_server.SGLangServer` on a tiny Qwen3-MoE checkpoint
+:class:`~megatron_rl.rollout.sglang.server.SGLangServer` on a tiny Qwen3-MoE checkpoint
 written by transformers, replaces its weights with a Megatron model's through
-:class:`~megatron_rl.rollout.weight_sync.WeightSync` (colocated
+:class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync` (colocated
 ``/update_weights_from_tensor``, CUDA IPC handles, HF names from the conversion table),
 samples with the real client, and compares each generated token's served log-prob and each
 position's routed experts with Megatron's own log-prob pass over the same sequences.
@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, ParallelConfig
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -59,9 +59,9 @@ def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.world import free_port
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.sglang_client import SGLangClientConfig
-    from megatron_rl.rollout.sglang_server import SGLangServer, SGLangServerConfig
-    from megatron_rl.rollout.weight_sync import WeightSyncConfig, sglang_engine
+    from megatron_rl.rollout.sglang.client import SGLangClientConfig
+    from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerConfig
+    from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
 
     version = _sglang_version()
     groups = one_gpu_world

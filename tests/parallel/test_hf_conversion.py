@@ -22,14 +22,27 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.checkpoint.cli import export_fp8_main, hf_to_megatron_main, megatron_to_hf_main, parity_main
-from megatron_rl.checkpoint.convert import convert_hf_to_megatron, convert_megatron_to_hf
+from megatron_rl.checkpoint.cli import (
+    export_fp8_main,
+    hf_to_megatron_main,
+    megatron_to_hf_main,
+    parity_main,
+)
+from megatron_rl.checkpoint.convert import (
+    convert_hf_to_megatron,
+    convert_megatron_to_hf,
+)
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.fp8 import SCALE_SUFFIX, dequantize_blockwise, error_bound
 from megatron_rl.checkpoint.hf_io import INDEX_NAME, HFCheckpoint, staging_dir
-from megatron_rl.checkpoint.parity import ParityTolerances, compare, hf_reference, random_prompts
-from megatron_rl.config import ParallelConfig
+from megatron_rl.checkpoint.parity import (
+    ParityTolerances,
+    compare,
+    hf_reference,
+    random_prompts,
+)
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -43,7 +56,12 @@ TOLERANCES = ParityTolerances(logprob_max_abs=1e-4, topk_agreement_min=1.0, rout
 
 
 def _tiny_hf_model(arch: str):
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
     common = dict(
         vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -108,7 +126,10 @@ def tp2ep2_worker(jobs: list[Job]) -> dict:
     """Every rank: convert at TP2+SP x EP2, load the result into that layout, run the log-prob pass."""
     import torch.distributed as dist
 
-    from megatron_rl.checkpoint.convert import hf_to_megatron_world_entry, read_export_source
+    from megatron_rl.checkpoint.convert import (
+        hf_to_megatron_world_entry,
+        read_export_source,
+    )
     from megatron_rl.checkpoint.megatron_io import load_megatron_model
     from megatron_rl.checkpoint.parity import megatron_outputs
     from megatron_rl.parallel.cpu_platform import cpu_platform

@@ -49,9 +49,9 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.engine import SamplingParams
-    from megatron_rl.rollout.hf_engine import HFEngine
+    from megatron_rl.rollout.local.embedded import EmbeddedEngine
+    from megatron_rl.rollout.local.hf_engine import HFEngine
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
     from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer

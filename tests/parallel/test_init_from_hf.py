@@ -19,7 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.checkpoint.parity import ParityTolerances, compare, hf_reference, random_prompts
+from megatron_rl.checkpoint.parity import (
+    ParityTolerances,
+    compare,
+    hf_reference,
+    random_prompts,
+)
 from megatron_rl.parallel.world import run_world
 
 pytestmark = pytest.mark.parallel
@@ -59,13 +64,12 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
     import torch.distributed as dist
 
     from megatron_rl.checkpoint.convert import hf_to_megatron_world_entry
-    from megatron_rl.config import ParallelConfig
-
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
     from megatron_rl.checkpoint.parity import megatron_outputs
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
+    from megatron_rl.sections import ParallelConfig
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
     from megatron_rl.train.prepare import load_run_config

@@ -11,7 +11,6 @@ import functools
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.layout_check import (
     LayoutRun,
     compare,
@@ -20,6 +19,7 @@ from megatron_rl.parallel.layout_check import (
     random_sequences,
 )
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -281,10 +281,11 @@ def packing_isolation_check(model, groups, run):
     expert; CPU GEMMs choose their blocking by row count, so other samples' expert outputs
     may move by float rounding, while their routes stay those of the unperturbed pass.
     """
+    from pathlib import Path
+
     from megatron_rl.parallel.checkpoint import load_model
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
-    from pathlib import Path
 
     replaying = build_model(run.model, run.parallel, moe_enable_routing_replay=True)
     load_model(replaying, Path(run.checkpoint_dir))

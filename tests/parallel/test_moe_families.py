@@ -22,12 +22,21 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_rl.checkpoint.cli import hf_to_megatron_main, megatron_to_hf_main, parity_main
+from megatron_rl.checkpoint.cli import (
+    hf_to_megatron_main,
+    megatron_to_hf_main,
+    parity_main,
+)
 from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
-from megatron_rl.checkpoint.parity import ParityTolerances, compare, hf_reference, random_prompts
-from megatron_rl.config import ParallelConfig
+from megatron_rl.checkpoint.parity import (
+    ParityTolerances,
+    compare,
+    hf_reference,
+    random_prompts,
+)
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ParallelConfig
 
 pytestmark = pytest.mark.parallel
 

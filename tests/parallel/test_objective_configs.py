@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.train.prepare import load_run_config as load_config
 from megatron_rl.parallel.layout_check import random_sequences
 from megatron_rl.parallel.world import run_world
+from megatron_rl.train.prepare import load_run_config as load_config
 
 pytestmark = pytest.mark.parallel
 
@@ -28,7 +28,11 @@ def presets_worker(config_paths):
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
     from megatron_rl.parallel.schedule import wrap_for_training
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
 
     first = load_config(config_paths[0], world_size=2)
     parallel = first.parallel

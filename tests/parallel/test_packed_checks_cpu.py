@@ -5,9 +5,9 @@ measured figures.
 """
 
 import pytest
+from packed_checks import BOUNDS, assert_within, cpu_worker
 
 from megatron_rl.parallel.world import run_world
-from packed_checks import BOUNDS, assert_within, cpu_worker
 
 pytestmark = pytest.mark.parallel
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, OptimConfig, ParallelConfig
 from megatron_rl.parallel.layout_check import random_sequences
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ModelConfig, OptimConfig, ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -88,7 +88,11 @@ def resume_worker(run_dir: str) -> dict:
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import pack_for_rank
-    from megatron_rl.train.checkpoint import TrainerState, load_checkpoint, save_checkpoint
+    from megatron_rl.train.checkpoint import (
+        TrainerState,
+        load_checkpoint,
+        save_checkpoint,
+    )
 
     out: dict = {"errors": {}}
     with cpu_platform(), model_parallel(ParallelConfig(), seed=1234) as groups:

@@ -21,9 +21,9 @@ import functools
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.layout_check import random_sequences, relative_error
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -95,7 +95,11 @@ def _build(parallel, checkpoint, save):
 def _steps(model, ddp, groups, mine, old, plans=LAYOUT_PLANS):
     """One RSPO forward-backward per routing plan from the same weights: loss, router grads."""
     from megatron_rl.algos.presets import get_preset
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
 
     out = {}
     for mode in plans:
@@ -228,7 +232,7 @@ def reference_worker(checkpoint):
         out["steps"] = _steps(model, ddp, groups, everything, old)
 
         # Weight sync and HF export gather the expert bias with the parameters.
-        from megatron_rl.rollout.weight_sync import gather_full_params
+        from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 
         gathered = dict(gather_full_params(model, groups))
         out["bias_gathered"] = all(
@@ -237,7 +241,11 @@ def reference_worker(checkpoint):
         )
 
         # R3 through the training step's own route handling (dense column dropped).
-        from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, replay_ids_for
+        from megatron_rl.parallel.train_step import (
+            RoutingPlan,
+            TrainBatch,
+            replay_ids_for,
+        )
 
         batch = TrainBatch(sequences=SEQUENCES, prompt_lengths=PROMPTS, old_logprobs_T=old.logprobs_T,
                            advantages_T=torch.zeros(1), rollout_routes=[_rollout_routes(i) for i in everything])

@@ -23,9 +23,9 @@ each name cited from TE's source). One spawned 2-process gloo world checks:
 from pathlib import Path
 
 import pytest
+import te_standins
 import torch
 
-import te_standins
 from megatron_rl.parallel.world import run_world
 
 pytestmark = pytest.mark.parallel
@@ -42,7 +42,7 @@ HF_INIT_LAYOUTS = ("TP2+SP", "EP2")
 
 def _model_configs() -> dict:
     from megatron_rl.checkpoint.hf_config import model_config_from_hf, read_config
-    from megatron_rl.config import ModelConfig
+    from megatron_rl.sections import ModelConfig
 
     tiny = dict(vocab_size=96, num_layers=3, num_experts=4, moe_router_topk=2)
     return {
@@ -59,7 +59,10 @@ def _model_configs() -> dict:
 
 def _tensor_keys(model) -> dict[str, tuple[int, ...]]:
     """Distributed-checkpoint tensor key -> global shape (one entry per key)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     keys = {}
     for entry in model.sharded_state_dict().values():
@@ -103,7 +106,7 @@ def _name_problems(te, local, arch, cfg) -> tuple[list[str], list[str]]:
 
 def _gathered(model, groups) -> dict[str, torch.Tensor]:
     """Weight sync's gather (whole tensors under table names), on rank 0; empty elsewhere."""
-    from megatron_rl.rollout.weight_sync import gather_full_params
+    from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 
     return {name: full.clone() for name, full in gather_full_params(model, groups)}
 
@@ -120,12 +123,16 @@ def _te_world(tmp: str) -> dict:
 
     from megatron_rl.checkpoint.hf_io import HFCheckpoint
     from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
-    from megatron_rl.checkpoint.megatron_io import DistCheckpointReader, build_model_for, fill_from_hf
-    from megatron_rl.config import ParallelConfig
+    from megatron_rl.checkpoint.megatron_io import (
+        DistCheckpointReader,
+        build_model_for,
+        fill_from_hf,
+    )
     from megatron_rl.parallel.checkpoint import load_model, save_model
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
+    from megatron_rl.sections import ParallelConfig
 
     configs = _model_configs()
     out: dict = {}

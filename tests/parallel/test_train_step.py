@@ -15,9 +15,9 @@ import functools
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.layout_check import random_sequences, relative_error
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -85,10 +85,14 @@ def _step_all_plans(model, ddp, groups, mine, old, filters=False):
     optimizer step then still applies the gradient of the last plan.
     """
     from megatron_rl.algos.presets import get_preset
-    from megatron_rl.config import OptimConfig
     from megatron_rl.parallel.layout_check import _gathered_grads
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
+    from megatron_rl.sections import OptimConfig
 
     # SGD keeps the update linear in the gradient, so later steps stay comparable at 1e-5.
     optimizer = build_optimizer(ddp, OptimConfig(optimizer="sgd", lr=0.5, clip_grad=10.0))
@@ -189,7 +193,11 @@ def _real_rows(calls, micro_batch_tokens):
 def _unchanged_r2_step(ddp, groups, old):
     """Metrics of one R2 RSPO forward-backward of the whole batch from the recording weights."""
     from megatron_rl.algos.presets import get_preset
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
 
     batch = TrainBatch(
         sequences=SEQUENCES,

@@ -26,10 +26,16 @@ from megatron_rl.checkpoint.convert import convert_megatron_to_hf
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, staging_dir
-from megatron_rl.checkpoint.parity import ParityTolerances, check_parity, compare, hf_reference, random_prompts
+from megatron_rl.checkpoint.parity import (
+    ParityTolerances,
+    check_parity,
+    compare,
+    hf_reference,
+    random_prompts,
+)
 from megatron_rl.checkpoint.trainer_source import is_optimizer_key
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel.world import run_world
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 pytestmark = pytest.mark.parallel
 
@@ -113,12 +119,14 @@ def trainer_worker(root: str) -> dict:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     from megatron_rl.checkpoint.parity import megatron_outputs
-    from megatron_rl.config import OptimConfig, RunConfig, to_dict
+    from megatron_rl.config import RunConfig
+    from megatron_rl.config_loading import to_dict
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
     from megatron_rl.parallel.schedule import wrap_for_training
+    from megatron_rl.sections import OptimConfig
     from megatron_rl.train.checkpoint import TrainerState, save_checkpoint
 
     rank = dist.get_rank()

@@ -21,8 +21,16 @@ import pytest
 import torch
 
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
-from megatron_rl.checkpoint.parity import ParityTolerances, compare, hf_reference, random_prompts
-from megatron_rl.parallel.vocab_parallel import VocabParallelLogProbMath, vocab_parallel_logprobs_entropy
+from megatron_rl.checkpoint.parity import (
+    ParityTolerances,
+    compare,
+    hf_reference,
+    random_prompts,
+)
+from megatron_rl.parallel.vocab_parallel import (
+    VocabParallelLogProbMath,
+    vocab_parallel_logprobs_entropy,
+)
 from megatron_rl.parallel.world import run_world
 
 pytestmark = pytest.mark.parallel
@@ -80,8 +88,8 @@ def _generate_with_dominant_padding(gpt, groups) -> dict:
     greedy decoding always). Over the true vocabulary the distribution is uniform.
     """
     from megatron_rl.parallel.logprobs import compute_logprobs
-    from megatron_rl.rollout.embedded import EmbeddedEngine
     from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local.embedded import EmbeddedEngine
 
     weight = gpt.output_layer.weight
     rows = torch.arange(weight.shape[0]) + groups.tp_rank * weight.shape[0]
@@ -111,11 +119,11 @@ def _worker(hf_dir: str, megatron_dir: str, export_dir: str) -> dict:
     from megatron_rl.checkpoint.convert import hf_to_megatron_world_entry
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
     from megatron_rl.checkpoint.parity import megatron_outputs
-    from megatron_rl.config import ParallelConfig
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
+    from megatron_rl.sections import ParallelConfig
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
     from megatron_rl.train.prepare import load_run_config
@@ -294,7 +302,8 @@ def test_a_padding_target_or_an_impossible_vocab_size_is_named():
 
 def test_config_pads_independently_of_tp_and_names_the_multiple_that_fits():
     from megatron_rl.checkpoint.local_world import check_layout
-    from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, validate_layout
+    from megatron_rl.config_loading import ConfigError
+    from megatron_rl.sections import ModelConfig, ParallelConfig, validate_layout
 
     tp2 = ParallelConfig(tensor_model_parallel_size=2)
     padded = ModelConfig(vocab_size=VOCAB, vocab_padding_multiple=MULTIPLE)

@@ -20,7 +20,11 @@ from megatron_rl.algos import (
     soft_overlong_penalty_S,
 )
 from megatron_rl.algos.segments import KeptTokens
-from megatron_rl.algos.weights import floor_router_shift_T, mismatch_log_ratio_T, mismatch_weight_T
+from megatron_rl.algos.weights import (
+    floor_router_shift_T,
+    mismatch_log_ratio_T,
+    mismatch_weight_T,
+)
 
 F64 = torch.float64
 TOL = dict(rtol=0.0, atol=1e-6)

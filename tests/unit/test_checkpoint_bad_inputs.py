@@ -23,7 +23,12 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-from megatron_rl.checkpoint.cli import export_fp8_main, hf_to_megatron_main, megatron_to_hf_main, parity_main
+from megatron_rl.checkpoint.cli import (
+    export_fp8_main,
+    hf_to_megatron_main,
+    megatron_to_hf_main,
+    parity_main,
+)
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_io import staging_dir
 from megatron_rl.parallel import mcore_compat as mc
@@ -273,7 +278,11 @@ def test_a_rank_failure_is_reported_once_by_that_rank():
 
 
 def test_resume_helpers_name_the_damaged_file(odd_vocab, tmp_path):
-    from megatron_rl.checkpoint.inputs import check_dist_checkpoint, load_torch_file, read_json
+    from megatron_rl.checkpoint.inputs import (
+        check_dist_checkpoint,
+        load_torch_file,
+        read_json,
+    )
 
     state = tmp_path / "trainer_state.json"
     state.write_text('{"step": 3, "data_pos')

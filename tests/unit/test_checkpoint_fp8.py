@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from megatron_rl.checkpoint.fp8 import BLOCK, E4M3_MAX, dequantize_blockwise, error_bound, quantize_blockwise
+from megatron_rl.checkpoint.fp8 import (
+    BLOCK,
+    E4M3_MAX,
+    dequantize_blockwise,
+    error_bound,
+    quantize_blockwise,
+)
 
 
 def _varied_weight(rows: int, cols: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from megatron_rl.checkpoint.mapping import (
     split,
     tp_shard,
 )
-from megatron_rl.config import ModelConfig
+from megatron_rl.sections import ModelConfig
 
 CFG = ModelConfig(
     vocab_size=32, hidden_size=8, num_layers=2, num_attention_heads=4, num_query_groups=2,

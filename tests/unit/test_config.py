@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import ConfigError, RunConfig, load_config, parse_overrides, validate
+from megatron_rl.config import RunConfig, load_config, validate
+from megatron_rl.config_loading import ConfigError, parse_overrides
 from megatron_rl.train.prepare import load_run_config
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.yaml"
@@ -208,7 +209,8 @@ def test_objective_section_mirrors_objective_config():
 
 def test_each_preset_resolves_to_itself_without_overrides():
     from megatron_rl.algos.presets import OBJECTIVE_PRESETS, get_preset
-    from megatron_rl.config import from_dict, resolve_objective, to_dict
+    from megatron_rl.config import resolve_objective
+    from megatron_rl.config_loading import from_dict, to_dict
 
     for name in OBJECTIVE_PRESETS.names():
         cfg = from_dict(RunConfig, {"objective": {"preset": name}})

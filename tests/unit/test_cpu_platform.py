@@ -10,10 +10,10 @@ PATCHED_TORCH_CUDA = ("current_device", "Stream", "Event", "current_stream", "st
 
 
 def _snapshot():
-    import megatron.core.tensor_parallel.random as random
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.optimizer.clip_grads as clip_grads
     import megatron.core.optimizer.optimizer as optimizer
+    import megatron.core.tensor_parallel.random as random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as dispatcher
 
     return {

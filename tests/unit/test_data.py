@@ -26,7 +26,8 @@ from megatron_rl.data import (
     load_prompts,
     load_tokenizer,
 )
-from megatron_rl.rollout.tasks import TaskConfig, build_task
+from megatron_rl.data.config import TaskConfig
+from megatron_rl.data.tasks import build_task
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

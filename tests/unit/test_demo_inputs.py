@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.data.prompts import load_prompts
-from megatron_rl.train.prepare import check_inputs, load_run_config, max_prompt_tokens, run_tokenizer
+from megatron_rl.train.prepare import (
+    check_inputs,
+    load_run_config,
+    max_prompt_tokens,
+    run_tokenizer,
+)
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 ASSET = Path(__file__).resolve().parents[2] / "megatron_rl" / "assets" / "tiny_qwen3_moe"

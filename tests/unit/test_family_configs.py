@@ -12,10 +12,21 @@ import pytest
 import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.families import DEEPSEEK_V3, GLM4_MOE, QWEN2_MOE, mtp_tensor_names
+from megatron_rl.checkpoint.families import (
+    DEEPSEEK_V3,
+    GLM4_MOE,
+    QWEN2_MOE,
+    mtp_tensor_names,
+)
 from megatron_rl.checkpoint.hf_config import hf_config_from_model, model_config_from_hf
-from megatron_rl.checkpoint.mapping import all_weights, bound_for_megatron_name, fuse, split
-from megatron_rl.config import ConfigError, ParallelConfig, validate_layout, validate_model
+from megatron_rl.checkpoint.mapping import (
+    all_weights,
+    bound_for_megatron_name,
+    fuse,
+    split,
+)
+from megatron_rl.config_loading import ConfigError
+from megatron_rl.sections import ParallelConfig, validate_layout, validate_model
 
 # DeepSeek-V3's own config.json, shrunk (the keys and kinds of values as published).
 DEEPSEEK_V3_HUB = {

@@ -9,7 +9,7 @@ reach the client as zeros. Decoding keeps the MoE columns only.
 import pytest
 import torch
 
-from megatron_rl.rollout.sglang_wire import decode_routed_experts, encode_routed_experts
+from megatron_rl.rollout.sglang.wire import decode_routed_experts, encode_routed_experts
 from moe_routing.validate import RoutingDataError
 
 N, LAYERS, K, E = 6, 4, 2, 8

@@ -18,10 +18,15 @@ import torch
 
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, to_hf
-from megatron_rl.config import ModelConfig
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.hf_generate import generate
-from megatron_rl.rollout.hf_model import HFWeightLoader, UnsupportedArchitecture, build_hf_model, check_architecture
+from megatron_rl.rollout.local.hf_generate import generate
+from megatron_rl.rollout.local.hf_model import (
+    HFWeightLoader,
+    UnsupportedArchitecture,
+    build_hf_model,
+    check_architecture,
+)
+from megatron_rl.sections import ModelConfig
 
 ASSET = Path(__file__).resolve().parents[2] / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 MODEL = ModelConfig(

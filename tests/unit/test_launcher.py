@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl import launcher
-from megatron_rl.config import ConfigError
-from megatron_rl.train.prepare import load_run_config as load_config
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.fp8 import Fp8Environment
 from megatron_rl.launcher import (
     LaunchPlan,
@@ -23,6 +22,7 @@ from megatron_rl.launcher import (
     validate_launch,
     worker_environment,
 )
+from megatron_rl.train.prepare import load_run_config as load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo_cpu.yaml"
@@ -209,7 +209,7 @@ def test_sglang_option_adds_a_server_per_node_and_points_the_trainer_at_it(no_pr
     out = capsys.readouterr().out
     server = next(line for line in out.splitlines() if line.startswith("launch: SGLang server:"))
     url_dir = tmp_path / "sglang_urls" / "job7"
-    assert "-m megatron_rl.rollout.sglang_server" in server and f"--url-file {url_dir / 'node0'}" in server
+    assert "-m megatron_rl.rollout.sglang.server" in server and f"--url-file {url_dir / 'node0'}" in server
     assert server.rstrip().endswith("--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4")
     for override in ("rollout.engine=sglang", f"rollout.sglang.url_dir={url_dir}", "rollout.sglang.num_servers=1",
                      "rollout.sglang.weight_sync=tensor"):

@@ -18,8 +18,8 @@ import sys
 import pytest
 import torch
 
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 
 def expect(ok: bool, symbol: str, expected: str) -> None:
@@ -171,7 +171,11 @@ def test_forget_replay_instances():
 def test_block_and_layer_specs():
     """The local spec's shape that ``parallel.model`` edits (norms, core attention, key maps)."""
     from megatron_rl.parallel.families import replicated_mla_down_projections
-    from megatron_rl.parallel.model import SequenceParallelRMSNorm, _with_norm, build_transformer_config
+    from megatron_rl.parallel.model import (
+        SequenceParallelRMSNorm,
+        _with_norm,
+        build_transformer_config,
+    )
 
     expect({"config", "use_transformer_engine", "normalization", "pp_rank"} <= set(params(mc.get_gpt_decoder_block_spec)),
            "get_gpt_decoder_block_spec", "(config, use_transformer_engine, normalization, ..., pp_rank)")

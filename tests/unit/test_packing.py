@@ -3,7 +3,11 @@
 import pytest
 import torch
 
-from megatron_rl.parallel.packing import next_token_targets, pack_sequences, padded_row_length
+from megatron_rl.parallel.packing import (
+    next_token_targets,
+    pack_sequences,
+    padded_row_length,
+)
 
 
 def test_pack_pads_to_multiple_and_common_length():

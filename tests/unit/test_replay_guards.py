@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.model import build_transformer_config, check_replay_fields
+from megatron_rl.sections import ModelConfig, ParallelConfig
 from moe_routing.replay import RoutingReplay
 
 HAZARDS = {

@@ -18,7 +18,11 @@ from megatron_rl.rewards import (
     check_reward_config,
     resolve_reward,
 )
-from megatron_rl.rewards.builtin import exact_match_reward, extract_final_answer, math_reward
+from megatron_rl.rewards.builtin import (
+    exact_match_reward,
+    extract_final_answer,
+    math_reward,
+)
 
 FIXTURES = "reward_fixtures"
 POOL_TIMEOUT_S = 1.5

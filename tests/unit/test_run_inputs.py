@@ -48,7 +48,7 @@ def bad_inputs(tmp_path_factory):
     (root / "my_rewards.py").write_text(
         "def two_args(prompt, response):\n    return 0.0\n"
     )
-    from megatron_rl.config import to_dict
+    from megatron_rl.config_loading import to_dict
     from megatron_rl.train.prepare import load_run_config
 
     stored = to_dict(load_run_config(DEMO, world_size=2))

@@ -40,7 +40,9 @@ def test_matches_megatron(topk, groups, group_topk):
 
 def _transformers_ids(hidden_NH, weight_EH, bias_E, topk, groups, group_topk):
     from transformers import DeepseekV3Config
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+        DeepseekV3TopkRouter,
+    )
 
     config = DeepseekV3Config(hidden_size=hidden_NH.shape[1], n_routed_experts=weight_EH.shape[0],
                               num_experts_per_tok=topk, n_group=groups, topk_group=group_topk)

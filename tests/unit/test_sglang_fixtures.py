@@ -19,7 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_rl.rollout.sglang_wire import decode_generate_response, generate_response_payload
+from megatron_rl.rollout.sglang.wire import (
+    decode_generate_response,
+    generate_response_payload,
+)
 
 FIXTURES = sorted((Path(__file__).resolve().parents[1] / "fixtures" / "sglang_0_5_23").glob("*.json"))
 

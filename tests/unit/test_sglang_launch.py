@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_rl.rollout.sglang_server import read_url_files, write_url_file
+from megatron_rl.rollout.sglang.server import read_url_files, write_url_file
 
 
 def test_url_files_are_read_in_name_order_once_all_servers_published(tmp_path):
@@ -34,13 +34,13 @@ def test_missing_extra_and_bad_url_files_are_named(tmp_path):
 
 
 def test_stand_in_mode_runs_the_protocol_server_and_model_path_is_required():
-    out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--stand-in", "configs/x.yaml",
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in", "configs/x.yaml",
                           "--port", "31001", "--print-command", "--", "--threads", "1"],
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out[1:3] == ["-m", "megatron_rl.rollout.protocol_server"]
+    assert out[1:3] == ["-m", "megatron_rl.rollout.sglang.standin"]
     assert out[out.index("--config") + 1] == "configs/x.yaml" and out[out.index("--port") + 1] == "31001"
     assert out[-2:] == ["--threads", "1"]
-    missing = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--port", "1"],
+    missing = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--port", "1"],
                              capture_output=True, text=True)
     assert missing.returncode == 2 and "--model-path is required" in missing.stderr
 
@@ -55,7 +55,7 @@ def test_a_launcher_that_failed_stops_the_wait_at_once(tmp_path):
 def test_the_launcher_reports_a_server_that_cannot_start(tmp_path):
     # A stand-in config that does not exist: the protocol server exits before it is healthy.
     url_file = tmp_path / "urls" / "node0"
-    done = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang_server", "--stand-in",
+    done = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in",
                            str(tmp_path / "missing.yaml"), "--host", "127.0.0.1", "--port", "1",
                            "--url-file", str(url_file), "--log-file", str(tmp_path / "server.log")],
                           capture_output=True, text=True, timeout=120)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_client import RolloutRequestError, SampleLedger
-from megatron_rl.rollout.sglang_wire import (
+from megatron_rl.rollout.sglang.client import RolloutRequestError, SampleLedger
+from megatron_rl.rollout.sglang.wire import (
     GenerationAborted,
     MissingRoutesError,
     WireFormatError,

@@ -7,15 +7,15 @@ import re
 import pytest
 import torch
 
-from megatron_rl.config import ConfigError
-from megatron_rl.registry import UnknownNameError
-from megatron_rl.rollout.tasks import (
+from megatron_rl.config_loading import ConfigError
+from megatron_rl.data.tasks import (
     DEFAULT_ALPHABET,
     TASKS,
     CharTokenizer,
     TaskConfig,
     build_task,
 )
+from megatron_rl.registry import UnknownNameError
 
 # --------------------------------------------------------------------------- tokenizer
 

@@ -5,8 +5,12 @@ table name (pure string checks; the names Megatron's TE spec really builds are c
 import pytest
 
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights
-from megatron_rl.config import ModelConfig
-from megatron_rl.parallel.te_names import canonical_name, te_checkpoint_prefixes, te_name
+from megatron_rl.parallel.te_names import (
+    canonical_name,
+    te_checkpoint_prefixes,
+    te_name,
+)
+from megatron_rl.sections import ModelConfig
 
 TINY = dict(vocab_size=96, num_layers=3, num_experts=4, moe_router_topk=2)
 CONFIGS = {

@@ -30,7 +30,12 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_gather_cat, all_reduce, broadcast
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.parallel.logprobs import compute_logprobs, needs_common_length, pack_for_rank, to_sample_order
+from megatron_rl.parallel.logprobs import (
+    compute_logprobs,
+    needs_common_length,
+    pack_for_rank,
+    to_sample_order,
+)
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams

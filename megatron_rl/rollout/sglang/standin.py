@@ -1,12 +1,12 @@
 """A server that speaks SGLang 0.5.23's HTTP protocol, backed by a local engine (tests).
 
-    python -m megatron_rl.rollout.protocol_server --config configs/demo_cpu.yaml --port 30000 \\
+    python -m megatron_rl.rollout.sglang.standin --config configs/demo_cpu.yaml --port 30000 \\
         [--engine hf|megatron] [--weight-version default] [--max-batch N] [--token-latency-s S] [key=value ...]
 
 SGLang cannot run on CPU machines, so the real client and weight sync are tested over real
 HTTP against this stand-in. It builds the config's model in its own single-process gloo
 world (CPU platform, no parallelism) and serves it through the same endpoints, request
-fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang_wire` encodes them). The model it
+fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang.wire` encodes them). The model it
 builds holds the served weights; by default the HF engine (a transformers replica with
 its own numerics, refreshed after every weight update's last bucket) generates, so HTTP
 tests see log-probs and routes that differ from the trainer's as a real server's do;
@@ -17,7 +17,7 @@ tests see log-probs and routes that differ from the trainer's as a real server's
 ``/update_weights_from_distributed``, ``/destroy_weights_update_group`` over a gloo group
 (a ``nccl`` group is refused with 400). Weights may be named as a real SGLang server
 wants them (HF names of the Qwen3-MoE conversion table, fused back here) or as
-:func:`~megatron_rl.rollout.weight_sync.megatron_names` sends them.
+:func:`~megatron_rl.rollout.sglang.weight_sync.megatron_names` sends them.
 
 Concurrent ``/generate`` requests with equal sampling parameters are batched into one
 engine call (as SGLang batches continuously); every Megatron call runs on one dedicated
@@ -52,14 +52,14 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import QWEN3_MOE, all_weights, fuse
-from megatron_rl.config import ModelConfig, ParallelConfig
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_wire import (
+from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
     WireFormatError,
     deserialize_named_tensors,
     generate_response_payload,
 )
+from megatron_rl.sections import ModelConfig, ParallelConfig
 
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort")
 """Faults ``POST /_test/fault`` can arm (test-only)."""
@@ -96,7 +96,7 @@ class EngineHost:
         from megatron_rl.parallel.cpu_platform import cpu_platform
         from megatron_rl.parallel.groups import model_parallel
         from megatron_rl.parallel.model import build_model
-        from megatron_rl.rollout.embedded import EmbeddedEngine
+        from megatron_rl.rollout.local.embedded import EmbeddedEngine
 
         # The CPU platform's device rewriting is a thread-local torch mode: it must be
         # entered on the thread that runs every forward.
@@ -107,7 +107,7 @@ class EngineHost:
         self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
         self.model.eval()
         if self.engine_kind == "hf":
-            from megatron_rl.rollout.hf_engine import HFEngine
+            from megatron_rl.rollout.local.hf_engine import HFEngine
 
             self.engine = HFEngine(self.model, groups, architecture=QWEN3_MOE.name, model_config=self.model_cfg)
         else:
@@ -457,7 +457,7 @@ class ProtocolServer:
 
     async def init_group(self, request: web.Request) -> web.Response:
         """``POST /init_weights_update_group``: join the trainer's group (gloo only)."""
-        from megatron_rl.rollout.weight_sync import init_custom_group
+        from megatron_rl.rollout.sglang.weight_sync import init_custom_group
 
         b = await request.json()
         if b.get("backend", "nccl") != "gloo":

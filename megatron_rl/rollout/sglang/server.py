@@ -1,9 +1,9 @@
 """Start, watch and stop a real SGLang server (``python -m sglang.launch_server``) on a GPU node.
 
-    python -m megatron_rl.rollout.sglang_server --model-path /ckpt/hf --port 30000 --tp-size 4 \\
+    python -m megatron_rl.rollout.sglang.server --model-path /ckpt/hf --port 30000 --tp-size 4 \\
         [--mem-fraction-static 0.7] [--fp8] [--fp8-kv-cache] [--url-file runs/x/sglang/$(hostname)] \\
         [-- extra sglang args]
-    python -m megatron_rl.rollout.sglang_server --stand-in configs/demo_cpu.yaml --port 30000 \
+    python -m megatron_rl.rollout.sglang.server --stand-in configs/demo_cpu.yaml --port 30000 \
         --url-file runs/x/sglang/$(hostname)        # CPU dry run: the protocol server instead
 
 Owns: the command line from a typed :class:`SGLangServerConfig` (routed experts on, no
@@ -20,7 +20,7 @@ included, and the wrapper exits with ``128 + signal``.
 
 Launch paths: under torchrun, rank 0 (or one rank per node) can hold a
 :class:`SGLangServer` as a context manager; under SLURM, run this module as a step
-(``srun --overlap --ntasks-per-node=1 python -m megatron_rl.rollout.sglang_server ...
+(``srun --overlap --ntasks-per-node=1 python -m megatron_rl.rollout.sglang.server ...
 --url-file DIR/$SLURMD_NODENAME &``): it writes the URL once healthy, stays in the
 foreground, and stops the server cleanly on SIGTERM/SIGINT (``scancel``, the job's time
 limit), so the trainer reads the URLs from the files. Does not own the client or weights.
@@ -331,7 +331,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
     parser.add_argument("--model-path", default=None, help="HF checkpoint to serve (required unless --stand-in)")
     parser.add_argument("--stand-in", metavar="CONFIG", default=None,
                         help="serve CONFIG's model with the HF engine behind SGLang's protocol "
-                             "(megatron_rl.rollout.protocol_server) instead of SGLang: a CPU dry run of "
+                             "(megatron_rl.rollout.sglang.standin) instead of SGLang: a CPU dry run of "
                              "the launch path")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=30000)
@@ -361,7 +361,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
 
 def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
     """The protocol server's command line for ``--stand-in`` (``model_path`` is the run config)."""
-    return [cfg.python, "-m", "megatron_rl.rollout.protocol_server", "--config", cfg.model_path,
+    return [cfg.python, "-m", "megatron_rl.rollout.sglang.standin", "--config", cfg.model_path,
             "--host", cfg.host, "--port", str(cfg.port), "--weight-version", cfg.weight_version,
             *cfg.extra_args]
 

@@ -403,8 +403,9 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], *, by_ref
     """
     buffer = io.BytesIO()
     if by_reference:
-        import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
         from multiprocessing.reduction import ForkingPickler
+
+        import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
 
         ForkingPickler(buffer).dump(list(named))
     else:

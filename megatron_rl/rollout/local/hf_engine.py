@@ -36,12 +36,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
-from megatron_rl.config import ModelConfig
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.hf_generate import check_lengths, generate
-from megatron_rl.rollout.hf_model import HFWeightLoader, build_hf_model, check_architecture
-from megatron_rl.rollout.weight_sync import gather_full_params
+from megatron_rl.rollout.local.hf_generate import check_lengths, generate
+from megatron_rl.rollout.local.hf_model import (
+    HFWeightLoader,
+    build_hf_model,
+    check_architecture,
+)
+from megatron_rl.rollout.sglang.weight_sync import gather_full_params
+from megatron_rl.sections import ModelConfig
 
 
 class HFEngine:

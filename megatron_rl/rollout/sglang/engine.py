@@ -1,11 +1,11 @@
-"""The SGLang rollout engine: the trainer's side of :mod:`~megatron_rl.rollout.sglang_client`.
+"""The SGLang rollout engine: the trainer's side of :mod:`~megatron_rl.rollout.sglang.client`.
 
 Owns what is collective about SGLang rollouts: model-parallel leaders send the requests
 and share the samples with their peers, weights are pushed with a version every sample
 must then carry, servers found behind that version (restarted) get the weights again
 before their samples are asked for again, and the client's counters become step metrics.
 Does not own HTTP, retries or the ledger (the client), nor how weights travel
-(:mod:`~megatron_rl.rollout.weight_sync`).
+(:mod:`~megatron_rl.rollout.sglang.weight_sync`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_reduce
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.sglang_client import (
+from megatron_rl.rollout.sglang.client import (
     ClientStats,
     RolloutRequestError,
     RouteShape,
@@ -29,7 +29,7 @@ from megatron_rl.rollout.sglang_client import (
     SGLangClientConfig,
     StaleWeightVersionError,
 )
-from megatron_rl.rollout.sglang_wire import GenerateResult
+from megatron_rl.rollout.sglang.wire import GenerateResult
 
 if TYPE_CHECKING:  # the engine is usable without Megatron (a single process, no trainer)
     from megatron_rl.parallel.groups import ParallelGroups
@@ -38,7 +38,7 @@ __all__ = ["SGLangEngine", "PendingGeneration", "WeightSyncer", "STEP_METRICS", 
 
 
 class WeightSyncer(Protocol):
-    """What the engine needs from :class:`~megatron_rl.rollout.weight_sync.WeightSync`."""
+    """What the engine needs from :class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync`."""
 
     def sync(self, version: int, *, reconnect: bool = False) -> None:
         """Collectively push the current weights to every server, tagged ``version``;

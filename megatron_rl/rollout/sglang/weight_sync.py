@@ -49,9 +49,13 @@ from megatron_rl.checkpoint.megatron_io import global_parameter_names
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.parallel.world import free_port
-from megatron_rl.rollout.sglang_client import SGLangClientConfig, probe_servers, request_json
-from megatron_rl.rollout.sglang_engine import SGLangEngine, route_shape_of
-from megatron_rl.rollout.sglang_wire import serialize_named_tensors
+from megatron_rl.rollout.sglang.client import (
+    SGLangClientConfig,
+    probe_servers,
+    request_json,
+)
+from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
+from megatron_rl.rollout.sglang.wire import serialize_named_tensors
 
 NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 """``(megatron_name, full_tensor) -> [(server_name, tensor), ...]``."""
@@ -271,7 +275,13 @@ def init_custom_group(backend: str, address: str, port: int, world_size: int, ra
     ``address:port`` (rank 0 hosts it), a store prefixed by ``group_name``, and torch's
     process-group factory, so the key layout matches what a SGLang server builds.
     """
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)

@@ -3,13 +3,13 @@
 Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POST
 /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``, ``POST
 /flush_cache`` and ``POST /update_weight_version``; the wire format itself is
-:mod:`megatron_rl.rollout.sglang_wire`. Owns request scheduling over one or more servers:
+:mod:`megatron_rl.rollout.sglang.wire`. Owns request scheduling over one or more servers:
 a bound on requests in flight, per-request timeouts, retries with jittered exponential
 backoff within a time budget, least-loaded server choice with a cool-down for servers that
 failed, hung-server detection, and the exactly-once accounting of samples. Does not own
-the collective engine (:mod:`~megatron_rl.rollout.sglang_engine`), weight transfer
-(:mod:`~megatron_rl.rollout.weight_sync`) or starting servers
-(:mod:`~megatron_rl.rollout.sglang_server`).
+the collective engine (:mod:`~megatron_rl.rollout.sglang.engine`), weight transfer
+(:mod:`~megatron_rl.rollout.sglang.weight_sync`) or starting servers
+(:mod:`~megatron_rl.rollout.sglang.server`).
 
 Exactly-once semantics: each sample of a ``generate`` call has a client-side id (batch tag
 + index). An attempt sends it as ``rid = "<batch>-<index>.a<attempt>"`` (SGLang rejects a
@@ -53,7 +53,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang_wire import (
+from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
     GenerateResult,
     GenerationAborted,

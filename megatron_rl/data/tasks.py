@@ -26,8 +26,8 @@ import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-
 from megatron_rl.config_loading import ConfigError
+from megatron_rl.data.config import TaskConfig
 from megatron_rl.registry import Registry
 
 DEFAULT_ALPHABET = "0123456789+-*= abcdefghijklmnopqrstuvwxyz"
@@ -125,26 +125,6 @@ class Problem:
     """The accepted response without the end-of-sequence token, e.g. ``"42"``."""
     prompt_ids: tuple[int, ...]
     """``bos_id`` then the prompt's character ids: what the policy is conditioned on."""
-
-
-@dataclass(kw_only=True)
-class TaskConfig:
-    """Which built-in task to train and evaluate on, and how many problems of it."""
-
-    name: str = "addition"
-    """Registered task name (``TASKS``): "addition" or "reverse"."""
-    num_train_prompts: int = 2000
-    """Problems for the supervised warm start and for RL."""
-    num_eval_prompts: int = 256
-    """Held-out problems for accuracy; never among the training problems."""
-    seed: int = 0
-    """Seed of the problem draw; separate from the run seed so the held-out set stays put."""
-    max_operand: int = 49
-    """addition: both operands are drawn from [0, max_operand]."""
-    min_digits: int = 2
-    """reverse: length of the shortest digit string."""
-    max_digits: int = 5
-    """reverse: length of the longest digit string."""
 
 
 class Task(abc.ABC):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
-from megatron_rl.config import ModelConfig
+from megatron_rl.sections import ModelConfig
 
 
 @dataclass(frozen=True)

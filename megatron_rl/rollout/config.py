@@ -1,0 +1,78 @@
+"""The ``rollout`` section: how responses are sampled each step, and by which engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from megatron_rl.config_loading import ConfigError, require
+from megatron_rl.rollout.sglang.config import SGLangConfig, check_sglang_section
+
+MAX_STALENESS = 1
+"""Deepest asynchronous pipeline offered (``rollout.max_staleness``)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """How responses are sampled each step."""
+
+    engine: Literal["hf", "megatron", "sglang"] = "hf"
+    """hf: a transformers replica per rank, KV-cached (megatron_rl.rollout.local.hf_engine; CPU and
+    small GPU runs); megatron: the training model itself generates, the exact train = rollout
+    mode for debugging mismatch (no KV cache); sglang: SGLang servers."""
+    hf_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """hf engine: dtype of its replica (None: model.params_dtype). bfloat16 under an fp32
+    trainer gives CPU runs a GPU-sized train/rollout mismatch."""
+    group_size: int = 8
+    """Responses per prompt (G)."""
+    prompts_per_step: int = 16
+    """Groups per training step (over all data-parallel ranks)."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = 0
+    """Top-k sampling (0: off)."""
+    max_new_tokens: int = 8
+    """Longest response."""
+    return_routed_experts: bool = True
+    """Ask the engine for routed experts (needed by R3 and routing diagnostics)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: draw at most this many rounds of prompts per step."""
+    max_staleness: int = 0
+    """Asynchronous rollouts: a sample may come from weights up to this many versions older
+    than the ones it trains (0: synchronous; 1: the next step's first round is generated
+    while a step trains; SGLang engine only; see megatron_rl.train.async_rollouts)."""
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    """SGLang servers and weight sync (used when ``engine`` is sglang)."""
+
+
+def check_rollout_section(r: RolloutConfig) -> None:
+    """The section's own rules, the SGLang subsection's when it is the engine, and the
+    asynchronous rollouts' (``rollout.max_staleness``)."""
+    require(r.group_size >= 1, "rollout.group_size", "must be >= 1")
+    require(r.prompts_per_step >= 1, "rollout.prompts_per_step", "must be >= 1")
+    require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+    require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
+    require(r.max_sampling_rounds >= 1, "rollout.max_sampling_rounds", "must be >= 1")
+    if r.engine == "sglang":
+        check_sglang_section(r.sglang)
+    check_staleness(r)
+
+
+def check_staleness(r: RolloutConfig) -> None:
+    """Rules of ``rollout.max_staleness`` (see ``megatron_rl.train.async_rollouts``)."""
+    k = r.max_staleness
+    if not 0 <= k <= MAX_STALENESS:
+        raise ConfigError(f"rollout.max_staleness: {k} is not offered; use 0 (synchronous) or {MAX_STALENESS} "
+                          "(one batch generated while a step trains; deeper pipelines would push weights under "
+                          "requests in flight)")
+    if k == 0:
+        return
+    if r.engine != "sglang":
+        raise ConfigError(f"rollout.max_staleness: {k} needs rollout.engine=sglang (servers in their own "
+                          f"processes); rollout.engine={r.engine} generates inside the trainer's processes with "
+                          "its live weights, so it cannot generate while a step trains")
+    if r.sglang.weight_sync == "none":
+        raise ConfigError(f"rollout.max_staleness: {k} with rollout.sglang.weight_sync=none: the servers' weights "
+                          "are managed elsewhere, so no sample's version can be held to the bound")

@@ -1,0 +1,13 @@
+"""Config sections shared by many owners: ``model``, ``parallel``, ``optim``.
+
+Leaves of the import graph: they import only ``megatron_rl.config_loading``. Sections with a
+single owner live next to it (``data.config``, ``rewards.config``, ``rollout.config``,
+``rollout.sglang.config``, ``train.config``, ``fp8``, ``algos.section``);
+``megatron_rl.config`` composes them all into one run.
+"""
+
+from megatron_rl.sections.model import ModelConfig, validate_model, vocab_padding_hint
+from megatron_rl.sections.optim import OptimConfig
+from megatron_rl.sections.parallel import ParallelConfig, validate_layout
+
+__all__ = ["ModelConfig", "OptimConfig", "ParallelConfig", "validate_layout", "validate_model", "vocab_padding_hint"]

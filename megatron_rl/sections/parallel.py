@@ -1,0 +1,148 @@
+"""The ``parallel`` section: how the model is laid out over processes, and the rules a layout
+must meet for a given model and world size (checked before any process starts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_rl.config_loading import require
+from megatron_rl.sections.model import ModelConfig, vocab_padding_hint
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the model is laid out over processes (Megatron-Core parallel groups)."""
+
+    tensor_model_parallel_size: int = 1
+    """TP size; attention heads, the vocabulary and dense MLPs are split over it."""
+    sequence_parallel: bool | None = None
+    """Shard activations along the sequence over TP; None means on whenever TP > 1."""
+    expert_model_parallel_size: int = 1
+    """EP size; the experts of each MoE layer are split over it."""
+    expert_tensor_parallel_size: int = 1
+    """TP size inside each expert (ETP)."""
+    pipeline_model_parallel_size: int = 1
+    """PP size; layers are split into this many stages."""
+    context_parallel_size: int = 1
+    """CP size (only 1 is supported by this project so far)."""
+    moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
+    """Megatron token dispatcher used for expert parallelism."""
+    world_size: int | None = None
+    """Expected number of processes; None takes it from the launcher at run time."""
+    use_cpu_platform: bool | None = None
+    """Patch Megatron for CPU (gloo); None means exactly when CUDA is unavailable."""
+
+    @property
+    def model_parallel_size(self) -> int:
+        """TP x PP x CP: processes that together hold one copy of the dense weights."""
+        return (
+            self.tensor_model_parallel_size
+            * self.pipeline_model_parallel_size
+            * self.context_parallel_size
+        )
+
+    def sequence_parallel_enabled(self) -> bool:
+        """Resolved sequence-parallel flag (MoE with TP > 1 requires it in Megatron)."""
+        if self.sequence_parallel is None:
+            return self.tensor_model_parallel_size > 1
+        return self.sequence_parallel
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """DP size for a given world size (validated to divide evenly)."""
+        return world_size // self.model_parallel_size
+
+
+def validate_layout(
+    m: ModelConfig, p: ParallelConfig, world_size: int | None = None, prefix: str = "parallel"
+) -> None:
+    """Check that the layout fits the model and, when known, the world size."""
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp, cp = p.expert_tensor_parallel_size, p.context_parallel_size
+    for name, val in (
+        ("tensor_model_parallel_size", tp),
+        ("pipeline_model_parallel_size", pp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", etp),
+        ("context_parallel_size", cp),
+    ):
+        require(val >= 1, f"{prefix}.{name}", "must be >= 1")
+    require(cp == 1, f"{prefix}.context_parallel_size", "context parallelism is not supported yet")
+    require(
+        m.num_experts % ep == 0,
+        f"{prefix}.expert_model_parallel_size",
+        f"EP ({ep}) must divide model.num_experts ({m.num_experts})",
+    )
+    require(
+        m.num_attention_heads % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
+    )
+    require(
+        m.num_query_groups % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide model.num_query_groups ({m.num_query_groups})",
+    )
+    require(
+        m.padded_vocab_size % tp == 0,
+        f"{prefix}.tensor_model_parallel_size",
+        f"TP ({tp}) must divide the padded vocabulary {m.padded_vocab_size} (model.vocab_size "
+        f"{m.vocab_size} rounded up to model.vocab_padding_multiple {m.vocab_padding_multiple}); "
+        f"{vocab_padding_hint(m, tp)}",
+    )
+    # Megatron splits these output dimensions over TP (MLA's down projections are replicated).
+    for name, size in (
+        ("ffn_hidden_size", m.ffn_hidden_size if m.num_dense_layers else 0),
+        ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+    ):
+        require(
+            size % tp == 0,
+            f"{prefix}.tensor_model_parallel_size",
+            f"TP ({tp}) must divide model.{name} ({size})",
+        )
+    require(
+        m.moe_ffn_hidden_size % etp == 0,
+        f"{prefix}.expert_tensor_parallel_size",
+        f"ETP ({etp}) must divide model.moe_ffn_hidden_size ({m.moe_ffn_hidden_size})",
+    )
+    require(
+        m.num_layers % pp == 0,
+        f"{prefix}.pipeline_model_parallel_size",
+        f"PP ({pp}) must divide model.num_layers ({m.num_layers})",
+    )
+    require(
+        m.num_layers % pp != 0 or m.num_layers // pp > m.num_dense_layers,
+        f"{prefix}.pipeline_model_parallel_size",
+        f"PP ({pp}) leaves the first stage without an MoE layer ({m.num_layers // pp} layers per stage, "
+        f"model.num_dense_layers={m.num_dense_layers}); routing records need one per stage",
+    )
+    require(
+        not (p.sequence_parallel and tp == 1),
+        f"{prefix}.sequence_parallel",
+        "sequence parallelism needs parallel.tensor_model_parallel_size > 1",
+    )
+    require(
+        not (tp > 1 and p.sequence_parallel is False),
+        f"{prefix}.sequence_parallel",
+        "MoE with tensor parallelism requires sequence parallelism (Megatron-Core rule)",
+    )
+    if p.world_size is not None:
+        require(p.world_size >= 1, f"{prefix}.world_size", "must be >= 1")
+        require(
+            world_size is None or world_size == p.world_size,
+            f"{prefix}.world_size",
+            f"config expects {p.world_size} processes but the launcher started {world_size}",
+        )
+        world_size = p.world_size
+    if world_size is not None:
+        require(
+            world_size % p.model_parallel_size == 0,
+            f"{prefix}.world_size",
+            f"world size {world_size} is not divisible by TP x PP x CP = {p.model_parallel_size}",
+        )
+        expert_span = etp * ep * pp
+        require(
+            world_size % expert_span == 0,
+            f"{prefix}.expert_model_parallel_size",
+            f"world size {world_size} is not divisible by ETP x EP x PP = {expert_span}",
+        )
