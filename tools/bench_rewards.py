@@ -47,7 +47,7 @@ def _calibrate_cpu_iterations() -> int:
 
 
 def _math_item(index: int, rng: random.Random):
-    from megatron_rl.rewards import RewardInput
+    from megatron_rl.rewards.core import RewardInput
 
     a, b = rng.randint(1, 99), rng.randint(2, 99)
     styles = [
@@ -64,7 +64,7 @@ def _math_item(index: int, rng: random.Random):
 
 
 def _batch(kind: str, count: int, cpu_iterations: int):
-    from megatron_rl.rewards import RewardInput
+    from megatron_rl.rewards.core import RewardInput
 
     rng = random.Random(0)
     if kind == "math":
@@ -80,7 +80,8 @@ def _batch(kind: str, count: int, cpu_iterations: int):
 
 def _run(function: str, items, workers: int, repeats: int) -> tuple[float, float]:
     """Best wall time of ``repeats`` batches on one warm scorer, and its pool start-up time."""
-    from megatron_rl.rewards import RewardConfig, RewardScorer
+    from megatron_rl.rewards.config import RewardConfig
+    from megatron_rl.rewards.pool import RewardScorer
 
     start = time.perf_counter()
     cfg = RewardConfig(function=function, num_workers=workers, timeout_s=30.0)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
 from megatron_rl.checkpoint.convert import (
     RECORD_NAME,
@@ -28,7 +28,8 @@ from megatron_rl.checkpoint.convert import (
 )
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
-from megatron_rl.config_loading import ConfigError
+from megatron_rl.config import RunConfig, read_preset, validate
+from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
 
 RUN_CHOICES = ("params_dtype", "init_method_std", "moe_aux_loss_coeff")
 """``model`` keys a run may set freely on top of a checkpoint: the dtype it trains in (weights
@@ -113,3 +114,24 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
         return float(a) == float(b)
     return a == b
+
+
+def run_config_from_checkpoint(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> RunConfig:
+    """Read a run config (preset + overrides), take its ``model`` section from ``init_checkpoint``
+    when one is named, and validate it (no files besides the checkpoint's headers).
+
+    Raises:
+        ConfigError: naming the key (and, for a contradiction, both values).
+    """
+    data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
+    init = data.get("init_checkpoint")
+    if init is not None:
+        if not isinstance(init, str):
+            raise ConfigError(f"init_checkpoint: expected a directory path, got {init!r}")
+        requested = data.get("model")
+        if requested is not None and not isinstance(requested, dict):
+            raise ConfigError("model: expected a mapping")
+        data["model"] = model_section(inspect_init_checkpoint(init), requested)
+    cfg = from_dict(RunConfig, data)
+    validate(cfg, world_size)
+    return cfg

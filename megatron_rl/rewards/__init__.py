@@ -18,30 +18,10 @@ an error for that sample, like an exception or exceeding ``reward.timeout_s``: i
 Workers import the function by its path, so it must live in an importable module (on the
 trainer's ``sys.path``), and may be called in several processes at once.
 
-Owns reward config, scoring and the built-ins; does not own where prompts and ground
+Modules: ``config`` (the ``reward`` section), ``core`` (records, resolving and calling a
+function), ``pool`` (worker processes, timeouts), ``builtin`` (math, exact_match). Owns reward
+config, scoring and the built-ins; does not own where prompts and ground
 truths come from (``megatron_rl.data``) nor how scores become advantages
 (``megatron_rl.algos``). Importing this package is light (no torch, no sympy), because
 every reward worker process imports it.
 """
-
-from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.core import (
-    BUILTIN_REWARDS,
-    RewardError,
-    RewardInput,
-    RewardResult,
-    check_reward_config,
-    resolve_reward,
-)
-from megatron_rl.rewards.pool import RewardScorer
-
-__all__ = [
-    "BUILTIN_REWARDS",
-    "RewardConfig",
-    "RewardError",
-    "RewardInput",
-    "RewardResult",
-    "RewardScorer",
-    "check_reward_config",
-    "resolve_reward",
-]

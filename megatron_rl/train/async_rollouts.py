@@ -76,7 +76,7 @@ from megatron_rl.train.metrics import phase_timer
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
-    from megatron_rl.rewards import RewardResult
+    from megatron_rl.rewards.core import RewardResult
     from megatron_rl.rollout.engine import RolloutSample
     from megatron_rl.rollout.sglang.engine import PendingGeneration
     from megatron_rl.train.checkpoint import TrainerState

@@ -21,18 +21,17 @@ from megatron_rl.checkpoint.hf_config import check_architecture_holds
 from megatron_rl.checkpoint.init_source import (
     InitSource,
     inspect_init_checkpoint,
-    model_section,
 )
 from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
-from megatron_rl.config import RunConfig, read_preset, validate
-from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
+from megatron_rl.config import RunConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.data.prompts import check_data_config, load_prompts
 from megatron_rl.data.tokenizer import (
     PromptTokenizer,
     check_tokenizer_config,
     load_tokenizer,
 )
-from megatron_rl.rewards import check_reward_config
+from megatron_rl.rewards.core import check_reward_config
 
 
 @dataclass(kw_only=True)
@@ -56,22 +55,13 @@ class InputSummary:
 
 
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> RunConfig:
-    """Read, fill from the starting checkpoint, and validate a run config (no files besides the checkpoint's).
+    """Read, fill from the starting checkpoint, and validate a run config (no files besides the
+    checkpoint's headers); the served architecture's rule included.
 
     Raises:
         ConfigError: naming the key (and, for a contradiction, both values).
     """
-    data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
-    init = data.get("init_checkpoint")
-    if init is not None:
-        if not isinstance(init, str):
-            raise ConfigError(f"init_checkpoint: expected a directory path, got {init!r}")
-        requested = data.get("model")
-        if requested is not None and not isinstance(requested, dict):
-            raise ConfigError("model: expected a mapping")
-        data["model"] = model_section(inspect_init_checkpoint(init), requested)
-    cfg = from_dict(RunConfig, data)
-    validate(cfg, world_size)
+    cfg = run_config_from_checkpoint(path, overrides, world_size)
     check_served_architecture(cfg)
     return cfg
 

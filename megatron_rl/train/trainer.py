@@ -50,7 +50,8 @@ from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
-from megatron_rl.rewards import RewardInput, RewardResult, RewardScorer
+from megatron_rl.rewards.core import RewardInput, RewardResult
+from megatron_rl.rewards.pool import RewardScorer
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch

@@ -15,18 +15,9 @@ import pytest
 import torch
 
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.data import (
-    DataConfig,
-    PromptRecord,
-    PromptSet,
-    TokenizerConfig,
-    char_tokenizer_adapter,
-    check_data_config,
-    check_tokenizer_config,
-    load_prompts,
-    load_tokenizer,
-)
-from megatron_rl.data.config import TaskConfig
+from megatron_rl.data.config import DataConfig, TaskConfig, TokenizerConfig
+from megatron_rl.data.prompts import PromptRecord, PromptSet, check_data_config, load_prompts
+from megatron_rl.data.tokenizer import char_tokenizer_adapter, check_tokenizer_config, load_tokenizer
 from megatron_rl.data.tasks import build_task
 
 CHATML = (
@@ -323,7 +314,9 @@ def test_two_processes_read_the_same_file_at_once(tok_dir, tmp_path):
     script = textwrap.dedent(
         f"""
         import json
-        from megatron_rl.data import DataConfig, TokenizerConfig, load_prompts, load_tokenizer
+        from megatron_rl.data.config import DataConfig, TokenizerConfig
+        from megatron_rl.data.prompts import load_prompts
+        from megatron_rl.data.tokenizer import load_tokenizer
         tok = load_tokenizer(TokenizerConfig(), {str(tok_dir)!r})
         cfg = DataConfig(train_files=[{str(path)!r}])
         sets = [load_prompts(cfg, "train", tok, 1000) for _ in range(5)]

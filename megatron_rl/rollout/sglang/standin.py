@@ -522,10 +522,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
     args = parser.parse_args(argv)
-    # The run's own loader: a config that starts from a checkpoint takes its model section from it.
-    from megatron_rl.train.prepare import load_run_config
+    # As the run reads it: a config that starts from a checkpoint takes its model section from it.
+    from megatron_rl.checkpoint.init_source import run_config_from_checkpoint
 
-    cfg = load_run_config(args.config, args.overrides)
+    cfg = run_config_from_checkpoint(args.config, args.overrides)
     if args.threads:
         torch.set_num_threads(args.threads)
     host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences, args.engine)
