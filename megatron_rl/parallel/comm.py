@@ -1,9 +1,12 @@
-"""Collectives on host-side bookkeeping tensors, whatever the group's backend.
+"""Collectives on host-side bookkeeping tensors and objects, whatever the group's backend.
 
 Counts, metrics, routing records and broadcast results live on the host, but NCCL groups
 only move CUDA tensors. These helpers move a tensor to the group's device for the
 collective and hand the result back on the tensor's own device, so the same code runs
-on gloo (CPU, tests) and NCCL (GPU clusters). The process group is always passed in.
+on gloo (CPU, tests) and NCCL (GPU clusters). The process group is always passed in
+(``ParallelGroups.world`` for every rank); outside ``megatron_rl.parallel`` no module calls
+``torch.distributed`` collectives itself. :func:`raise_first_failure` is the one way ranks
+agree that a step failed somewhere.
 """
 
 from __future__ import annotations
@@ -104,3 +107,41 @@ def exchange_objects(outgoing: list[list], group: dist.ProcessGroup) -> list[lis
                            input_split_sizes=send_sizes.tolist(), group=group)
     chunks = recv.cpu().split(recv_sizes.tolist())
     return [pickle.loads(chunk.numpy().tobytes()) for chunk in chunks]
+
+
+def barrier(group: dist.ProcessGroup) -> None:
+    """Wait until every rank of ``group`` arrives."""
+    dist.barrier(group=group)
+
+
+def all_gather_objects(obj, group: dist.ProcessGroup) -> list:
+    """Every rank's picklable ``obj``, in group-rank order."""
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, obj, group=group)
+    return everyone
+
+
+class RankFailed(RuntimeError):
+    """Another rank of the group failed at the same step (raised where this one did not)."""
+
+    def __init__(self, rank: int, message: str, what: str) -> None:
+        super().__init__(f"rank {rank} failed {what}: {message}")
+        self.rank = rank
+        """The first failed rank (its rank in the group)."""
+
+
+def raise_first_failure(error: BaseException | None, group: dist.ProcessGroup, what: str) -> None:
+    """Collective: every rank of ``group`` reports ``error`` (None: it succeeded); when any
+    failed, every rank raises: a failed rank its own error, the others :class:`RankFailed`
+    naming the first failed rank and its message, so that the run ends on all ranks at the
+    same point and the entry point reports the cause once. ``what`` says where, e.g.
+    ``"probing the rollout servers"``."""
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    reports = all_gather_objects(mine, group)
+    failed = [(rank, message) for rank, message in enumerate(reports) if message is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error
+    rank, message = failed[0]
+    raise RankFailed(rank, message, what)

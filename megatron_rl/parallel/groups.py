@@ -56,6 +56,8 @@ class ParallelGroups:
     """Expert tensor-parallel group (each expert's weights sharded over it)."""
     etp_size: int
     """Expert-TP group size (1: experts are not tensor-sharded)."""
+    world: dist.ProcessGroup
+    """Every rank of the run (the default group), named so that collectives over it say so."""
 
     @property
     def is_first_stage(self) -> bool:
@@ -88,6 +90,7 @@ def current_groups(parallel: ParallelConfig) -> ParallelGroups:
         sequence_parallel=parallel.sequence_parallel_enabled(),
         etp=ps.get_expert_tensor_parallel_group(),
         etp_size=ps.get_expert_tensor_parallel_world_size(),
+        world=dist.group.WORLD,
     )
 
 
