@@ -1,12 +1,13 @@
-"""Collectives on host-side bookkeeping tensors and objects, whatever the group's backend.
+"""Collectives and point-to-point transfers of tensors and objects, whatever the group's backend.
 
 Counts, metrics, routing records and broadcast results live on the host, but NCCL groups
 only move CUDA tensors. These helpers move a tensor to the group's device for the
 collective and hand the result back on the tensor's own device, so the same code runs
 on gloo (CPU, tests) and NCCL (GPU clusters). The process group is always passed in
-(``ParallelGroups.world`` for every rank); outside ``megatron_rl.parallel`` no module calls
-``torch.distributed`` collectives itself. :func:`raise_first_failure` is the one way ranks
-agree that a step failed somewhere.
+(``ParallelGroups.world`` for every rank), to the rank queries too; outside
+``megatron_rl.parallel`` no module calls ``torch.distributed`` collectives itself (a test
+holds the rule). :func:`raise_first_failure` is the one way ranks agree that a step failed
+somewhere. Does not own creating process groups (``groups``, ``world``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,21 @@ def group_device(group: dist.ProcessGroup) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def rank(group: dist.ProcessGroup) -> int:
+    """This process's rank inside ``group``."""
+    return dist.get_rank(group)
+
+
+def size(group: dist.ProcessGroup) -> int:
+    """The number of ranks in ``group``."""
+    return dist.get_world_size(group)
+
+
+def global_ranks(group: dist.ProcessGroup) -> list[int]:
+    """The global ranks of ``group``'s members, in group-rank order."""
+    return dist.get_process_group_ranks(group)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -69,6 +85,23 @@ def broadcast(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGrou
     device = group_device(group)
     work = tensor.to(device)
     dist.broadcast(work, src=dist.get_global_rank(group, src_group_rank), group=group)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def send(tensor: torch.Tensor, dst_group_rank: int, group: dist.ProcessGroup) -> None:
+    """Blocking send of ``tensor`` to the group-local rank ``dst_group_rank``, which calls
+    :func:`recv` with a tensor of the same shape and dtype."""
+    work = tensor.to(group_device(group)).contiguous()
+    dist.send(work, dst=dist.get_global_rank(group, dst_group_rank), group=group)
+
+
+def recv(tensor: torch.Tensor, src_group_rank: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Blocking receive into ``tensor`` of what the group-local rank ``src_group_rank``
+    sends with :func:`send`; returns ``tensor``."""
+    work = tensor.to(group_device(group))
+    dist.recv(work, src=dist.get_global_rank(group, src_group_rank), group=group)
     if work is not tensor:
         tensor.copy_(work)
     return tensor

@@ -16,6 +16,10 @@ the parent. However ``run_world`` ends (results, failure, an exception such as
 SIGTERM, then SIGKILL, group by group. A rank whose parent dies abruptly (SIGKILL, OOM
 killer) kills its own group within a second (:func:`exit_with_parent`). Entry points turn
 SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
+
+The other two ways a default process group comes to be live here too: :func:`world_of_one`
+(this process alone: conversions, the CPU stand-in server) and :func:`joined_world` (a rank
+that torchrun or srun started).
 """
 
 from __future__ import annotations
@@ -99,6 +103,34 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+@contextlib.contextmanager
+def world_of_one() -> Iterator[torch.distributed.ProcessGroup]:
+    """The default process group as a gloo world of this process alone (an in-memory store:
+    no port), destroyed on exit; yields it."""
+    if torch.distributed.is_initialized():
+        raise RuntimeError("a world of one needs torch.distributed uninitialized in this process")
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined_world() -> Iterator[torch.distributed.ProcessGroup]:
+    """Join the world a launcher describes in the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``...): NCCL on this process's GPU (``LOCAL_RANK``) when there is one, else
+    gloo; yields the default group and leaves the world on exit."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.distributed.init_process_group(backend)
+    try:
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def free_port() -> int:

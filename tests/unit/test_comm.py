@@ -1,4 +1,5 @@
-"""Host-side collectives of the parallel layer on a two-rank gloo world."""
+"""The parallel layer's collectives, point-to-point transfers and failure agreement on a two-rank
+gloo world."""
 
 import functools
 
@@ -22,6 +23,7 @@ def _gather_varlen():
         "empty": all_gather_varlen(torch.zeros(0, 4, dtype=torch.int64), group),
         "second_longer": all_gather_varlen(torch.full((rank + 1,), rank, dtype=torch.int64), group),
         **_exchange_and_rebalance(group, rank),
+        **_point_to_point_and_agreement(group, rank),
     }
 
 
@@ -39,6 +41,32 @@ def _exchange_and_rebalance(group, rank):
     items = [f"r{rank}g{i}" for i in range(4)]
     mine, metrics = rebalance_over_dp(items, tokens, groups, mini_batches=2)
     return {"received": received, "mine": mine, "balance": metrics}
+
+
+def _point_to_point_and_agreement(group, rank):
+    """Rank queries, send/recv, broadcasts, object gathers, and ``raise_first_failure``."""
+    from megatron_rl.parallel import comm
+
+    out = {"rank": comm.rank(group), "size": comm.size(group), "global_ranks": comm.global_ranks(group)}
+    box = torch.tensor([7, 8]) if rank == 1 else torch.zeros(2, dtype=torch.int64)
+    if rank == 1:
+        comm.send(box, 0, group)
+    else:
+        comm.recv(box, 1, group)
+    out["received_tensor"] = box
+    out["broadcast"] = comm.broadcast(torch.tensor([float(rank + 5)]), 1, group)
+    out["broadcast_object"] = comm.broadcast_object({"from": rank}, 1, group)
+    out["gathered_objects"] = comm.all_gather_objects(("rank", rank), group)
+    comm.barrier(group)
+    comm.raise_first_failure(None, group, "a step every rank passes")
+    try:
+        comm.raise_first_failure(ValueError("bad shard") if rank == 1 else None, group, "loading")
+        out["failure"] = None
+    except comm.RankFailed as err:
+        out["failure"] = ("RankFailed", err.rank, str(err))
+    except ValueError as err:
+        out["failure"] = ("ValueError", rank, str(err))
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,3 +104,18 @@ def test_exchange_objects_and_dp_rebalancing():
         assert sum(g.startswith("r0") for g in out["mine"][2:]) == 1
         assert float(out["balance"]["balance/dp_tokens_max_over_mean_before"]) > 1.9
         assert float(out["balance"]["balance/dp_tokens_max_over_mean"]) < 1.1
+
+
+def test_point_to_point_broadcasts_and_object_gathers_name_group_ranks():
+    for rank, out in enumerate(_world()):
+        assert (out["rank"], out["size"], out["global_ranks"]) == (rank, 2, [0, 1])
+        assert out["received_tensor"].tolist() == [7, 8]
+        assert out["broadcast"].tolist() == [6.0]
+        assert out["broadcast_object"] == {"from": 1}
+        assert out["gathered_objects"] == [("rank", 0), ("rank", 1)]
+
+
+def test_raise_first_failure_raises_the_cause_once_and_names_it_elsewhere():
+    rank0, rank1 = (out["failure"] for out in _world())
+    assert rank1 == ("ValueError", 1, "bad shard")
+    assert rank0 == ("RankFailed", 1, "rank 1 failed loading: ValueError: bad shard")
