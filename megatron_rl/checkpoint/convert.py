@@ -1,16 +1,16 @@
-"""HF <-> Megatron checkpoint conversion: validation, orchestration and the conversion record.
+"""HF <-> Megatron checkpoint conversion: orchestration and the conversion record.
 
-Owns: checking an HF checkpoint against its config and the architecture's table before
-anything is written (every tensor mapped, every expected tensor present, every shape and
-the expert count as the config says, one dtype); running the conversion on the ranks of
-a world (a local gloo world it starts, or the caller's); the ``conversion.json`` record
-and the copied HF side files that let a Megatron checkpoint be exported back to the very
-same HF layout; and the all-or-nothing output directory.
+Owns: running a conversion on the ranks of a world (a local gloo world it starts, or the
+caller's) after the inputs are checked (``hf_source.inspect_hf_checkpoint``); the
+``conversion.json`` record and the copied HF side files that let a Megatron checkpoint be
+exported back to the very same HF layout, and where an export takes its HF config and
+shard layout from; and the all-or-nothing output directory.
 
 A Megatron distributed checkpoint stores every tensor by its global offsets, so the
 layout a conversion runs under only decides how the work and memory are split: the
 result loads into any TP/EP/PP layout. Does not own the name tables (``mapping``), file
-formats (``hf_io``) or Megatron internals (``megatron_io``).
+formats (``hf_io``), checking an HF checkpoint (``hf_source``) or Megatron internals
+(``megatron_io``).
 """
 
 from __future__ import annotations
@@ -18,18 +18,15 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
-from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_config import (
     architecture_of,
-    experts_key,
     hf_config_from_model,
     model_config_from_hf,
     read_config,
@@ -43,6 +40,11 @@ from megatron_rl.checkpoint.hf_io import (
     staging_dir,
     tensor_bytes,
 )
+from megatron_rl.checkpoint.hf_source import (
+    DTYPE_NAMES,
+    HFSource,
+    inspect_hf_checkpoint,
+)
 from megatron_rl.checkpoint.inputs import (
     check_dist_checkpoint,
     check_output_dir,
@@ -55,13 +57,7 @@ from megatron_rl.checkpoint.local_world import (
     minimal_world_size,
     run_local,
 )
-from megatron_rl.checkpoint.mapping import (
-    ARCHITECTURES,
-    Architecture,
-    all_weights,
-    hf_tensor_shapes,
-    template_regex,
-)
+from megatron_rl.checkpoint.mapping import all_weights
 from megatron_rl.checkpoint.trainer_source import (
     TRAINER_STATE_NAME,
     check_same_model,
@@ -70,131 +66,16 @@ from megatron_rl.checkpoint.trainer_source import (
     read_trainer_model,
 )
 from megatron_rl.config_loading import ConfigError, from_dict
+from megatron_rl.parallel import comm
 from megatron_rl.sections import ModelConfig, ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from megatron_rl.parallel.groups import ParallelGroups
 
 RECORD_NAME = "conversion.json"
 HF_FILES_DIR = "hf_files"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-
-
-@dataclass(kw_only=True)
-class HFSource:
-    """What a Megatron checkpoint was (or will be) converted from or exported to."""
-
-    architecture: str
-    """HF model_type (key of ``mapping.ARCHITECTURES``)."""
-    model: ModelConfig
-    """The Megatron model the HF config describes."""
-    index: dict | None
-    """The HF index (None: a single ``model.safetensors``)."""
-    files: list[str]
-    """Paths of the non-weight HF files (config, tokenizer, ...) to carry along."""
-    config: dict | None = None
-    """A generated ``config.json`` to write (None: it is one of ``files``)."""
-
-    @property
-    def arch(self) -> Architecture:
-        """The mapping table."""
-        return ARCHITECTURES.get(self.architecture)
-
-
-def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -> HFSource:
-    """Validate an HF checkpoint against its config and the mapping table, reading headers only.
-
-    Args:
-        hf_dir: the HF checkpoint.
-        vocab_padding_multiple: the Megatron model's ``model.vocab_padding_multiple`` (HF
-            configs have no such key; 1 keeps the vocabulary unpadded).
-
-    Raises:
-        CheckpointMismatchError: unsupported config, expert count that disagrees with the
-            tensors, missing / unknown / misshapen tensors, or mixed dtypes (all named).
-    """
-    config = read_config(hf_dir)
-    arch = architecture_of(config)
-    checkpoint = HFCheckpoint(hf_dir)
-    by_dtype: dict[torch.dtype, list[str]] = {}
-    # The routers' expert bias stays float32 in both HF and Megatron whatever the weights' dtype.
-    float32_kept = [template_regex(t) for rule in arch.rules if rule.buffer for t in rule.hf]
-    for name in checkpoint.names():
-        if not any(pattern.match(name) for pattern in float32_kept):
-            by_dtype.setdefault(checkpoint.dtype(name), []).append(name)
-    if len(by_dtype) != 1 or next(iter(by_dtype)) not in _DTYPE_NAMES:
-        found = {str(d): format_names(n, 3) for d, n in by_dtype.items()}
-        raise CheckpointMismatchError(
-            f"{hf_dir}: tensors must share one dtype of {list(_DTYPE_NAMES.values())}; found {found}"
-        )
-    model = model_config_from_hf(config, _DTYPE_NAMES[next(iter(by_dtype))])
-    if isinstance(vocab_padding_multiple, bool) or not (
-        isinstance(vocab_padding_multiple, int) and vocab_padding_multiple >= 1
-    ):
-        raise ConfigError(f"--vocab-padding-multiple {vocab_padding_multiple!r}: must be an integer >= 1")
-    model.vocab_padding_multiple = vocab_padding_multiple
-    _check_expert_count(arch, config, model, checkpoint)
-    _check_tensors(arch, model, checkpoint, skipped=_skipped_mtp_tensors(config, checkpoint))
-    return HFSource(
-        architecture=arch.name,
-        model=model,
-        index=checkpoint.index,
-        files=[str(p) for p in checkpoint.extra_files()],
-    )
-
-
-def _check_expert_count(
-    arch: Architecture, config: dict, model: ModelConfig, checkpoint: HFCheckpoint
-) -> None:
-    """Name the config key when every layer holds other experts than 0..E-1."""
-    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf]
-    found: dict[int, set[int]] = {}
-    for name in checkpoint.names():
-        for pattern in patterns:
-            match = pattern.match(name)
-            if match:
-                found.setdefault(int(match["layer"]), set()).add(int(match["expert"]))
-    # Every layer holding the same wrong set means the config is wrong; a gap in some
-    # layers is a missing tensor, which _check_tensors names.
-    sets = {frozenset(ids) for ids in found.values()}
-    uniform = len(sets) == 1 and len(found) == model.num_layers
-    if uniform and set(next(iter(sets))) != set(range(model.num_experts)):
-        ids = sorted(next(iter(sets)))
-        raise CheckpointMismatchError(
-            f"config.json {experts_key(arch, config)}={model.num_experts} disagrees with the checkpoint, "
-            f"whose layers all hold {len(ids)} experts ({ids[0]}..{ids[-1]})"
-        )
-
-
-def _skipped_mtp_tensors(config: dict, checkpoint: HFCheckpoint) -> list[str]:
-    """The checkpoint's multi-token-prediction tensors, announced on stdout (they are not converted)."""
-    skipped = mtp_tensor_names(config, checkpoint.names())
-    if skipped:
-        print(
-            f"note: skipping {len(skipped)} tensors of the multi-token-prediction layer(s) "
-            f"(num_nextn_predict_layers={config['num_nextn_predict_layers']}, model.layers."
-            f"{config['num_hidden_layers']}.* on): the Megatron model is the backbone only, and an "
-            "exported checkpoint has no MTP layers",
-            flush=True,
-        )
-    return skipped
-
-
-def _check_tensors(
-    arch: Architecture, model: ModelConfig, checkpoint: HFCheckpoint, skipped: list[str] = ()
-) -> None:
-    """Name every missing, unknown and misshapen tensor in one error (``skipped`` ones excepted)."""
-    expected = hf_tensor_shapes(arch, model)
-    present = set(checkpoint.names()) - set(skipped)
-    problems = []
-    missing = [n for n in expected if n not in present]
-    unknown = sorted(present - set(expected))
-    if missing:
-        problems.append(f"missing tensors: {format_names(missing)}")
-    if unknown:
-        problems.append(f"unknown tensors (no {arch.name} mapping): {format_names(unknown)}")
-    for name, shape in expected.items():
-        if name in present and checkpoint.shape(name) != shape:
-            problems.append(f"tensor {name} has shape {checkpoint.shape(name)}, the config implies {shape}")
-    if problems:
-        raise CheckpointMismatchError(f"{checkpoint.directory}: " + "; ".join(problems))
 
 
 # ------------------------------------------------------------------ the conversion record
@@ -255,7 +136,7 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
 def _trainer_source(megatron_dir: str | Path) -> HFSource:
     """A trainer checkpoint with no HF origin: config.json generated from the run's model."""
     trained = read_trainer_model(megatron_dir)
-    dtype = _DTYPE_NAMES[stored_dtype(megatron_dir)]
+    dtype = DTYPE_NAMES[stored_dtype(megatron_dir)]
     if dtype != trained.model.params_dtype:
         raise CheckpointMismatchError(
             f"{megatron_dir}: the model tensors are {dtype}, but {TRAINER_STATE_NAME} says "
@@ -292,7 +173,7 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
             "pass the HF checkpoint the model came from"
         )
     config = read_config(source)
-    model = model_config_from_hf(config, _DTYPE_NAMES[stored_dtype(megatron_dir)])
+    model = model_config_from_hf(config, DTYPE_NAMES[stored_dtype(megatron_dir)])
     checkpoint = HFCheckpoint(source) if any(source.glob("*.safetensors")) else None
     extra = checkpoint.extra_files() if checkpoint else sorted(p for p in source.iterdir() if p.is_file())
     return HFSource(
@@ -314,7 +195,7 @@ def stored_dtype(megatron_dir: str | Path) -> torch.dtype:
     metadata = dcp.FileSystemReader(str(megatron_dir)).read_metadata().state_dict_metadata
     skip = is_optimizer_key if is_trainer_checkpoint(megatron_dir) else (lambda key: False)
     dtypes = {m.properties.dtype for k, m in metadata.items() if hasattr(m, "properties") and not skip(k)}
-    if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPE_NAMES:
+    if len(dtypes) != 1 or next(iter(dtypes)) not in DTYPE_NAMES:
         raise CheckpointMismatchError(
             f"{megatron_dir}: tensors must share one float dtype, found {sorted(map(str, dtypes))}"
         )
@@ -339,50 +220,40 @@ def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPl
 
 
 @contextlib.contextmanager
-def collective_output_dir(final: str | Path) -> Iterator[Path]:
-    """:func:`~megatron_rl.checkpoint.hf_io.atomic_output_dir` owned by rank 0 of the world.
+def collective_output_dir(final: str | Path, group: ProcessGroup) -> Iterator[Path]:
+    """:func:`~megatron_rl.checkpoint.hf_io.atomic_output_dir` owned by rank 0 of ``group``
+    (every rank of the world that writes).
 
     Every rank gets the staging path; it is renamed into place after all ranks leave the
     block, and deleted by rank 0 when the block raises there.
     """
-    rank0 = dist.get_rank() == 0
+    rank0 = comm.rank(group) == 0
     owner = atomic_output_dir(final) if rank0 else contextlib.nullcontext()
     error = None
     try:
         owner.__enter__()
     except Exception as err:  # noqa: BLE001 - every rank must learn of it below
         error = err
-    _raise_if_any_rank_failed(error, "creating the output directory")
+    comm.raise_first_failure(error, group, "creating the output directory")
     try:
         yield staging_dir(final)
-        dist.barrier()
+        comm.barrier(group)
     except BaseException as exc:
         owner.__exit__(type(exc), exc, exc.__traceback__)
         raise
     owner.__exit__(None, None, None)
-    dist.barrier()
-
-
-def _raise_if_any_rank_failed(error: BaseException | None, step: str) -> None:
-    messages: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = {rank: m for rank, m in enumerate(messages) if m is not None}
-    if failed:
-        raise RuntimeError(f"{step} failed on other ranks: {failed}")
+    comm.barrier(group)
 
 
 def hf_to_megatron_collective(
     hf_dir: str | Path,
     out_dir: str | Path,
     parallel: ParallelConfig,
-    tp_rank: int,
-    tp_size: int,
+    groups: ParallelGroups,
     progress: bool = False,
     vocab_padding_multiple: int = 1,
 ) -> None:
-    """Every rank of a world whose Megatron parallel state is ``parallel`` calls this.
+    """Every rank of a world whose Megatron parallel state is ``parallel`` (``groups``) calls this.
 
     Validates the HF checkpoint, then writes the distributed checkpoint (plus the
     conversion record, which keeps ``vocab_padding_multiple``) to ``out_dir`` all-or-nothing.
@@ -390,28 +261,27 @@ def hf_to_megatron_collective(
     from megatron_rl.checkpoint.megatron_io import hf_to_megatron_rank
 
     source = inspect_hf_checkpoint(hf_dir, vocab_padding_multiple)
-    check_layout(source.model, parallel, dist.get_world_size())
-    rank0 = dist.get_rank() == 0
-    with collective_output_dir(out_dir) as staging:
+    check_layout(source.model, parallel, comm.size(groups.world))
+    rank0 = comm.rank(groups.world) == 0
+    with collective_output_dir(out_dir, groups.world) as staging:
         if rank0:
             write_record(staging, source)
-        hf_to_megatron_rank(
-            source.arch, source.model, parallel, tp_rank, tp_size, hf_dir, staging, progress and rank0
-        )
+        hf_to_megatron_rank(source.arch, source.model, parallel, groups, hf_dir, staging, progress and rank0)
 
 
 def megatron_to_hf_collective(
     megatron_dir: str | Path,
     out_dir: str | Path,
+    group: ProcessGroup,
     hf_config: str | Path | None = None,
     max_shard_bytes: int | None = None,
     progress: bool = False,
 ) -> None:
-    """Export in a world of one process whose Megatron parallel state is TP1/EP1/PP1."""
+    """Export in a world of one process (``group``) whose Megatron parallel state is TP1/EP1/PP1."""
     from megatron_rl.checkpoint.megatron_io import megatron_to_hf_rank
 
-    if dist.get_world_size() != 1:
-        raise RuntimeError(f"export runs in a world of 1 process, not {dist.get_world_size()}")
+    if comm.size(group) != 1:
+        raise RuntimeError(f"export runs in a world of 1 process, not {comm.size(group)}")
     source = read_export_source(megatron_dir, hf_config)
     with atomic_output_dir(out_dir) as staging:
         copy_files([Path(f) for f in source.files], staging)
@@ -431,9 +301,7 @@ def hf_to_megatron_world_entry(
 
     enable = parallel.use_cpu_platform is not False
     with cpu_platform(enable=enable), model_parallel(parallel, seed=0) as groups:
-        hf_to_megatron_collective(
-            hf_dir, out_dir, parallel, groups.tp_rank, groups.tp_size, progress, vocab_padding_multiple
-        )
+        hf_to_megatron_collective(hf_dir, out_dir, parallel, groups, progress, vocab_padding_multiple)
 
 
 def megatron_to_hf_world_entry(
@@ -443,8 +311,8 @@ def megatron_to_hf_world_entry(
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
 
-    with cpu_platform(), model_parallel(ParallelConfig(), seed=0):
-        megatron_to_hf_collective(megatron_dir, out_dir, hf_config, max_shard_bytes, progress)
+    with cpu_platform(), model_parallel(ParallelConfig(), seed=0) as groups:
+        megatron_to_hf_collective(megatron_dir, out_dir, groups.world, hf_config, max_shard_bytes, progress)
 
 
 def _run_into(out_dir: str | Path, entry, world_size: int, *args, timeout_s: float) -> Path:

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
 from megatron_rl.checkpoint.hf_io import (
     HFCheckpoint,
     ShardPlan,
@@ -38,6 +37,7 @@ from megatron_rl.checkpoint.hf_io import (
     atomic_output_dir,
     copy_files,
 )
+from megatron_rl.checkpoint.hf_source import inspect_hf_checkpoint
 from megatron_rl.checkpoint.mapping import all_weights
 from megatron_rl.checkpoint.weight_rules import Architecture
 from megatron_rl.sections import ModelConfig

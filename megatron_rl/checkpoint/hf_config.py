@@ -170,26 +170,7 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
         validate_model(model, prefix="model")
     except ConfigError as err:
         raise CheckpointMismatchError(str(err)) from None
-    problems = []
-    if model.moe_router_score_function != arch.score_function:
-        problems.append(
-            f"model.moe_router_score_function={model.moe_router_score_function!r}: "
-            f"{arch.name} routes with {arch.score_function} scores"
-        )
-    if arch.read_extra is None:
-        problems.extend(_family_features_used(model, arch))
-    if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
-        problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
-    if not model.untie_embeddings_and_output_weights:
-        problems.append(
-            f"model.untie_embeddings_and_output_weights=False: the {arch.name} conversion supports only "
-            "a separate output layer (tie_word_embeddings false)"
-        )
-    if arch.norm_topk_key is None and model.moe_router_pre_softmax:
-        problems.append(f"model.moe_router_pre_softmax=True: {arch.name} always renormalizes its top-K gates")
-    if model.rotary_base != int(model.rotary_base):
-        # model_config_from_hf refuses it too: build_model passes int(rotary_base) to Megatron.
-        problems.append(f"model.rotary_base={model.rotary_base} is not an integer")
+    problems = _unexportable_fields(model, arch)
     if problems:
         raise CheckpointMismatchError(f"the model cannot be exported as {arch.name}: " + "; ".join(problems))
     theta = float(model.rotary_base)
@@ -231,6 +212,31 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
     # untied output, SiLU), so that the generated config passes model_config_from_hf.
     config.update(arch.supported_values)
     return config
+
+
+def _unexportable_fields(model: ModelConfig, arch: Architecture) -> list[str]:
+    """One line per ``model.<field>`` that ``arch``'s config.json cannot express."""
+    problems = []
+    if model.moe_router_score_function != arch.score_function:
+        problems.append(
+            f"model.moe_router_score_function={model.moe_router_score_function!r}: "
+            f"{arch.name} routes with {arch.score_function} scores"
+        )
+    if arch.read_extra is None:
+        problems.extend(_family_features_used(model, arch))
+    if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
+        problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
+    if not model.untie_embeddings_and_output_weights:
+        problems.append(
+            f"model.untie_embeddings_and_output_weights=False: the {arch.name} conversion supports only "
+            "a separate output layer (tie_word_embeddings false)"
+        )
+    if arch.norm_topk_key is None and model.moe_router_pre_softmax:
+        problems.append(f"model.moe_router_pre_softmax=True: {arch.name} always renormalizes its top-K gates")
+    if model.rotary_base != int(model.rotary_base):
+        # model_config_from_hf refuses it too: build_model passes int(rotary_base) to Megatron.
+        problems.append(f"model.rotary_base={model.rotary_base} is not an integer")
+    return problems
 
 
 def _family_features_used(model: ModelConfig, arch: Architecture) -> list[str]:

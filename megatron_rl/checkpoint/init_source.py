@@ -20,13 +20,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from megatron_rl.checkpoint.convert import (
-    RECORD_NAME,
-    HFSource,
-    inspect_hf_checkpoint,
-    read_export_source,
-)
+from megatron_rl.checkpoint.convert import RECORD_NAME, read_export_source
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.hf_source import HFSource, inspect_hf_checkpoint
 from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
 from megatron_rl.config import RunConfig, read_preset, validate
 from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides

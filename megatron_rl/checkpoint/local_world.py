@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.inputs import describe_os_error
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.parallel.world import WorldError, free_port, run_world
+from megatron_rl.parallel import comm
+from megatron_rl.parallel.world import WorldError, run_world, world_of_one
 from megatron_rl.sections import (
     ModelConfig,
     ParallelConfig,
@@ -107,7 +108,7 @@ def _reporting_rank(report_dir: str, entry, *args):
     try:
         return entry(*args)
     except _INPUT_ERRORS as err:
-        rank = dist.get_rank()
+        rank = comm.rank(dist.group.WORLD)
         (Path(report_dir) / f"rank_{rank:05d}.txt").write_text(f"{type(err).__name__}\n{one_line(err)}")
         raise
 
@@ -138,10 +139,5 @@ def run_local(entry, world_size: int, *args, timeout_s: float) -> list:
             raise error(f"rank {rank}: {message}") from None
         finally:
             shutil.rmtree(report_dir, ignore_errors=True)
-    if dist.is_initialized():
-        raise RuntimeError("a local world of one needs torch.distributed uninitialized in this process")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
+    with world_of_one():
         return [entry(*args)]
-    finally:
-        dist.destroy_process_group()

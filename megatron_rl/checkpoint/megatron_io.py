@@ -17,7 +17,6 @@ import re
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from megatron.core.models.gpt import GPTModel
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -50,6 +49,8 @@ from megatron_rl.checkpoint.trainer_source import (
 )
 from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
+from megatron_rl.parallel.comm import all_gather_objects
+from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.te_names import canonical_name
 from megatron_rl.sections import ModelConfig, ParallelConfig
@@ -168,13 +169,12 @@ def hf_to_megatron_rank(
     arch: Architecture,
     model: ModelConfig,
     parallel: ParallelConfig,
-    tp_rank: int,
-    tp_size: int,
+    groups: ParallelGroups,
     hf_dir: str | Path,
     output_dir: str | Path,
     progress: bool = False,
 ) -> None:
-    """Collective: build this rank's stage, fill it from the HF checkpoint, save it.
+    """Collective over the world: build this rank's stage, fill it from the HF checkpoint, save it.
 
     Parameters are allocated uninitialized (meta build, then ``to_empty``): each is
     overwritten from the checkpoint, which :func:`fill_from_hf` guarantees, and random
@@ -195,11 +195,10 @@ def hf_to_megatron_rank(
     gpt.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu"))
     checkpoint = HFCheckpoint(hf_dir)
     # Multi-token-prediction layers are not part of the Megatron model (skipped, noted by
-    # convert.inspect_hf_checkpoint).
+    # hf_source.inspect_hf_checkpoint).
     skipped = mtp_tensor_names(read_config(hf_dir), checkpoint.names())
-    used = fill_from_hf(gpt, arch, model, checkpoint, tp_rank, tp_size, progress)
-    everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, used)
+    used = fill_from_hf(gpt, arch, model, checkpoint, groups.tp_rank, groups.tp_size, progress)
+    everyone = all_gather_objects(used, groups.world)
     unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
     if unused:
         raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")

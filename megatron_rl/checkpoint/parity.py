@@ -199,10 +199,9 @@ def megatron_outputs(
 
 
 def _megatron_entry(megatron_dir: str, parallel: ParallelConfig, sequences: list[torch.Tensor]):
-    import torch.distributed as dist
-
     from megatron_rl.checkpoint.convert import read_export_source
     from megatron_rl.checkpoint.megatron_io import load_megatron_model
+    from megatron_rl.parallel.comm import rank
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
 
@@ -211,7 +210,8 @@ def _megatron_entry(megatron_dir: str, parallel: ParallelConfig, sequences: list
     with cpu_platform(enable=enable), model_parallel(parallel, seed=0) as groups:
         model = load_megatron_model(source.arch, source.model, parallel, megatron_dir)
         outputs = megatron_outputs(model, groups, sequences)
-    return outputs if dist.get_rank() == 0 else None
+        first = rank(groups.world) == 0
+    return outputs if first else None
 
 
 def check_parity(
@@ -223,7 +223,8 @@ def check_parity(
     timeout_s: float = 3600.0,
 ) -> ParityReport:
     """Run both sides on ``sequences`` (HF here, Megatron in a local gloo world) and compare."""
-    from megatron_rl.checkpoint.convert import inspect_hf_checkpoint, read_export_source
+    from megatron_rl.checkpoint.convert import read_export_source
+    from megatron_rl.checkpoint.hf_source import inspect_hf_checkpoint
     from megatron_rl.checkpoint.local_world import (
         check_layout,
         minimal_world_size,

@@ -27,8 +27,8 @@ from megatron_rl.checkpoint.cli import (
     megatron_to_hf_main,
     parity_main,
 )
-from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
+from megatron_rl.checkpoint.hf_source import inspect_hf_checkpoint
 from megatron_rl.checkpoint.parity import (
     ParityTolerances,
     compare,

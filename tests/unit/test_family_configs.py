@@ -209,7 +209,7 @@ QWEN15_MOE_HUB = {
 )
 def test_preset_model_section_is_what_the_checkpoint_says(preset, hub):
     """The launcher's own check (``init_source.model_section``) accepts every key of the preset."""
-    from megatron_rl.checkpoint.convert import HFSource
+    from megatron_rl.checkpoint.hf_source import HFSource
     from megatron_rl.checkpoint.init_source import InitSource, model_section
     from megatron_rl.config import read_preset
 

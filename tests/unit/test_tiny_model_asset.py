@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import megatron_rl
-from megatron_rl.checkpoint.convert import inspect_hf_checkpoint
+from megatron_rl.checkpoint.hf_source import inspect_hf_checkpoint
 
 ASSETS = Path(megatron_rl.__file__).parent / "assets"
 MODEL_DIR = ASSETS / "tiny_qwen3_moe"
