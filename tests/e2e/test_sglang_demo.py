@@ -104,7 +104,9 @@ def _layouts_rank(url: str, cfg_dict: dict, layouts: list) -> list[dict]:
 
 
 def _failures(model, groups, client, sync) -> dict:
-    """A refused weight update, a refused NCCL group and a refused request fail on every rank, clearly."""
+    """A refused weight update, a refused NCCL group and a refused request fail on every rank, clearly
+    (rank 0 with its own error, its peers with :class:`RankFailed` carrying its message)."""
+    from megatron_rl.parallel.comm import RankFailed
     from megatron_rl.rollout.engine import SamplingParams
     from megatron_rl.rollout.sglang.client import RolloutRequestError
     from megatron_rl.rollout.sglang.weight_sync import (
@@ -117,12 +119,12 @@ def _failures(model, groups, client, sync) -> dict:
     renamed = sglang_engine(model, groups, client, sync, name_map=lambda name, t: [("renamed." + name, t)])
     try:
         renamed.update_weights(99)
-    except WeightSyncError as err:
+    except (WeightSyncError, RankFailed) as err:
         messages["sync_error"] = str(err)
     nccl = WeightSyncConfig(mode="distributed", backend="nccl", master_address="127.0.0.1", timeout_s=120)
     try:
         sglang_engine(model, groups, client, nccl).update_weights(98)
-    except WeightSyncError as err:
+    except (WeightSyncError, RankFailed) as err:
         messages["nccl_error"] = str(err)
     unsynced = sglang_engine(model, groups, client, None)
     try:

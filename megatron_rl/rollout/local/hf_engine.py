@@ -33,9 +33,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.rollout.local.hf_generate import check_lengths, generate
@@ -102,9 +102,8 @@ class HFEngine:
 
     def _check_replicas(self, version: int) -> None:
         """Every rank holds the same bytes under the same version, or the push fails."""
-        mine = torch.tensor([self.fingerprint(), float(version)], dtype=torch.float64)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
+        mine = torch.tensor([[self.fingerprint(), float(version)]], dtype=torch.float64)
+        everyone = comm.all_gather_cat(mine, self.groups.world)
         differ = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
         if differ:
             raise RuntimeError(
@@ -136,7 +135,7 @@ class HFEngine:
         """
         check_lengths(prompts, params.max_new_tokens, self.max_length)
         mp = self.groups.mp
-        mp_size, mp_rank = dist.get_world_size(mp), dist.get_rank(mp)
+        mp_size, mp_rank = comm.size(mp), comm.rank(mp)
         per, extra = divmod(len(prompts), mp_size)
         start = mp_rank * per + min(mp_rank, extra)
         share = range(start, start + per + (mp_rank < extra))
@@ -147,9 +146,7 @@ class HFEngine:
             mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
                             return_routes=return_routed_experts, max_length=self.max_length)
         if mp_size > 1:
-            everyone: list = [None] * mp_size
-            dist.all_gather_object(everyone, mine, group=mp)
-            mine = [g for part in everyone for g in part]
+            mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]
         return [
             RolloutSample(
                 prompt_ids=list(prompt), output_ids=g.output_ids, output_logprobs=g.logprobs,

@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 
-from megatron_rl.parallel.comm import all_reduce
+from megatron_rl.parallel import comm
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.rollout.sglang.client import (
     ClientStats,
@@ -140,11 +139,15 @@ class SGLangEngine:
             self.weight_sync.close()
 
     def _leader(self) -> bool:
-        return self.groups is None or dist.get_rank(self.groups.mp) == 0
+        return self.groups is None or comm.rank(self.groups.mp) == 0
+
+    def _rank0(self) -> bool:
+        """Global rank 0, or the engine alone (no groups)."""
+        return self.groups is None or comm.rank(self.groups.world) == 0
 
     def _shares_outcome(self) -> bool:
         """Whether other ranks must hear this rank's outcome of a round (so it must not just raise)."""
-        return self.groups is not None and (self.groups.mp.size() > 1 or self.weight_sync is not None)
+        return self.groups is not None and (comm.size(self.groups.mp) > 1 or self.weight_sync is not None)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
@@ -183,7 +186,7 @@ class SGLangEngine:
                     raise StaleWeightVersionError(
                         f"servers still behind weight version {self.weight_version} after {self.stats.resyncs} "
                         f"re-pushes of the weights: {servers}")
-                if not dist.is_initialized() or dist.get_rank() == 0:
+                if self._rank0():
                     print(f"SGLang servers behind weight version {self.weight_version} (restarted?): {servers}; "
                           "pushing the weights again", flush=True)
                 self.weight_sync.sync(self.weight_version, reconnect=True)
@@ -256,24 +259,20 @@ class SGLangEngine:
     def _share(self, wrapped: tuple) -> tuple[dict[int, RolloutSample], dict[str, str]]:
         """The leader's outcome of a round on every rank that must hear it (collective)."""
         outcome = wrapped[1]
-        if self.groups is not None and self.groups.mp.size() > 1:
-            box = [outcome]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(self.groups.mp, 0), group=self.groups.mp)
-            outcome = box[0]
-        failures = [outcome[1]] if outcome[0] == "error" else []
-        behind = {} if outcome[0] == "error" else dict(outcome[2])
-        if self.groups is not None and self.weight_sync is not None:
-            # Small (no samples): which servers each rank found behind, or its failure.
-            mine = ("error", outcome[1]) if outcome[0] == "error" else ("ok", behind)
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            failures = [f"rank {r}: {v}" for r, (kind, v) in enumerate(everyone) if kind == "error"]
-            for kind, value in everyone:
-                if kind == "ok":
-                    behind.update(value)
-        if failures:
-            raise RolloutRequestError(f"SGLang rollout failed on the model-parallel leader: {failures[0]}"
-                                      + (f" (and {len(failures) - 1} more ranks)" if len(failures) > 1 else ""))
+        if self.groups is not None and comm.size(self.groups.mp) > 1:
+            outcome = comm.broadcast_object(outcome, 0, self.groups.mp)
+        error = None
+        if outcome[0] == "error":
+            error = RolloutRequestError(f"SGLang rollout failed on the model-parallel leader: {outcome[1]}")
+        if self.groups is None or self.weight_sync is None:
+            if error is not None:
+                raise error
+            return outcome[1], dict(outcome[2])
+        # Every rank takes part in a re-push: all must agree on failures and on the servers behind.
+        comm.raise_first_failure(error, self.groups.world, "an SGLang rollout round")
+        behind = {}
+        for found in comm.all_gather_objects(outcome[2], self.groups.world):
+            behind.update(found)
         return outcome[1], behind
 
     async def _generate(self, prompts, todo, params, want_routes, seeds, expected: str | None = None,
@@ -309,14 +308,14 @@ class SGLangEngine:
         """
         totals, self._totals = self._totals, ClientStats()
         leader = self._leader()
-        first = self.groups is None or dist.get_rank() == 0
+        first = self._rank0()
         counts = torch.tensor([
             totals.attempts if leader else 0, sum(totals.retries.values()) if leader else 0,
             totals.duplicates_dropped if leader else 0, totals.resyncs if first else 0,
             totals.timeouts if leader else 0,
         ], dtype=torch.float64)
         if self.groups is not None:
-            all_reduce(counts, dist.group.WORLD)
+            comm.all_reduce(counts, self.groups.world)
         return {f"sglang/{name}": counts[i].float() for i, name in enumerate(STEP_METRICS)}
 
     def _sample(self, prompt: Sequence[int], result: GenerateResult) -> RolloutSample:

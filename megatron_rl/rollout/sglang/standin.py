@@ -52,6 +52,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import QWEN3_MOE, all_weights, fuse
+from megatron_rl.parallel.comm import broadcast
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
@@ -96,12 +97,12 @@ class EngineHost:
         from megatron_rl.parallel.cpu_platform import cpu_platform
         from megatron_rl.parallel.groups import model_parallel
         from megatron_rl.parallel.model import build_model
+        from megatron_rl.parallel.world import world_of_one
         from megatron_rl.rollout.local.embedded import EmbeddedEngine
 
         # The CPU platform's device rewriting is a thread-local torch mode: it must be
         # entered on the thread that runs every forward.
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        self._stack.callback(dist.destroy_process_group)
+        self._stack.enter_context(world_of_one())
         self._stack.enter_context(cpu_platform())
         groups = self._stack.enter_context(model_parallel(ParallelConfig(), seed))
         self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
@@ -172,7 +173,7 @@ class EngineHost:
         named = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(tensor, src=0, group=group)
+            broadcast(tensor, 0, group)
             named.append((name, tensor))
         return self.load(named, last=last)
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.checkpoint.megatron_io import global_parameter_names
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.parallel.world import free_port
@@ -168,13 +169,12 @@ def _gather(shard: _Shard) -> torch.Tensor:
     local = shard.param.detach()
     if shard.group is None:
         return local.clone()
-    size = dist.get_world_size(shard.group)
-    parts = [torch.empty_like(local) for _ in range(size)]
-    dist.all_gather(parts, local.contiguous(), group=shard.group)
+    whole = comm.all_gather_cat(local, shard.group, dim=shard.dim)
     if shard.stride == 1:
-        return torch.cat(parts, dim=shard.dim)
+        return whole
     # Gated fc1 on each rank is [gate_r; up_r]: whole = [gate_0..gate_n; up_0..up_n].
-    blocks = [p.chunk(shard.stride, dim=shard.dim) for p in parts]
+    size = comm.size(shard.group)
+    blocks = [p.chunk(shard.stride, dim=shard.dim) for p in whole.chunk(size, dim=shard.dim)]
     return torch.cat([blocks[r][s] for s in range(shard.stride) for r in range(size)], dim=shard.dim)
 
 
@@ -198,10 +198,10 @@ def gather_full_params(
             per-rank replicas).
     """
     shards = _local_shards(model, groups)
-    rank = dist.get_rank()
+    world = groups.world
+    rank = comm.rank(world)
     listing = [(n, s.full_shape, str(s.param.dtype)) for n, s in shards.items()]
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, listing)
+    everyone = comm.all_gather_objects(listing, world)
     holders: dict[str, list[int]] = {}
     meta: dict[str, tuple] = {}
     for r, entries in enumerate(everyone):
@@ -215,23 +215,23 @@ def gather_full_params(
         full = None
         # The owner's whole TP group gathers; everyone else holding the name skips it.
         group = mine.group if mine is not None else None
-        in_owner_group = group is not None and owner in dist.get_process_group_ranks(group)
+        in_owner_group = group is not None and owner in comm.global_ranks(group)
         if mine is not None and (rank == owner or in_owner_group):
             full = _gather(mine)
         if everywhere:
             if full is None:
                 shape, dtype = meta[name]
                 full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-            dist.broadcast(full, src=owner)
+            comm.broadcast(full, owner, world)
             yield name, full
             continue
         if owner != 0:
             if rank == owner:
-                dist.send(full.contiguous(), dst=0)
+                comm.send(full, 0, world)
             elif rank == 0:
                 shape, dtype = meta[name]
                 full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
-                dist.recv(full, src=owner)
+                comm.recv(full, owner, world)
         if rank == 0:
             yield name, full
 
@@ -365,7 +365,7 @@ class DistributedTransport:
         with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
             futures = [pool.submit(announce, url) for url in self.urls]
             for _, tensor in bucket:
-                dist.broadcast(tensor.contiguous(), src=0, group=self.group)
+                comm.broadcast(tensor.contiguous(), 0, self.group)
             answers = [f.result() for f in futures]
         _check(answers, "/update_weights_from_distributed")
 
@@ -409,15 +409,16 @@ class WeightSync:
         self.model, self.groups, self.cfg, self.name_map = model, groups, cfg, name_map
         self.urls = [u.rstrip("/") for u in urls]
         self.transport = None
-        if dist.get_rank() == 0:
+        if comm.rank(groups.world) == 0:
             self.transport = (TensorTransport if cfg.mode == "tensor" else DistributedTransport)(self.urls, cfg)
 
     def sync(self, version: int, *, reconnect: bool = False) -> None:
         """Wait for the servers, gather, send and verify; a collective that raises on every
-        rank if rank 0 failed.
+        rank if rank 0 failed (rank 0 its own error, the others
+        :class:`~megatron_rl.parallel.comm.RankFailed`).
 
         Every rank runs the gather to its end even after rank 0 failed to send, so that no
-        rank is left waiting in a collective; the error is then broadcast.
+        rank is left waiting in a collective; the failure is then agreed on.
 
         Args:
             version: the version the servers report once every bucket has landed.
@@ -430,7 +431,7 @@ class WeightSync:
                 if reconnect:
                     self.transport.reset()
             except Exception as err:  # noqa: BLE001 - reported to every rank below
-                error = f"{type(err).__name__}: {err}"
+                error = err
         with torch.no_grad():
             for name, tensor in gather_full_params(self.model, self.groups):
                 if self.transport is None or error is not None:
@@ -444,17 +445,14 @@ class WeightSync:
                         bucket.append((server_name, server_tensor))
                         size += nbytes
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
-                    error = f"{type(err).__name__}: {err}"
+                    error = err
             if self.transport is not None and error is None:
                 try:
                     self.transport.send(bucket, version=str(version))
                     self._verify(str(version))
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
-                    error = f"{type(err).__name__}: {err}"
-        box = [error]
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise WeightSyncError(f"weight sync to version {version} failed on rank 0: {box[0]}")
+                    error = err
+        comm.raise_first_failure(error, self.groups.world, f"weight sync to version {version}")
 
     def _verify(self, version: str) -> None:
         for url in self.urls:
