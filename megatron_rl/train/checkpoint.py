@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed import ProcessGroup
 
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.schedule import unwrap
 
 
@@ -77,27 +78,28 @@ def _sharded_state(model, optimizer, create_optimizer_state: bool) -> dict:
 
 
 def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,
-                    write_more: Callable[[Path], None] | None = None) -> Path:
-    """Collectively save model, optimizer, RNG and trainer state; then publish it.
+                    group: ProcessGroup, write_more: Callable[[Path], None] | None = None) -> Path:
+    """Collectively (over ``group``, every rank: ``ParallelGroups.world``) save model,
+    optimizer, RNG and trainer state; then publish it.
 
     ``write_more(path)``, called on every rank before publishing, adds files of its own
     (the rollouts generated ahead, :mod:`megatron_rl.train.async_rollouts`)."""
     root = _checkpoint_root(run_dir)
     path = root / f"step_{state.step:06d}"
-    rank = dist.get_rank()
+    rank = comm.rank(group)
     if rank == 0:
         path.mkdir(parents=True, exist_ok=True)
         for stale in path.glob("*"):
             if stale.is_file():
                 stale.unlink()
-    dist.barrier()
+    comm.barrier(group)
     with_optimizer_state = _has_optimizer_state(optimizer)
     dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
     (path / "rng").mkdir(exist_ok=True)
     torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
     if write_more is not None:
         write_more(path)
-    dist.barrier()
+    comm.barrier(group)
     if rank == 0:
         body = {"step": state.step, "data_position": state.data_position,
                 "weight_version": state.weight_version, "optimizer_state": with_optimizer_state,
@@ -106,12 +108,13 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
         tmp = root / "latest.tmp"
         tmp.write_text(path.name)
         os.replace(tmp, root / "latest")  # atomic: readers see the old or the new name
-    dist.barrier()
+    comm.barrier(group)
     return path
 
 
-def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
-    """Collectively load a checkpoint (written under any layout) into model and optimizer."""
+def load_checkpoint(path: Path, model, optimizer, group: ProcessGroup) -> TrainerState:
+    """Collectively (over ``group``, every rank) load a checkpoint (written under any layout)
+    into model and optimizer."""
     body = json.loads((path / "trainer_state.json").read_text())
     # Checkpoints from before the flag: only step 0 (saved right after the warm start, before
     # the first RL step) was written by an optimizer without state.
@@ -120,7 +123,7 @@ def load_checkpoint(path: Path, model, optimizer) -> TrainerState:
     unwrap(model).load_state_dict(loaded["model"], strict=False)
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
-    rng = path / "rng" / f"rank_{dist.get_rank():05d}.pt"
+    rng = path / "rng" / f"rank_{comm.rank(group):05d}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng)["torch"])
     return TrainerState(step=body["step"], data_position=body["data_position"], weight_version=body["weight_version"])

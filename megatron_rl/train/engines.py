@@ -10,42 +10,41 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+from megatron_rl.parallel.comm import raise_first_failure
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from megatron_rl.checkpoint.init_source import InitSource
     from megatron_rl.config import RunConfig
     from megatron_rl.parallel.groups import ParallelGroups
 
 
-def rollout_urls(cfg: RunConfig) -> list[str]:
+def rollout_urls(cfg: RunConfig, group: ProcessGroup) -> list[str]:
     """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines);
-    collective."""
+    collective over ``group`` (every rank: ``ParallelGroups.world``)."""
     if cfg.rollout.engine != "sglang":
         return []
     from megatron_rl.rollout.sglang.server import read_url_files
 
     s = cfg.rollout.sglang
     urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
-    probe_rollout_servers(cfg, urls)
+    probe_rollout_servers(cfg, urls, group)
     return urls
 
 
-def probe_rollout_servers(cfg: RunConfig, urls: list[str]) -> None:
-    """Collective: every rank probes (each model-parallel leader will send requests) and all
-    fail together, with one line per unreachable server."""
+def probe_rollout_servers(cfg: RunConfig, urls: list[str], group: ProcessGroup) -> None:
+    """Collective over ``group`` (every rank): every rank probes (each model-parallel leader
+    will send requests) and all fail together, a failed rank with one line per unreachable
+    server, the others naming the first failed rank."""
     from megatron_rl.rollout.sglang.client import RolloutRequestError, probe_servers
 
+    error = None
     try:
         probe_servers(urls, timeout_s=cfg.rollout.sglang.health_timeout_s)
-        problem = None
     except RolloutRequestError as err:
-        problem = str(err)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem)
-    failed = [(rank, p) for rank, p in enumerate(everyone) if p is not None]
-    if failed:
-        raise RuntimeError(f"rank {failed[0][0]}: {failed[0][1]}")
+        error = err
+    raise_first_failure(error, group, "probing the rollout servers")
 
 
 def hf_architecture(cfg: RunConfig, init: InitSource | None) -> str:

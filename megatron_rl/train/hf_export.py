@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.checkpoint.hf_config import hf_config_from_model
 from megatron_rl.checkpoint.hf_io import (
@@ -35,7 +34,7 @@ from megatron_rl.checkpoint.hf_io import (
     tensor_bytes,
 )
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
-from megatron_rl.parallel.comm import broadcast
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 from megatron_rl.sections import ModelConfig
@@ -103,7 +102,7 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
         spec: architecture, model config and side files.
     """
     out_dir = Path(out_dir)
-    rank0 = dist.get_rank() == 0
+    rank0 = comm.rank(groups.world) == 0
     error: BaseException | None = None
     output = None
     writer = None
@@ -136,10 +135,5 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
             output.__exit__(None, None, None)
         else:
             output.__exit__(type(error), error, error.__traceback__)
-    failed = torch.tensor([0 if error is None else 1])
-    broadcast(failed, 0, dist.group.WORLD)
-    if error is not None:
-        raise error
-    if int(failed.item()):
-        raise RuntimeError(f"exporting the HF checkpoint {out_dir} failed on rank 0")
+    comm.raise_first_failure(error, groups.world, f"exporting the HF checkpoint {out_dir}")
     return out_dir

@@ -12,7 +12,6 @@ done from the config before any process starts) or resuming a run.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
 from megatron_rl.checkpoint.families import mtp_tensor_names
@@ -20,6 +19,7 @@ from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_rl.checkpoint.init_source import InitSource
 from megatron_rl.checkpoint.megatron_io import fill_from_hf, load_megatron_model_into
+from megatron_rl.parallel.comm import all_gather_objects
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.sections import ModelConfig
 
@@ -42,8 +42,7 @@ def load_initial_weights(gpt: torch.nn.Module, source: InitSource, model: ModelC
         return
     checkpoint = HFCheckpoint(source.path)
     used = fill_from_hf(gpt, source.hf.arch, model, checkpoint, groups.tp_rank, groups.tp_size, cast=True)
-    everyone: list[set[str]] = [set() for _ in range(dist.get_world_size())]
-    dist.all_gather_object(everyone, used)
+    everyone = all_gather_objects(used, groups.world)
     # A checkpoint's multi-token-prediction layers are not part of the policy (noted when
     # the checkpoint was inspected).
     skipped = mtp_tensor_names(read_config(source.path), checkpoint.names())

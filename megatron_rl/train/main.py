@@ -23,15 +23,16 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_rl.config import RunConfig, validate  # noqa: E402
 from megatron_rl.config_loading import ConfigError, from_dict, to_dict  # noqa: E402
+from megatron_rl.parallel import comm  # noqa: E402
 from megatron_rl.parallel.world import (  # noqa: E402
     Stopped,
     WorldError,
     exit_with_parent,
+    joined_world,
     raise_on_stop_signals,
     run_world,
 )
@@ -50,11 +51,12 @@ def run_rank(cfg_dict: dict) -> list[dict]:
     from megatron_rl.train.trainer import Trainer
 
     cfg = from_dict(RunConfig, cfg_dict)
-    validate(cfg, world_size=dist.get_world_size())
+    world = dist.group.WORLD
+    validate(cfg, world_size=comm.size(world))
     with cpu_platform(enable=cfg.parallel.use_cpu_platform is not False):
         with model_parallel(cfg.parallel, cfg.seed) as groups:
             history = Trainer(cfg, groups).run()
-    if dist.get_rank() == 0:
+    if comm.rank(world) == 0:
         run_dir = Path(cfg.train.run_dir)
         plots = plot_run(run_dir)
         rows = read_metrics(run_dir / "metrics.jsonl")
@@ -99,7 +101,7 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         if not launched:
             print(f"megatron-rl-train: error: {err}", file=sys.stderr)
             return 2
-        busy = str(err)  # the other ranks learn it once the group exists
+        busy = err  # the other ranks learn it once the group exists
     except ConfigError as err:
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
@@ -133,26 +135,21 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         return 0
 
 
-def _run_launched(cfg: RunConfig, busy: str | None) -> int:
+def _run_launched(cfg: RunConfig, busy: RunDirBusy | None) -> int:
     """One torchrun worker; global rank 0 holds the run directory and tells the others
     whether it got it, so that a refused run exits 2 on every rank."""
     # Workers lead their own sessions under torchrun: if the agent dies, nothing else
     # would stop them (or their reward workers).
     exit_with_parent(os.getppid())
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-    try:
-        verdict = [busy]
-        dist.broadcast_object_list(verdict, src=0)
-        if verdict[0] is not None:
-            if dist.get_rank() == 0:
-                print(f"megatron-rl-train: error: {verdict[0]}", file=sys.stderr, flush=True)
+    with joined_world() as world:
+        try:
+            comm.raise_first_failure(busy, world, "claiming the run directory")
+        except RunDirBusy as err:
+            print(f"megatron-rl-train: error: {err}", file=sys.stderr, flush=True)
+            return 2
+        except comm.RankFailed:
             return 2
         run_rank(to_dict(cfg))
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

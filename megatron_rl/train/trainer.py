@@ -109,7 +109,7 @@ class Trainer:
         validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
         self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         # Before the model exists: a run whose rollout servers are missing fails in seconds.
-        self.rollout_urls = rollout_urls(cfg)
+        self.rollout_urls = rollout_urls(cfg, groups.world)
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
                                  **transformer_config_fields(cfg.fp8))
         self.resume_path = latest_checkpoint(cfg.train.run_dir) if cfg.train.resume else None
@@ -433,7 +433,7 @@ class Trainer:
         t = self.cfg.train
         path = self.resume_path
         if path is not None:
-            state = load_checkpoint(path, self.ddp, self.optimizer)
+            state = load_checkpoint(path, self.ddp, self.optimizer, self.groups.world)
             ahead = resume_batch(self, path, state)
             if self.ahead is not None:
                 self.ahead.next = ahead
@@ -447,7 +447,7 @@ class Trainer:
         if t.sft_steps > 0:
             if self.rollout_urls:
                 # Servers may have died while the model was built; find out before the warm start.
-                probe_rollout_servers(self.cfg, self.rollout_urls)
+                probe_rollout_servers(self.cfg, self.rollout_urls, self.groups.world)
             sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
             per_rank = t.sft_batch_size // self.groups.dp_size
 
@@ -474,7 +474,8 @@ class Trainer:
         if self.ahead is not None:
             self.ahead.settle(state)
             write_more = functools.partial(self.ahead.save, state=state)
-        save_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), write_more)
+        save_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), self.groups.world,
+                        write_more)
 
     def _setup_reference(self, state: TrainerState) -> None:
         """A frozen copy of the starting policy, when the objective uses KL to a reference.

@@ -105,19 +105,21 @@ def resume_worker(run_dir: str) -> dict:
             steps[step] = run.step(optimizer, micro_batches)
             out["errors"][step] = _relative_error(steps[step]["grads"], want)
             if step == WARM_STEPS[-1]:
-                save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(0, 0, 0), {})
+                save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(0, 0, 0), {}, groups.world)
             if step == SAVE_STEP:
-                save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(step, 0, step), {})
+                save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(step, 0, step), {}, groups.world)
 
         resumed = _Run()
-        load_checkpoint(Path(run_dir) / "checkpoints" / f"step_{SAVE_STEP:06d}", resumed.ddp, resumed.optimizer)
+        load_checkpoint(Path(run_dir) / "checkpoints" / f"step_{SAVE_STEP:06d}", resumed.ddp, resumed.optimizer,
+                        groups.world)
         step = resumed.step(resumed.optimizer, micro_batches)
         out["after_save_grads_equal"] = _same(step["grads"], steps[SAVE_STEP + 1]["grads"])
         out["after_save_weights_equal"] = _same(step["weights"], steps[SAVE_STEP + 1]["weights"])
 
         try:
             from_zero = _Run()
-            load_checkpoint(Path(run_dir) / "checkpoints" / "step_000000", from_zero.ddp, from_zero.optimizer)
+            load_checkpoint(Path(run_dir) / "checkpoints" / "step_000000", from_zero.ddp, from_zero.optimizer,
+                            groups.world)
             step = from_zero.step(from_zero.optimizer, micro_batches)
             out["zero_grads_equal"] = _same(step["grads"], steps[RL_STEPS[0]]["grads"])
             out["zero_weights_equal"] = _same(step["weights"], steps[RL_STEPS[0]]["weights"])

@@ -146,7 +146,7 @@ def trainer_worker(root: str) -> dict:
         moved = float((model.output_layer.weight - before).abs().max())
         config = to_dict(RunConfig(model=MODEL, parallel=EP2))
         state = TrainerState(step=3, data_position=48, weight_version=3)
-        path = save_checkpoint(Path(root) / "run", ddp, optimizer, state, config)
+        path = save_checkpoint(Path(root) / "run", ddp, optimizer, state, config, groups.world)
         outputs = megatron_outputs(model, groups, PROMPTS)
 
         # Malformed variants, written like save_checkpoint writes its state.
