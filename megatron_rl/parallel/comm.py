@@ -178,3 +178,30 @@ def raise_first_failure(error: BaseException | None, group: dist.ProcessGroup, w
         raise error
     rank, message = failed[0]
     raise RankFailed(rank, message, what)
+
+
+def all_ranks_agree(flag: bool, group: dist.ProcessGroup) -> bool:
+    """Collective: True when ``flag`` is True on every rank of ``group``."""
+    agreed = torch.tensor([1 if flag else 0])
+    if dist.get_world_size(group) > 1:
+        all_reduce(agreed, group, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
+
+
+def max_over(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place element-wise maximum of ``tensor`` over ``group``; returns it."""
+    if dist.get_world_size(group) > 1:
+        all_reduce(tensor, group, op=dist.ReduceOp.MAX)
+    return tensor
+
+
+def mean_over(values: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    """Collective: each named scalar's mean over the ranks of ``group`` (one all-reduce, in
+    float64, names in sorted order on every rank), as float32."""
+    names = sorted(values)
+    stacked = torch.stack([values[n].double().reshape(()) for n in names])
+    size = dist.get_world_size(group)
+    if size > 1:
+        all_reduce(stacked, group)
+        stacked /= size
+    return {n: stacked[i].float() for i, n in enumerate(names)}

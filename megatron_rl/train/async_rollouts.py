@@ -58,8 +58,10 @@ Design (one batch in flight, "finish under the old version"):
   own (``protocol_server --max-batch 1``) a run is reproducible bit for bit, and tests
   compare runs exactly.
 
-Owns the in-flight batch and its checkpoint file; the sampling rounds, scoring and losses
-stay in :mod:`megatron_rl.train.trainer`.
+Owns the in-flight batch and its checkpoint file. It draws, generates and scores through
+the small interface :class:`RoundSource` (:class:`megatron_rl.train.rollouts.RolloutSource`
+is the one the trainer passes); the sampling rounds and scoring live there, the losses in
+:mod:`megatron_rl.train.trainer`.
 """
 
 from __future__ import annotations
@@ -67,20 +69,54 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
-import torch.distributed as dist
 
+from megatron_rl.parallel.comm import broadcast_object, max_over, mean_over
+from megatron_rl.parallel.comm import rank as rank_in
 from megatron_rl.train.metrics import phase_timer
+from megatron_rl.train.rollouts import Round
 
 if TYPE_CHECKING:
     from megatron_rl.data.prompts import PromptRecord
+    from megatron_rl.parallel.groups import ParallelGroups
     from megatron_rl.rewards.core import RewardResult
     from megatron_rl.rollout.engine import RolloutSample
-    from megatron_rl.rollout.sglang.engine import PendingGeneration
+    from megatron_rl.rollout.sglang.engine import PendingGeneration, SGLangEngine
     from megatron_rl.train.checkpoint import TrainerState
-    from megatron_rl.train.trainer import Trainer
+
+
+class RoundSource(Protocol):
+    """What the batch in flight needs of the rollouts: the data order, background generation
+    of a round, and rewards."""
+
+    groups: ParallelGroups
+    """The run's process groups."""
+    engine: SGLangEngine
+    """The rollout engine (one that generates in the background)."""
+
+    def draw(self, state: TrainerState) -> list[PromptRecord]:
+        """This rank's prompts of the next sampling round (advances the data position)."""
+        ...
+
+    def problems_at(self, start: int, end: int) -> list[PromptRecord]:
+        """This rank's prompts at positions ``start`` .. ``end - 1`` of the training order."""
+        ...
+
+    def per_sample(self, problems: list[PromptRecord]) -> list[PromptRecord]:
+        """Each prompt repeated for its group's responses."""
+        ...
+
+    def start_generate(self, problems: list[PromptRecord], step: int, round_: int,
+                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration:
+        """Round ``round_`` of ``step`` generated in the background."""
+        ...
+
+    def rewards_of(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[RewardResult]:
+        """Rewards of ``samples[i]`` answering ``records[i]`` (safe off the main thread)."""
+        ...
+
 
 @dataclass
 class NextBatch:
@@ -109,8 +145,8 @@ class ScoreAhead:
     arrive, so that scoring overlaps training as generation does (the engine's
     ``on_samples``). Its errors wait for the join, where the main thread raises them."""
 
-    def __init__(self, trainer: Trainer, records: list[PromptRecord]) -> None:
-        self.trainer, self.records = trainer, records
+    def __init__(self, source: RoundSource, records: list[PromptRecord]) -> None:
+        self.source, self.records = source, records
         self.results: dict[int, tuple[list[int], RewardResult]] = {}
         """Index -> (the scored response's token ids, its reward)."""
         self.error: BaseException | None = None
@@ -118,7 +154,7 @@ class ScoreAhead:
     def __call__(self, samples: dict[int, RolloutSample]) -> None:
         try:
             order = sorted(samples)
-            scored = self.trainer.scorer.score([self.trainer.reward_input(self.records[i], samples[i]) for i in order])
+            scored = self.source.rewards_of([self.records[i] for i in order], [samples[i] for i in order])
             self.results = {i: (list(samples[i].output_ids), r) for i, r in zip(order, scored)}
         except BaseException as err:  # noqa: BLE001 - raised by the main thread at the join
             self.error = err
@@ -128,18 +164,18 @@ class AsyncRollouts:
     """The trainer's batch in flight (``rollout.max_staleness`` > 0); every method is called
     on every rank together, in the main thread."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        self.trainer = trainer
-        self.engine = trainer.engine
+    def __init__(self, source: RoundSource) -> None:
+        self.source = source
+        self.engine = source.engine
         self.next: NextBatch | None = None
         self.scored_ahead = 0.0
         """Share of the last taken batch's samples whose rewards were scored ahead."""
 
     # ------------------------------------------------------------------ the step
 
-    def take(self, step: int, state: TrainerState, metrics: dict) -> tuple[list, list, dict | None] | None:
-        """Step ``step``'s first round (problems, samples, rewards already scored by index) if
-        it was generated ahead, else None; either way the servers hold the trainer's weights when this returns. Adds
+    def take(self, step: int, state: TrainerState, metrics: dict) -> Round | None:
+        """Step ``step``'s first round (with the rewards already scored) if it was generated
+        ahead, else None; either way the servers hold the trainer's weights when this returns. Adds
         ``time/rollout_join`` (waiting for the batch) and ``time/weight_sync`` to ``metrics``."""
         batch, self.next = self.next, None
         if batch is not None and batch.step != step:
@@ -153,18 +189,14 @@ class AsyncRollouts:
         if batch is None:
             return None
         self.scored_ahead = len(batch.ready or {}) / max(1, len(batch.samples))
-        return batch.problems, batch.samples, batch.ready
+        return Round(batch.problems, batch.samples, batch.ready)
 
     def launch(self, step: int, state: TrainerState) -> None:
         """Draw step ``step``'s first round of prompts and generate it in the background."""
-        t, r = self.trainer, self.trainer.cfg.rollout
         start = state.data_position
-        problems = t._draw(state)
-        prompts = [p.prompt_ids for p in problems for _ in range(r.group_size)]
-        scoring = ScoreAhead(t, [p for p in problems for _ in range(r.group_size)])
-        pending = self.engine.start_generate(prompts, t._sampling(r.temperature),
-                                             return_routed_experts=r.return_routed_experts,
-                                             seed=t._round_seed(step, 1), on_samples=scoring)
+        problems = self.source.draw(state)
+        scoring = ScoreAhead(self.source, self.source.per_sample(problems))
+        pending = self.source.start_generate(problems, step, 1, on_samples=scoring)
         self.next = NextBatch(step, start, state.data_position, problems, pending, scoring=scoring)
 
     def settle(self, state: TrainerState) -> None:
@@ -183,11 +215,9 @@ class AsyncRollouts:
         if scoring.error is not None:
             raise scoring.error
         results = scoring.results
-        mp = self.trainer.groups.mp
+        mp = self.source.groups.mp
         if mp.size() > 1:  # the leader scored; its peers take its results (one scoring per sample)
-            box = [results]
-            dist.broadcast_object_list(box, src=dist.get_global_rank(mp, 0), group=mp)
-            results = box[0]
+            results = broadcast_object(results, 0, mp)
         # A sample asked for again at the join (its server restarted) is a new response: scored later.
         batch.ready = {i: result for i, (ids, result) in results.items()
                        if list(batch.samples[i].output_ids) == ids}
@@ -202,12 +232,10 @@ class AsyncRollouts:
         ``rollout/rewards_scored_ahead``: share of the step's first round scored in the
         background (below 1 after a resume, or when a restarted server's samples came late)."""
         ages = torch.tensor([float(state.weight_version - s.weight_version) for s in samples], dtype=torch.float64)
-        out = self.trainer._global_means({"rollout/staleness_mean": ages.mean(),
-                                          "rollout/rewards_scored_ahead": torch.tensor(self.scored_ahead)})
-        oldest = ages.max().reshape(1)
-        if self.trainer.groups.dp_size > 1:
-            dist.all_reduce(oldest, op=dist.ReduceOp.MAX, group=self.trainer.groups.dp)
-        out["rollout/staleness_max"] = oldest[0].float()
+        dp = self.source.groups.dp
+        out = mean_over({"rollout/staleness_mean": ages.mean(),
+                         "rollout/rewards_scored_ahead": torch.tensor(self.scored_ahead)}, dp)
+        out["rollout/staleness_max"] = max_over(ages.max().reshape(1), dp)[0].float()
         return out
 
     # ------------------------------------------------------------------ checkpoints
@@ -217,28 +245,30 @@ class AsyncRollouts:
         published: its prompts and positions (``rollouts/batch.json``, rank 0) and each
         rank's samples; call :meth:`settle` first. Every rank calls it (``save_checkpoint``'s
         ``write_more``), and the checkpoint is published after all have."""
-        batch = self.next
+        batch, groups = self.next, self.source.groups
+        rank = rank_in(groups.world)
         root = Path(checkpoint) / "rollouts"
         root.mkdir(parents=True, exist_ok=True)
         if batch is not None:
             torch.save({"samples": batch.samples, "sample_ids": [p.sample_id for p in batch.problems]},
-                       _rank_file(checkpoint))
-        if dist.get_rank() == 0:
+                       _rank_file(checkpoint, rank))
+        if rank == 0:
             about = None if batch is None else {"step": batch.step, "start": batch.start, "end": batch.end,
-                                                "dp_size": self.trainer.groups.dp_size}
+                                                "dp_size": groups.dp_size}
             (root / "batch.json").write_text(json.dumps({"saved_at_step": state.step, "batch": about}))
 
 
-def _rank_file(checkpoint: Path) -> Path:
-    return Path(checkpoint) / "rollouts" / f"rank_{dist.get_rank():05d}.pt"
+def _rank_file(checkpoint: Path, rank: int) -> Path:
+    """Where the rank ``rank`` of the world keeps its samples of the batch in ``checkpoint``."""
+    return Path(checkpoint) / "rollouts" / f"rank_{rank:05d}.pt"
 
 
-def resume_batch(trainer: Trainer, checkpoint: Path, state: TrainerState) -> NextBatch | None:
+def resume_batch(source: RoundSource, checkpoint: Path, state: TrainerState, asynchronous: bool) -> NextBatch | None:
     """The batch a checkpoint holds for its next step, ready to train, or None.
 
     Only a checkpoint written with ``max_staleness`` > 0 holds one (files a run before it
     left in the same directory are never read: the checkpoint's own config says). When this
-    run cannot train it as saved (synchronous now, or another data-parallel size), the
+    run cannot train it as saved (``asynchronous`` is False, or another data-parallel size), the
     batch's prompts are given back: ``state.data_position`` is rewound to its first prompt,
     the same on every rank (``batch.json`` says where).
     """
@@ -248,15 +278,16 @@ def resume_batch(trainer: Trainer, checkpoint: Path, state: TrainerState) -> Nex
     about = json.loads((Path(checkpoint) / "rollouts" / "batch.json").read_text())["batch"]
     if about is None:
         return None
-    if trainer.cfg.rollout.max_staleness == 0 or about["dp_size"] != trainer.groups.dp_size:
+    rank = rank_in(source.groups.world)
+    if not asynchronous or about["dp_size"] != source.groups.dp_size:
         state.data_position = about["start"]
-        if dist.get_rank() == 0:
+        if rank == 0:
             print(f"{Path(checkpoint).name}: the rollouts generated ahead for step {about['step']} are not used (this "
                   "run is synchronous or has another data-parallel size); their prompts are drawn again", flush=True)
         return None
-    saved = torch.load(_rank_file(checkpoint), weights_only=False)
-    problems = trainer._mine([trainer.train_set.at(p, trainer.cfg.seed) for p in range(about["start"], about["end"])])
+    saved = torch.load(_rank_file(checkpoint, rank), weights_only=False)
+    problems = source.problems_at(about["start"], about["end"])
     if [p.sample_id for p in problems] != saved["sample_ids"]:
-        raise RuntimeError(f"{_rank_file(checkpoint)}: the saved rollouts answer other prompts than the training "
+        raise RuntimeError(f"{_rank_file(checkpoint, rank)}: the saved rollouts answer other prompts than the training "
                            f"order gives at positions {about['start']}..{about['end']} (the data changed since)")
     return NextBatch(about["step"], about["start"], about["end"], problems, None, saved["samples"])

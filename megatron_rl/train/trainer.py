@@ -1,5 +1,12 @@
-"""The RL loop: rollouts -> rewards -> dynamic sampling -> old-policy pass -> advantages
--> updates under the routing plan -> engine refresh -> evaluation -> checkpoint (+ HF out).
+"""The RL loop: rollouts -> DP balance -> old-policy pass -> advantages -> updates under the
+routing plan -> engine refresh -> evaluation -> checkpoint (+ HF out).
+
+Owns :class:`Trainer`: building the run (policy, optimizer, rollout engine, reward pool),
+starting or resuming it, one RL step after the rollouts, evaluation, checkpoints and the
+HF export. The rollouts themselves (data draw, sampling rounds, rewards, dynamic sampling)
+are :mod:`megatron_rl.train.rollouts`; with ``rollout.max_staleness: 1`` the next step's
+first round is generated while a step trains (:mod:`megatron_rl.train.async_rollouts`);
+0 keeps the synchronous loop.
 
 The policy starts from ``init_checkpoint`` (an HF directory streamed into this run's
 layout, or a Megatron checkpoint) unless the run directory holds a checkpoint of its own,
@@ -12,47 +19,34 @@ is no GPU). Each data-parallel rank owns whole groups (all G responses of a prom
 group advantages need no communication; losses are normalized over the global batch.
 Everything random is drawn from generators seeded by (seed, step, round), and the data
 order by (seed, epoch), so a resumed run continues exactly as an uninterrupted one.
-With ``rollout.max_staleness: 1`` the next step's first round is generated while a step
-trains (:mod:`megatron_rl.train.async_rollouts`); 0 keeps the synchronous loop.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from megatron_rl.algos import (
-    compute_advantages,
-    dynamic_sampling_keep_S,
-    kl_estimate_T,
-    soft_overlong_penalty_S,
-)
+from megatron_rl.algos import compute_advantages, kl_estimate_T
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
 from megatron_rl.config import RunConfig, resolve_objective, validate_batch_split
 from megatron_rl.config_loading import to_dict
-from megatron_rl.data.prompts import PromptRecord, load_prompts
+from megatron_rl.data.prompts import load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
-from megatron_rl.parallel.comm import all_reduce
+from megatron_rl.parallel.comm import all_reduce, mean_over, rank
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
-from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rewards.pool import RewardScorer
-from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import (
@@ -73,26 +67,8 @@ from megatron_rl.train.hf_export import HFExportSpec, export_hf
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
 from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
+from megatron_rl.train.rollouts import Groups, RolloutSource, check_versions
 from megatron_rl.train.sft import run_warm_start
-
-MAX_REWARD_ERRORS_PRINTED = 5
-"""Reward errors printed per step and rank (all are counted in ``reward/errors``)."""
-
-
-FAULT_ENV = "MEGATRON_RL_FAIL_AFTER_STEP"
-"""Tests set this to a step number to make every rank fail right after that step."""
-
-
-@dataclass
-class Groups:
-    """This rank's rollout groups of one step."""
-
-    problems: list[PromptRecord]
-    """The prompt of each group."""
-    samples: list[list[RolloutSample]]
-    """G responses per group."""
-    rewards: list[torch.Tensor]
-    """``[G]`` rewards per group (shaping included)."""
 
 
 class Trainer:
@@ -107,7 +83,6 @@ class Trainer:
         self.eval_set = load_prompts(cfg.data, "eval", self.tokenizer, limit)
         self.init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
         validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
-        self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         # Before the model exists: a run whose rollout servers are missing fails in seconds.
         self.rollout_urls = rollout_urls(cfg, groups.world)
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
@@ -121,183 +96,107 @@ class Trainer:
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = build_engine(cfg, self.ddp, groups, self.rollout_urls, self.hf_architecture())
         self.reference = None
-        self.rank0 = dist.get_rank() == 0
+        self.rank0 = rank(groups.world) == 0
         # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
         self.telemetry = GpuTelemetry() if self.rank0 else None
         self.plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
         self.scorer = RewardScorer(cfg.reward)
+        self.rollouts = RolloutSource(cfg, self.objective, groups, self.engine, self.tokenizer, self.train_set,
+                                      self.scorer)
         # rollout.max_staleness > 0: the next step's first round is generated while a step trains.
-        self.ahead = AsyncRollouts(self) if cfg.rollout.max_staleness > 0 else None
+        self.ahead = AsyncRollouts(self.rollouts) if cfg.rollout.max_staleness > 0 else None
 
     def hf_architecture(self) -> str:
         """The policy's HF ``model_type``: the starting checkpoint's, else ``rollout.sglang.hf_architecture``."""
         return hf_architecture(self.cfg, self.init)
 
-    # ------------------------------------------------------------------ data
+    # ------------------------------------------------------------------ the run
 
-    def _mine(self, items: list) -> list:
-        """This DP rank's share (item j goes to rank j mod DP)."""
-        return items[self.groups.dp_rank :: self.groups.dp_size]
-
-    # ------------------------------------------------------------------ phases
-
-    def _sampling(self, temperature: float) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
-
-    def reward_input(self, record: PromptRecord, sample: RolloutSample) -> RewardInput:
-        """What the reward function sees of ``sample`` answering ``record``."""
-        return RewardInput(sample_id=record.sample_id, prompt=record.prompt,
-                           response=self.tokenizer.decode_response(sample.output_ids),
-                           ground_truth=record.ground_truth, metadata=record.metadata)
-
-    def _score(self, records: list[PromptRecord], samples: list[RolloutSample], metrics: dict | None,
-               ready: dict[int, RewardResult] | None = None) -> list[RewardResult]:
-        """Rewards of ``samples[i]`` answering ``records[i]``, scored in the reward pool;
-        ``ready``: results already scored (by the thread that generated them), by index.
-
-        A reward function that fails is counted (``reward/errors``) and printed with the
-        sample's id, or ends the run when ``reward.fatal_errors`` is set.
-        """
-        ready = ready or {}
-        items = [self.reward_input(r, s) for r, s in zip(records, samples)]
-        todo = [i for i in range(len(items)) if i not in ready]
-        scored = dict(zip(todo, self.scorer.score([items[i] for i in todo]) if todo else []))
-        results = [ready[i] if i in ready else scored[i] for i in range(len(items))]
-        failed = [(item.sample_id, res.error) for item, res in zip(items, results) if res.error is not None]
-        for sample_id, error in failed[:MAX_REWARD_ERRORS_PRINTED]:
-            print(f"reward {self.cfg.reward.function!r} failed on sample {sample_id}: {error}", file=sys.stderr, flush=True)
-        if metrics is not None:
-            metrics["reward/errors"] = metrics.get("reward/errors", 0) + len(failed)
-        return results
-
-    def _group_rewards(self, results: list[RewardResult], samples: list[RolloutSample]) -> torch.Tensor:
-        """``[G]`` rewards of one group, with overlong shaping."""
-        rewards = torch.tensor([r.score for r in results], dtype=torch.float64)
-        if self.objective.overlong_penalty_max_len is not None:
-            lengths = torch.tensor([len(s.output_ids) for s in samples])
-            rewards = rewards + soft_overlong_penalty_S(
-                lengths, self.objective.overlong_penalty_max_len, self.objective.overlong_penalty_cache_len
-            )
-        return rewards
-
-    @staticmethod
-    def _check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
-        """Every rollout must come from the weights the old-policy pass will use, or from one
-        at most ``max_staleness`` versions older."""
-        stale = [i for i, s in enumerate(samples) if not version - max_staleness <= s.weight_version <= version]
-        if stale:
-            raise RuntimeError(
-                f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight version "
-                f"{samples[stale[0]].weight_version}, but the trainer is at version {version}"
-                f"{f' (rollout.max_staleness {max_staleness})' if max_staleness else ''}: the engine "
-                "served stale weights (check rollout.sglang.weight_sync)"
-            )
-
-    def _draw(self, state: TrainerState) -> list[PromptRecord]:
-        """This rank's prompts of the next sampling round (advances the data position)."""
-        start = state.data_position
-        state.data_position += self.cfg.rollout.prompts_per_step
-        return self._mine([self.train_set.at(p, self.cfg.seed) for p in range(start, state.data_position)])
-
-    def _round_seed(self, step: int, rounds: int) -> int:
-        """Sampling seed of round ``rounds`` (from 1) of RL step ``step``."""
-        return self.cfg.seed * 7919 + step * 131 + rounds
-
-    def _rollouts(self, step: int, state: TrainerState, metrics: dict, first: tuple | None = None) -> Groups:
-        """Sample groups until this rank holds enough with informative rewards (DAPO);
-        ``first``: the first round's (problems, samples, rewards ready by index or None),
-        generated ahead."""
-        r, G = self.cfg.rollout, self.cfg.rollout.group_size
-        kept, dropped = Groups([], [], []), Groups([], [], [])
-        drawn_rewards, drawn_correct, lengths, rounds = [], [], [], 0
-        extras: dict[str, list[float]] = {}
-        errors: dict = {}
-        while True:
-            rounds += 1
-            ready = None
-            if first is not None:
-                (problems, samples, ready), first = first, None
-            else:
-                problems = self._draw(state)
-                prompts = [p.prompt_ids for p in problems for _ in range(G)]
-                samples = self.engine.generate(prompts, self._sampling(r.temperature),
-                                               return_routed_experts=r.return_routed_experts,
-                                               seed=self._round_seed(step, rounds))
-            self._check_versions(samples, state.weight_version, r.max_staleness)
-            with phase_timer(metrics, "reward"):
-                results = self._score([p for p in problems for _ in range(G)], samples, errors, ready)
-            for res in results:
-                for name, value in res.extras.items():
-                    extras.setdefault(f"reward/{name}", []).append(value)
-            for g, problem in enumerate(problems):
-                group = samples[g * G : (g + 1) * G]
-                group_results = results[g * G : (g + 1) * G]
-                rewards = self._group_rewards(group_results, group)
-                drawn_rewards.append(rewards)
-                drawn_correct.extend(1.0 if res.score > 0 else 0.0 for res in group_results)
-                lengths.extend(len(s.output_ids) for s in group)
-                informative = bool(dynamic_sampling_keep_S(rewards, torch.zeros(G, dtype=torch.int64), 1).any())
-                target = kept if informative or not self.objective.dynamic_sampling else dropped
-                target.problems.append(problem)
-                target.samples.append(group)
-                target.rewards.append(rewards)
-            enough = torch.tensor([1 if len(kept.problems) >= self.groups_per_rank else 0])
-            if self.groups.dp_size > 1:
-                all_reduce(enough, self.groups.dp, op=dist.ReduceOp.MIN)
-            if bool(enough.item()) or rounds >= r.max_sampling_rounds:
-                break
-        # Every rank must train on the same number of groups (expert dispatch is collective):
-        # top up with uninformative groups, which carry zero advantage.
-        chosen = Groups(*(getattr(kept, f)[: self.groups_per_rank] for f in ("problems", "samples", "rewards")))
-        missing = self.groups_per_rank - len(chosen.problems)
-        for f in ("problems", "samples", "rewards"):
-            getattr(chosen, f).extend(getattr(dropped, f)[:missing])
-        metrics.update(self._global_means({
-            "reward/mean": torch.cat(drawn_rewards).mean(),
-            "rollout/accuracy": torch.tensor(drawn_correct, dtype=torch.float64).mean(),
-            "rollout/response_length": torch.tensor(lengths, dtype=torch.float64).mean(),
-            "sampling/rounds": torch.tensor(float(rounds)),
-            "sampling/groups_drawn": torch.tensor(float(len(drawn_rewards))),
-            "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn_rewards))),
-        }))
-        metrics.update(self._reward_extras(extras, errors.get("reward/errors", 0)))
-        return chosen
-
-    def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
-        """Means of the reward functions' extra fields over the global batch, and the error count.
-
-        Ranks may see different extra names (a reward may add a field only sometimes), so
-        the names are agreed on first: every rank then reduces the same tensor.
-        """
-        names = set(extras)
-        if self.groups.dp_size > 1:
-            everyone: list = [None] * self.groups.dp_size
-            dist.all_gather_object(everyone, sorted(names), group=self.groups.dp)
-            names = set().union(*everyone)
-        names = sorted(names)
-        sums = [sum(extras.get(n, [])) for n in names]
-        counts = [len(extras.get(n, [])) for n in names]
-        totals = torch.tensor([*sums, *counts, float(errors)], dtype=torch.float64)
-        if self.groups.dp_size > 1:
-            all_reduce(totals, self.groups.dp)
-        out = {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
-        out["reward/errors"] = totals[-1].float()
-        return out
-
-    def _global_means(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        names = sorted(values)
-        stacked = torch.stack([values[n].double().reshape(()) for n in names])
-        if self.groups.dp_size > 1:
-            all_reduce(stacked, self.groups.dp)
-            stacked /= self.groups.dp_size
-        return {n: stacked[i].float() for i, n in enumerate(names)}
-
-    def _packing(self) -> dict:
-        """Micro-batching keywords of the log-prob passes and the updates."""
+    def run(self) -> list[dict]:
+        """The whole run; returns the per-step metrics (as floats) logged by this run."""
         t = self.cfg.train
-        return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
+        history: list[dict] = []
+        resume_step = int(self.resume_path.name.split("_")[-1]) if self.resume_path is not None else None
+        with MetricsLogger(t.run_dir, enabled=self.rank0, resume_from_step=resume_step) as logger:
+            def log(step, metrics):
+                row = {k: float(v) for k, v in metrics.items()}
+                history.append({"step": step, **row})
+                logger.log(step, row)
+
+            state = self._start(self._print_warm_start)
+            self._setup_reference(state)
+            if state.step == 0:
+                log(0, {**self.evaluate(), **self._engine_metrics(),
+                        "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
+                        "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
+                        "data/prompts_over_length": torch.tensor(
+                            float(self.train_set.num_filtered + self.eval_set.num_filtered))})
+            bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
+            for step in bar:
+                metrics = self.rl_step(step, state)
+                state.step = step
+                evaluating = step % t.eval_every == 0 or step == t.steps
+                saving = step % t.save_every == 0 or step == t.steps
+                if self.ahead is not None and (evaluating or saving):
+                    # Evaluation sees this step's weights; a checkpoint holds the next batch, whole.
+                    self.ahead.settle(state)
+                if evaluating:
+                    metrics.update(self.evaluate())
+                if self.telemetry is not None:
+                    metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
+                metrics.update(self._engine_metrics())
+                log(step, metrics)
+                if saving:
+                    self._save(state)
+                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
+                    self.export_hf(step)
+            # Collective for SGLang (the weight-sync group spans every rank), so not in a
+            # finally: a rank that failed must not wait here for peers that never come.
+            self.engine.close()
+        if self.telemetry is not None:
+            self.telemetry.close()
+        self.scorer.close()
+        return history
+
+    def rl_step(self, step: int, state: TrainerState) -> dict[str, torch.Tensor]:
+        """One RL step; returns its metrics (identical on every rank)."""
+        metrics: dict[str, torch.Tensor] = {}
+        start = time.perf_counter()
+        with phase_timer(metrics, "rollout"):
+            chosen = self._rollouts(step, state, metrics)
+        chosen = self._balanced(chosen, metrics)
+        batch = self._batch(chosen, metrics)
+        with phase_timer(metrics, "update"):
+            self._update(batch, metrics)
+        state.weight_version += 1
+        if self.ahead is None:
+            with phase_timer(metrics, "weight_sync"):
+                self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
+        tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
+        if self.groups.dp_size > 1:
+            all_reduce(tokens, self.groups.dp)
+        metrics["perf/tokens_per_s"] = tokens[0] / (time.perf_counter() - start)
+        return metrics
+
+    def _rollouts(self, step: int, state: TrainerState, metrics: dict) -> Groups:
+        """This rank's groups of step ``step``; asynchronous, the first round is the one
+        generated ahead, and step ``step + 1``'s is launched meanwhile."""
+        if self.ahead is None:
+            return self.rollouts.collect(step, state, metrics)
+        first = self.ahead.take(step, state, metrics)
+        more = step < self.cfg.train.steps
+        # Without dynamic sampling a step has one round: once it is here the servers owe
+        # this step nothing, so the next batch starts before this one is even scored.
+        # Further rounds are drawn before the next batch and generated with nothing in
+        # flight, so with dynamic sampling the next batch waits for them.
+        early = more and first is not None and not self.objective.dynamic_sampling
+        if early:
+            self.ahead.launch(step + 1, state)
+        chosen = self.rollouts.collect(step, state, metrics, first)
+        metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
+        if more and not early:
+            self.ahead.launch(step + 1, state)
+        return chosen
 
     def _balanced(self, chosen: Groups, metrics: dict) -> Groups:
         """With a token budget, re-deal whole groups over DP ranks so that tokens per rank balance."""
@@ -308,6 +207,11 @@ class Trainer:
         mine, balance = rebalance_over_dp(items, tokens, self.groups, self.cfg.train.mini_batches)
         metrics.update(balance)
         return Groups(*(list(column) for column in zip(*mine)))
+
+    def _packing(self) -> dict:
+        """Micro-batching keywords of the log-prob passes and the updates."""
+        t = self.cfg.train
+        return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
 
     def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
         """Old-policy pass, optional reference pass and advantages for the chosen groups."""
@@ -320,10 +224,10 @@ class Trainer:
             old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
         rollout_lp = torch.cat([s.output_logprobs for s in samples])
         diff = (old.logprobs_T - rollout_lp)
-        metrics.update(self._global_means({
+        metrics.update(mean_over({
             "mismatch/train_rollout_abs_diff": diff.abs().mean(),
             "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T).mean(),
-        }))
+        }, self.groups.dp))
         ref_lp = None
         if self.reference is not None:
             with phase_timer(metrics, "ref_logprobs"):
@@ -348,7 +252,7 @@ class Trainer:
     def _update(self, batch: TrainBatch, metrics: dict) -> None:
         """Mini-batch / multi-epoch policy updates."""
         G, t = self.cfg.rollout.group_size, self.cfg.train
-        groups_per_mb = self.groups_per_rank // t.mini_batches
+        groups_per_mb = self.rollouts.groups_per_rank // t.mini_batches
         collected: list[dict] = []
         for _ in range(t.epochs):
             for m in range(t.mini_batches):
@@ -370,71 +274,35 @@ class Trainer:
             return {}  # no eval files: evaluation is optional
         records = self.eval_set.records[: e.max_prompts]
         records = records[: len(records) - len(records) % self.groups.dp_size]
-        mine = self._mine(records)
+        mine = self.rollouts.mine(records)
         n = e.num_samples
-        samples = self.engine.generate([r.prompt_ids for r in mine for _ in range(n)], self._sampling(e.temperature),
-                                       return_routed_experts=False, seed=self.cfg.seed)
-        self._check_versions(samples, self.engine.weight_version)
-        results = self._score([r for r in mine for _ in range(n)], samples, None)
+        samples = self.engine.generate([r.prompt_ids for r in mine for _ in range(n)],
+                                       self.rollouts.sampling(e.temperature), return_routed_experts=False,
+                                       seed=self.cfg.seed)
+        check_versions(samples, self.engine.weight_version)
+        results = self.rollouts.score([r for r in mine for _ in range(n)], samples)
         correct = [sum(res.score > 0 for res in results[i * n : (i + 1) * n]) for i in range(len(mine))]
         names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
         sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
         if e.greedy and e.temperature > 0:
-            greedy = self.engine.generate([r.prompt_ids for r in mine], self._sampling(0.0),
+            greedy = self.engine.generate([r.prompt_ids for r in mine], self.rollouts.sampling(0.0),
                                           return_routed_experts=False, seed=self.cfg.seed)
             names.append("eval/accuracy_greedy")
-            sums.append(float(sum(res.score > 0 for res in self._score(mine, greedy, None))))
+            sums.append(float(sum(res.score > 0 for res in self.rollouts.score(mine, greedy))))
         totals = torch.tensor([*sums, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
         return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(names)}
 
-    # ------------------------------------------------------------------ the loop
-
-    def rl_step(self, step: int, state: TrainerState) -> dict[str, torch.Tensor]:
-        """One RL step; returns its metrics (identical on every rank)."""
-        metrics: dict[str, torch.Tensor] = {}
-        start = time.perf_counter()
-        with phase_timer(metrics, "rollout"):
-            if self.ahead is None:
-                chosen = self._rollouts(step, state, metrics)
-            else:
-                # Asynchronous: train the round generated ahead, and generate the next meanwhile.
-                first = self.ahead.take(step, state, metrics)
-                more = step < self.cfg.train.steps
-                # Without dynamic sampling a step has one round: once it is here the servers owe
-                # this step nothing, so the next batch starts before this one is even scored.
-                # Further rounds are drawn before the next batch and generated with nothing in
-                # flight, so with dynamic sampling the next batch waits for them.
-                early = more and first is not None and not self.objective.dynamic_sampling
-                if early:
-                    self.ahead.launch(step + 1, state)
-                chosen = self._rollouts(step, state, metrics, first)
-                metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
-                if more and not early:
-                    self.ahead.launch(step + 1, state)
-        chosen = self._balanced(chosen, metrics)
-        batch = self._batch(chosen, metrics)
-        with phase_timer(metrics, "update"):
-            self._update(batch, metrics)
-        state.weight_version += 1
-        if self.ahead is None:
-            with phase_timer(metrics, "weight_sync"):
-                self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
-        tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
-        if self.groups.dp_size > 1:
-            all_reduce(tokens, self.groups.dp)
-        metrics["perf/tokens_per_s"] = tokens[0] / (time.perf_counter() - start)
-        return metrics
+    # ------------------------------------------------------------------ start and checkpoints
 
     def _start(self, log) -> TrainerState:
         """Resume from the run's latest checkpoint, or start (from ``init_checkpoint`` when set,
         already loaded by the constructor), optionally warm-start, and save step 0."""
-        t = self.cfg.train
         path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer, self.groups.world)
-            ahead = resume_batch(self, path, state)
+            ahead = resume_batch(self.rollouts, path, state, asynchronous=self.ahead is not None)
             if self.ahead is not None:
                 self.ahead.next = ahead
             self.engine.update_weights(state.weight_version)
@@ -444,29 +312,34 @@ class Trainer:
         state = TrainerState(step=0, data_position=0, weight_version=0)
         if self.rank0 and self.init is not None:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
-        if t.sft_steps > 0:
-            if self.rollout_urls:
-                # Servers may have died while the model was built; find out before the warm start.
-                probe_rollout_servers(self.cfg, self.rollout_urls, self.groups.world)
-            sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
-            per_rank = t.sft_batch_size // self.groups.dp_size
-
-            records = self.train_set.records
-            stop = self.tokenizer.stop_token_ids[0]
-
-            def examples(step):
-                gen = torch.Generator().manual_seed(self.cfg.seed * 31 + step)
-                picks = torch.randint(len(records), (t.sft_batch_size,), generator=gen).tolist()
-                mine = [records[i] for i in self._mine(picks)[:per_rank]]
-                # The reference answer and the stop token: the model learns to answer and to stop.
-                return [(list(r.prompt_ids), self.tokenizer.encode_text(r.ground_truth) + [stop]) for r in mine]
-
-            run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
-                           t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
+        if self.cfg.train.sft_steps > 0:
+            self._warm_start(log)
             # The warm start changed the weights the engine was built with (same version 0).
             self.engine.update_weights(state.weight_version)
         self._save(state)
         return state
+
+    def _warm_start(self, log) -> None:
+        """Supervised steps on the training prompts' reference answers (``train.sft_steps``)."""
+        t = self.cfg.train
+        if self.rollout_urls:
+            # Servers may have died while the model was built; find out before the warm start.
+            probe_rollout_servers(self.cfg, self.rollout_urls, self.groups.world)
+        sft_optimizer = build_optimizer(self.ddp, dataclasses.replace(self.cfg.optim, lr=t.sft_lr))
+        per_rank = t.sft_batch_size // self.groups.dp_size
+
+        records = self.train_set.records
+        stop = self.tokenizer.stop_token_ids[0]
+
+        def examples(step):
+            gen = torch.Generator().manual_seed(self.cfg.seed * 31 + step)
+            picks = torch.randint(len(records), (t.sft_batch_size,), generator=gen).tolist()
+            mine = [records[i] for i in self.rollouts.mine(picks)[:per_rank]]
+            # The reference answer and the stop token: the model learns to answer and to stop.
+            return [(list(r.prompt_ids), self.tokenizer.encode_text(r.ground_truth) + [stop]) for r in mine]
+
+        run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
+                       t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
 
     def _save(self, state: TrainerState) -> None:
         """Checkpoint, with the batch generated ahead when rollouts are asynchronous."""
@@ -502,57 +375,6 @@ class Trainer:
         if self.rank0:
             values = ", ".join(f"{k}={float(v):.4f}" for k, v in metrics.items())
             print(f"  warm start step {step}: {values}", flush=True)
-
-    def run(self) -> list[dict]:
-        """The whole run; returns the per-step metrics (as floats) logged by this run."""
-        t = self.cfg.train
-        history: list[dict] = []
-        existing = self.resume_path
-        resume_step = None
-        if existing is not None:
-            resume_step = int(existing.name.split("_")[-1])
-        with MetricsLogger(t.run_dir, enabled=self.rank0, resume_from_step=resume_step) as logger:
-            def log(step, metrics):
-                row = {k: float(v) for k, v in metrics.items()}
-                history.append({"step": step, **row})
-                logger.log(step, row)
-
-            state = self._start(self._print_warm_start)
-            self._setup_reference(state)
-            if state.step == 0:
-                log(0, {**self.evaluate(), **self._engine_metrics(),
-                        "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
-                        "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
-                        "data/prompts_over_length": torch.tensor(
-                            float(self.train_set.num_filtered + self.eval_set.num_filtered))})
-            bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
-            for step in bar:
-                metrics = self.rl_step(step, state)
-                state.step = step
-                evaluating = step % t.eval_every == 0 or step == t.steps
-                saving = step % t.save_every == 0 or step == t.steps
-                if self.ahead is not None and (evaluating or saving):
-                    # Evaluation sees this step's weights; a checkpoint holds the next batch, whole.
-                    self.ahead.settle(state)
-                if evaluating:
-                    metrics.update(self.evaluate())
-                if self.telemetry is not None:
-                    metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
-                metrics.update(self._engine_metrics())
-                log(step, metrics)
-                if saving:
-                    self._save(state)
-                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
-                    self.export_hf(step)
-                if os.environ.get(FAULT_ENV) == str(step):
-                    raise RuntimeError(f"{FAULT_ENV}={step}: injected failure after step {step}")
-            # Collective for SGLang (the weight-sync group spans every rank), so not in a
-            # finally: a rank that failed must not wait here for peers that never come.
-            self.engine.close()
-        if self.telemetry is not None:
-            self.telemetry.close()
-        self.scorer.close()
-        return history
 
     def export_hf(self, step: int) -> Path:
         """Collective: the current policy as an HF checkpoint in ``<run_dir>/hf/step_NNNNNN``."""

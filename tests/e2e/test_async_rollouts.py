@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fail_after_step import fail_after
 from protocol_servers import running_protocol_server
 
 from megatron_rl.config import RunConfig, load_config
@@ -109,7 +110,7 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import compute_logprobs
-    from megatron_rl.train.trainer import FAULT_ENV, Trainer
+    from megatron_rl.train.trainer import Trainer
 
     cfg = from_dict(RunConfig, cfg_dict)
     snapshots: dict[int, list] = {}
@@ -117,14 +118,13 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
         a = Trainer(cfg, groups)
         rec_a = _Recorder(a, snapshots)
         _kill_during_background_generation(a, url, pid)
-        os.environ[FAULT_ENV] = "3"
+        fail_after(a, 3)
         try:
             a.run()
             raise AssertionError("the injected failure did not happen")
         except RuntimeError as err:
             assert "injected failure after step 3" in str(err), err
         finally:
-            del os.environ[FAULT_ENV]
             a.scorer.close()
         rows_a = {row["step"]: row for row in _metrics(cfg)}
         b = Trainer(cfg, groups)
@@ -154,7 +154,7 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
                                                if v + 1 == step - 1), default=None),
                     "rollout_lp": record["rollout_lp"], "old_lp": record["old_lp"],
                 }
-        order = [p.sample_id for p in b._mine([b.train_set.at(i, cfg.seed) for i in range(4 * cfg.train.steps)])]
+        order = [p.sample_id for p in b.rollouts.problems_at(0, 4 * cfg.train.steps)]
         return {"checks": checks, "rows_a": rows_a, "rows_b": rows_b, "order": order}
 
 

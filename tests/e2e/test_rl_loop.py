@@ -4,23 +4,27 @@ Each run is a real 2-process gloo world through the same entry point as the READ
 command: the shipped pretrained HF checkpoint streamed into the layout, its tokenizer and
 chat template, the arithmetic prompt files, the math reward in a worker pool, a few RL
 steps, HF checkpoints out. Gradient clipping is off so that a wrongly scaled gradient
-after a resume cannot hide.
+after a resume cannot hide. The crash is the same command run through
+``tests/fail_after_step.py``, which makes every rank fail after a given step.
 """
 
 import json
 import math
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.train.main import main
 from megatron_rl.train.metrics import read_metrics
-from megatron_rl.train.trainer import FAULT_ENV
 
 pytestmark = pytest.mark.parallel
 
-CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "demo_cpu.yaml"
+FAIL_AFTER_STEP = ROOT / "tests" / "fail_after_step.py"
 SMALL = [
     "train.steps=4", "train.save_every=2", "train.eval_every=2", "train.save_hf_every=2",
     "train.progress=false", "train.mini_batches=1", "optim.clip_grad=0",
@@ -85,16 +89,15 @@ def test_replay_and_rspo_were_active(which, request):
         assert "objective/weight/rspo/mean" in rows[step]
 
 
-def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path, capsys):
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path):
     _, uninterrupted = ep2_run
     run_dir = tmp_path / "crashed"
-    os.environ[FAULT_ENV] = "3"
-    try:
-        assert main(["--config", str(CONFIG), *SMALL, f"train.run_dir={run_dir}"]) == 1
-    finally:
-        del os.environ[FAULT_ENV]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    crashed = subprocess.run([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
+                              f"train.run_dir={run_dir}"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert crashed.returncode == 1, crashed.stderr
     # Both ranks fail; the report is one line from the first, no traceback.
-    err = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    err = [line for line in crashed.stderr.splitlines() if "error" in line]
     assert len(err) == 1 and "injected failure after step 3" in err[0] and "Traceback" not in err[0], err
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     resumed = _run(run_dir)

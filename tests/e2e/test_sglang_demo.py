@@ -174,7 +174,7 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
         trainer = Trainer(cfg, groups)
         assert isinstance(trainer.engine, SGLangEngine) and trainer.engine.cfg.urls == [url]
         history = trainer.run()
-        prompts = [p.prompt_ids for p in trainer._mine(trainer.eval_set.records)]
+        prompts = [p.prompt_ids for p in trainer.rollouts.mine(trainer.eval_set.records)]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=tuple(trainer.tokenizer.stop_token_ids))
         served = trainer.engine.generate(prompts, greedy, seed=0)
         local = EmbeddedEngine(trainer.ddp, groups, cfg.train.micro_batch_sequences).generate(prompts, greedy, seed=0)

@@ -20,12 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("megatron_rl", "moe_routing")
 ALLOWED_PREFIX = "megatron_rl/parallel/"
 
-TEMPORARILY_ALLOWED = frozenset({
-    # converted in the trainer split
-    "megatron_rl/train/trainer.py",
-    "megatron_rl/train/async_rollouts.py",
-})
-"""Files whose raw collectives another change converts; an entry without offenders fails."""
 
 COLLECTIVE = re.compile(
     r"^(all_reduce\w*|all_gather\w*|all_to_all\w*|broadcast\w*|reduce\w*|gather\w*|scatter\w*"
@@ -106,13 +100,11 @@ def offenders() -> dict[str, list[str]]:
 
 def test_no_raw_collective_outside_the_parallel_layer():
     found = offenders()
-    bad = [line for rel, lines in found.items() if rel not in TEMPORARILY_ALLOWED for line in lines]
+    bad = [line for lines in found.values() for line in lines]
     assert not bad, (
         "torch.distributed collectives outside megatron_rl/parallel/ (use megatron_rl.parallel.comm, "
         "with the group named):\n" + "\n".join(bad)
     )
-    stale = sorted(TEMPORARILY_ALLOWED - set(found))
-    assert not stale, f"no raw collectives left in {stale}: remove them from TEMPORARILY_ALLOWED"
 
 
 def test_the_walker_sees_every_spelling():

@@ -16,9 +16,18 @@ import torch
 
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.data.config import DataConfig, TaskConfig, TokenizerConfig
-from megatron_rl.data.prompts import PromptRecord, PromptSet, check_data_config, load_prompts
-from megatron_rl.data.tokenizer import char_tokenizer_adapter, check_tokenizer_config, load_tokenizer
+from megatron_rl.data.prompts import (
+    PromptRecord,
+    PromptSet,
+    check_data_config,
+    load_prompts,
+)
 from megatron_rl.data.tasks import build_task
+from megatron_rl.data.tokenizer import (
+    char_tokenizer_adapter,
+    check_tokenizer_config,
+    load_tokenizer,
+)
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"

@@ -9,14 +9,20 @@ import time
 import pytest
 
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.rewards.config import RewardConfig
-from megatron_rl.rewards.core import RewardError, RewardInput, RewardResult, check_reward_config, resolve_reward
-from megatron_rl.rewards.pool import RewardScorer
 from megatron_rl.rewards.builtin import (
     exact_match_reward,
     extract_final_answer,
     math_reward,
 )
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.core import (
+    RewardError,
+    RewardInput,
+    RewardResult,
+    check_reward_config,
+    resolve_reward,
+)
+from megatron_rl.rewards.pool import RewardScorer
 
 FIXTURES = "reward_fixtures"
 POOL_TIMEOUT_S = 1.5

@@ -1,0 +1,283 @@
+"""A step's rollouts: the data draw, sampling rounds, rewards and dynamic sampling.
+
+Owns :class:`RolloutSource`, which turns the training order into this rank's groups of one
+RL step: it draws prompts (each data-parallel rank owns whole groups: prompt j of a round
+goes to rank j mod DP), generates G responses per prompt with seeds fixed by (seed, step,
+round), checks their weight versions, scores them in the reward pool (errors printed and
+counted, never silent), adds overlong shaping, and with dynamic sampling (DAPO) samples
+further rounds until every rank holds enough groups whose rewards differ, topping up with
+uninformative ones. Its public methods are also what the batch generated ahead draws and
+generates through (:mod:`megatron_rl.train.async_rollouts`).
+
+Does not own the batch in flight (``async_rollouts``), the old-policy pass, advantages or
+updates (:mod:`megatron_rl.train.trainer`), nor how a reward is computed
+(:mod:`megatron_rl.rewards`).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from megatron_rl.algos import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from megatron_rl.parallel.comm import (
+    all_gather_objects,
+    all_ranks_agree,
+    all_reduce,
+    mean_over,
+)
+from megatron_rl.rewards.core import RewardInput, RewardResult
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.train.metrics import phase_timer
+
+if TYPE_CHECKING:
+    from megatron_rl.algos import ObjectiveConfig
+    from megatron_rl.config import RunConfig
+    from megatron_rl.data.prompts import PromptRecord, PromptSet
+    from megatron_rl.data.tokenizer import PromptTokenizer
+    from megatron_rl.parallel.groups import ParallelGroups
+    from megatron_rl.rewards.pool import RewardScorer
+    from megatron_rl.rollout.engine import RolloutEngine
+    from megatron_rl.rollout.sglang.engine import PendingGeneration
+    from megatron_rl.train.checkpoint import TrainerState
+
+MAX_REWARD_ERRORS_PRINTED = 5
+"""Reward errors printed per scoring call and rank (all are counted in ``reward/errors``)."""
+
+
+@dataclass
+class Groups:
+    """This rank's rollout groups of one step."""
+
+    problems: list[PromptRecord]
+    """The prompt of each group."""
+    samples: list[list[RolloutSample]]
+    """G responses per group."""
+    rewards: list[torch.Tensor]
+    """``[G]`` rewards per group (shaping included)."""
+
+
+@dataclass
+class Round:
+    """One sampling round on this rank."""
+
+    problems: list[PromptRecord]
+    """This rank's prompts (one per group)."""
+    samples: list[RolloutSample]
+    """G responses per prompt, group by group."""
+    ready: dict[int, RewardResult] | None = None
+    """Rewards of ``samples`` already scored (by the thread that generated them), by index."""
+
+
+@dataclass
+class _Drawn:
+    """What the sampling rounds of one step drew on this rank."""
+
+    kept: Groups = field(default_factory=lambda: Groups([], [], []))
+    """Groups to train: informative ones (all of them without dynamic sampling)."""
+    dropped: Groups = field(default_factory=lambda: Groups([], [], []))
+    """Uninformative groups (equal rewards), the top-up when too few are informative."""
+    rewards: list[torch.Tensor] = field(default_factory=list)
+    """``[G]`` rewards of every group drawn."""
+    correct: list[float] = field(default_factory=list)
+    """1.0 per response with a positive reward, else 0.0."""
+    lengths: list[int] = field(default_factory=list)
+    """Response lengths in tokens."""
+    extras: dict[str, list[float]] = field(default_factory=dict)
+    """``reward/<name>`` -> the reward functions' extra fields, per response that has one."""
+    errors: int = 0
+    """Responses whose reward function failed."""
+
+
+def check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
+    """Every rollout must come from the weights the old-policy pass will use, or from one
+    at most ``max_staleness`` versions older."""
+    stale = [i for i, s in enumerate(samples) if not version - max_staleness <= s.weight_version <= version]
+    if stale:
+        raise RuntimeError(
+            f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight version "
+            f"{samples[stale[0]].weight_version}, but the trainer is at version {version}"
+            f"{f' (rollout.max_staleness {max_staleness})' if max_staleness else ''}: the engine "
+            "served stale weights (check rollout.sglang.weight_sync)"
+        )
+
+
+class RolloutSource:
+    """This rank's rollouts: draw, generate, score and choose groups (every collective method
+    is called on every rank together)."""
+
+    def __init__(self, cfg: RunConfig, objective: ObjectiveConfig, groups: ParallelGroups, engine: RolloutEngine,
+                 tokenizer: PromptTokenizer, train_set: PromptSet, scorer: RewardScorer) -> None:
+        self.cfg, self.objective, self.groups, self.engine = cfg, objective, groups, engine
+        self.tokenizer, self.train_set, self.scorer = tokenizer, train_set, scorer
+        self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
+        """Groups this rank trains per step (the entry points checked the split)."""
+
+    # ------------------------------------------------------------------ data
+
+    def mine(self, items: list) -> list:
+        """This DP rank's share (item j goes to rank j mod DP)."""
+        return items[self.groups.dp_rank :: self.groups.dp_size]
+
+    def problems_at(self, start: int, end: int) -> list[PromptRecord]:
+        """This rank's prompts at positions ``start`` .. ``end - 1`` of the training order."""
+        return self.mine([self.train_set.at(p, self.cfg.seed) for p in range(start, end)])
+
+    def draw(self, state: TrainerState) -> list[PromptRecord]:
+        """This rank's prompts of the next sampling round (advances the data position)."""
+        start = state.data_position
+        state.data_position += self.cfg.rollout.prompts_per_step
+        return self.problems_at(start, state.data_position)
+
+    def per_sample(self, problems: list[PromptRecord]) -> list[PromptRecord]:
+        """Each prompt repeated for its group's G responses."""
+        return [p for p in problems for _ in range(self.cfg.rollout.group_size)]
+
+    # ------------------------------------------------------------------ generation
+
+    def sampling(self, temperature: float) -> SamplingParams:
+        """The run's sampling parameters at ``temperature``."""
+        r = self.cfg.rollout
+        return SamplingParams(temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                              max_new_tokens=r.max_new_tokens, stop_token_ids=self.tokenizer.stop_token_ids)
+
+    def _round_seed(self, step: int, round_: int) -> int:
+        """Sampling seed of round ``round_`` (from 1) of RL step ``step``."""
+        return self.cfg.seed * 7919 + step * 131 + round_
+
+    def generate(self, problems: list[PromptRecord], step: int, round_: int) -> list[RolloutSample]:
+        """Collective: G responses per prompt of sampling round ``round_`` of ``step``."""
+        r = self.cfg.rollout
+        return self.engine.generate([p.prompt_ids for p in self.per_sample(problems)], self.sampling(r.temperature),
+                                    return_routed_experts=r.return_routed_experts,
+                                    seed=self._round_seed(step, round_))
+
+    def start_generate(self, problems: list[PromptRecord], step: int, round_: int,
+                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration:
+        """:meth:`generate` begun in the background (the engine's ``start_generate``), with the
+        same prompts and seeds; ``on_samples`` gets the samples in the generating thread."""
+        r = self.cfg.rollout
+        return self.engine.start_generate([p.prompt_ids for p in self.per_sample(problems)],
+                                          self.sampling(r.temperature), return_routed_experts=r.return_routed_experts,
+                                          seed=self._round_seed(step, round_), on_samples=on_samples)
+
+    # ------------------------------------------------------------------ rewards
+
+    def _reward_input(self, record: PromptRecord, sample: RolloutSample) -> RewardInput:
+        return RewardInput(sample_id=record.sample_id, prompt=record.prompt,
+                           response=self.tokenizer.decode_response(sample.output_ids),
+                           ground_truth=record.ground_truth, metadata=record.metadata)
+
+    def rewards_of(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[RewardResult]:
+        """Rewards of ``samples[i]`` answering ``records[i]``, from the reward pool, as they come
+        (any thread; the pool serves one caller at a time)."""
+        return self.scorer.score([self._reward_input(r, s) for r, s in zip(records, samples)])
+
+    def score(self, records: list[PromptRecord], samples: list[RolloutSample],
+              ready: dict[int, RewardResult] | None = None) -> list[RewardResult]:
+        """:meth:`rewards_of`, except those ``ready`` (by index); a reward function that failed
+        is printed with the sample's id (the caller counts them), or ended the run already when
+        ``reward.fatal_errors`` is set."""
+        ready = ready or {}
+        todo = [i for i in range(len(records)) if i not in ready]
+        scored = dict(zip(todo, self.rewards_of([records[i] for i in todo], [samples[i] for i in todo])
+                          if todo else []))
+        results = [ready[i] if i in ready else scored[i] for i in range(len(records))]
+        failed = [(record.sample_id, res.error) for record, res in zip(records, results) if res.error is not None]
+        for sample_id, error in failed[:MAX_REWARD_ERRORS_PRINTED]:
+            print(f"reward {self.cfg.reward.function!r} failed on sample {sample_id}: {error}",
+                  file=sys.stderr, flush=True)
+        return results
+
+    def _group_rewards(self, results: list[RewardResult], samples: list[RolloutSample]) -> torch.Tensor:
+        """``[G]`` rewards of one group, with overlong shaping."""
+        rewards = torch.tensor([r.score for r in results], dtype=torch.float64)
+        if self.objective.overlong_penalty_max_len is not None:
+            lengths = torch.tensor([len(s.output_ids) for s in samples])
+            rewards = rewards + soft_overlong_penalty_S(
+                lengths, self.objective.overlong_penalty_max_len, self.objective.overlong_penalty_cache_len
+            )
+        return rewards
+
+    # ------------------------------------------------------------------ one step's groups
+
+    def collect(self, step: int, state: TrainerState, metrics: dict, first: Round | None = None) -> Groups:
+        """Collective: sample rounds until every rank holds enough groups with informative
+        rewards (DAPO), or ``rollout.max_sampling_rounds`` are drawn; ``first``: the first
+        round, generated ahead. Adds the rounds' reward, accuracy and sampling metrics."""
+        r = self.cfg.rollout
+        drawn, rounds = _Drawn(), 0
+        while True:
+            rounds += 1
+            if first is not None:
+                this, first = first, None
+            else:
+                problems = self.draw(state)
+                this = Round(problems, self.generate(problems, step, rounds))
+            check_versions(this.samples, state.weight_version, r.max_staleness)
+            with phase_timer(metrics, "reward"):
+                results = self.score(self.per_sample(this.problems), this.samples, this.ready)
+            self._sort_round(drawn, this, results)
+            enough = len(drawn.kept.problems) >= self.groups_per_rank
+            if all_ranks_agree(enough, self.groups.dp) or rounds >= r.max_sampling_rounds:
+                break
+        # Every rank must train on the same number of groups (expert dispatch is collective):
+        # top up with uninformative groups, which carry zero advantage.
+        n, kept = self.groups_per_rank, drawn.kept
+        chosen = Groups(kept.problems[:n], kept.samples[:n], kept.rewards[:n])
+        missing = n - len(chosen.problems)
+        chosen.problems.extend(drawn.dropped.problems[:missing])
+        chosen.samples.extend(drawn.dropped.samples[:missing])
+        chosen.rewards.extend(drawn.dropped.rewards[:missing])
+        metrics.update(mean_over({
+            "reward/mean": torch.cat(drawn.rewards).mean(),
+            "rollout/accuracy": torch.tensor(drawn.correct, dtype=torch.float64).mean(),
+            "rollout/response_length": torch.tensor(drawn.lengths, dtype=torch.float64).mean(),
+            "sampling/rounds": torch.tensor(float(rounds)),
+            "sampling/groups_drawn": torch.tensor(float(len(drawn.rewards))),
+            "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn.rewards))),
+        }, self.groups.dp))
+        metrics.update(self._reward_extras(drawn.extras, drawn.errors))
+        return chosen
+
+    def _sort_round(self, drawn: _Drawn, this: Round, results: list[RewardResult]) -> None:
+        """Add a scored round to ``drawn``: each group kept, or dropped as uninformative."""
+        G = self.cfg.rollout.group_size
+        drawn.errors += sum(res.error is not None for res in results)
+        for res in results:
+            for name, value in res.extras.items():
+                drawn.extras.setdefault(f"reward/{name}", []).append(value)
+        for g, problem in enumerate(this.problems):
+            group = this.samples[g * G : (g + 1) * G]
+            group_results = results[g * G : (g + 1) * G]
+            rewards = self._group_rewards(group_results, group)
+            drawn.rewards.append(rewards)
+            drawn.correct.extend(1.0 if res.score > 0 else 0.0 for res in group_results)
+            drawn.lengths.extend(len(s.output_ids) for s in group)
+            informative = bool(dynamic_sampling_keep_S(rewards, torch.zeros(G, dtype=torch.int64), 1).any())
+            target = drawn.kept if informative or not self.objective.dynamic_sampling else drawn.dropped
+            target.problems.append(problem)
+            target.samples.append(group)
+            target.rewards.append(rewards)
+
+    def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
+        """Means of the reward functions' extra fields over the global batch, and the error count.
+
+        Ranks may see different extra names (a reward may add a field only sometimes), so
+        the names are agreed on first: every rank then reduces the same tensor.
+        """
+        names = set(extras)
+        if self.groups.dp_size > 1:
+            names = set().union(*all_gather_objects(sorted(names), self.groups.dp))
+        names = sorted(names)
+        sums = [sum(extras.get(n, [])) for n in names]
+        counts = [len(extras.get(n, [])) for n in names]
+        totals = torch.tensor([*sums, *counts, float(errors)], dtype=torch.float64)
+        if self.groups.dp_size > 1:
+            all_reduce(totals, self.groups.dp)
+        out = {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
+        out["reward/errors"] = totals[-1].float()
+        return out
