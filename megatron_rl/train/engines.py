@@ -34,7 +34,8 @@ def rollout_urls(cfg: RunConfig) -> list[str]:
 def probe_rollout_servers(cfg: RunConfig, urls: list[str]) -> None:
     """Collective: every rank probes (each model-parallel leader will send requests) and all
     fail together, with one line per unreachable server."""
-    from megatron_rl.rollout.sglang.client import RolloutRequestError, probe_servers
+    from megatron_rl.rollout.sglang.control import probe_servers
+    from megatron_rl.rollout.sglang.ledger import RolloutRequestError
 
     try:
         probe_servers(urls, timeout_s=cfg.rollout.sglang.health_timeout_s)
