@@ -26,7 +26,7 @@ from pathlib import Path
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 from megatron_rl.config import load_config  # noqa: E402
-from megatron_rl.parallel.layout_check import (  # noqa: E402
+from megatron_rl.parallel.smoke_worker import (  # noqa: E402
     LayoutRun,
     compare,
     layout_worker,

@@ -1,5 +1,6 @@
-"""A protocol server (SGLang's HTTP protocol over a local engine) in its own process, for
-the e2e tests that need one running for a whole module."""
+"""A protocol server (the CPU SGLang stand-in with the tests' fault injection,
+``standin_faults.py``) in its own process, for the e2e tests that need one running for a
+whole module."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.sglang.server import ManagedServer
 
 DEMO_TASK = Path(__file__).resolve().parents[1] / "configs" / "demo_task.yaml"
+STANDIN_FAULTS = Path(__file__).resolve().parent / "standin_faults.py"
 
 
 def protocol_server_command(port: int, *extra: str, config: Path = DEMO_TASK) -> list[str]:
     """The server's command line: one torch thread, then ``extra`` arguments."""
-    return [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(config),
+    return [sys.executable, str(STANDIN_FAULTS), "--config", str(config),
             "--port", str(port), "--threads", "1", *extra]
 
 

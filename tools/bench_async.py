@@ -55,7 +55,7 @@ def _start_server(port: int, args, log: Path) -> subprocess.Popen:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    from megatron_rl.rollout.sglang.client import probe_servers
+    from megatron_rl.rollout.sglang.control import probe_servers
 
     probe_servers([f"http://127.0.0.1:{port}"], timeout_s=5, wait_s=300, poll_s=0.5)
     return proc

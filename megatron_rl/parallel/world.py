@@ -1,4 +1,5 @@
-"""Run a function on every rank of a fresh local gloo world (tests, CPU smoke runs).
+"""Run a function on every rank of a fresh local gloo world (CPU runs of ``megatron-rl-train``,
+local conversion worlds, the smoke run, tests and benchmarks).
 
 ``run_world(fn, world_size, *args)`` spawns ``world_size`` processes, creates the default
 gloo process group in each, calls ``fn(*args)`` on every rank and returns the per-rank
@@ -216,47 +217,14 @@ def run_world(
         )
         for rank in range(world_size)
     ]
-    outcomes: dict[int, tuple[bool, Any]] = {}
-    deadline = time.monotonic() + timeout_s
     # Ranks that finished or failed get a moment to exit on their own; a stop or an
     # unexpected error ends them at once.
     wait_s = 0.0
     try:
         for proc in procs:
             proc.start()
-        while len(outcomes) < world_size:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                running = [r for r in range(world_size) if r not in outcomes]
-                raise _world_error(
-                    WorldTimeout,
-                    f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in "
-                    f"{timeout_s:.0f}s; ranks still running: {running}",
-                    outcomes,
-                )
-            try:
-                rank, ok, payload = results.get(timeout=min(remaining, 1.0))
-                outcomes[rank] = (ok, payload)
-                if not ok:
-                    # Peers of a failed rank usually block in a collective: give them a
-                    # moment to report their own errors, then stop waiting.
-                    deadline = min(deadline, time.monotonic() + 5.0)
-            except queue.Empty:
-                dead = [
-                    r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None
-                ]
-                if dead:
-                    # Give the queue a moment: a rank may have exited right after putting.
-                    time.sleep(0.5)
-                    while not results.empty():
-                        rank, ok, payload = results.get()
-                        outcomes[rank] = (ok, payload)
-                    lost = [r for r in dead if r not in outcomes]
-                    if lost:
-                        codes = {r: procs[r].exitcode for r in lost}
-                        raise _world_error(
-                            WorldError, f"ranks {lost} exited without reporting (exit codes {codes})", outcomes
-                        )
+        late = f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in {timeout_s:.0f}s"
+        outcomes = _collect_outcomes(procs, results, time.monotonic() + timeout_s, late)
         wait_s = 10.0
         if any(not ok for ok, _ in outcomes.values()):
             raise _world_error(WorldError, "", outcomes)
@@ -266,6 +234,43 @@ def run_world(
         raise
     finally:
         _end_ranks(procs, wait_s)
+
+
+def _collect_outcomes(procs: list, results: "mp.Queue", deadline: float, late: str) -> dict[int, tuple[bool, Any]]:
+    """Each rank's ``(ok, payload)`` as it reports.
+
+    Raises:
+        WorldTimeout: ``deadline`` passed (``late`` says which world), or 5 s passed after a
+            rank failed while its peers did not report.
+        WorldError: a rank exited without reporting.
+    """
+    outcomes: dict[int, tuple[bool, Any]] = {}
+    while len(outcomes) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            running = [r for r in range(len(procs)) if r not in outcomes]
+            raise _world_error(WorldTimeout, f"{late}; ranks still running: {running}", outcomes)
+        try:
+            rank, ok, payload = results.get(timeout=min(remaining, 1.0))
+            outcomes[rank] = (ok, payload)
+            if not ok:
+                # Peers of a failed rank usually block in a collective: give them a
+                # moment to report their own errors, then stop waiting.
+                deadline = min(deadline, time.monotonic() + 5.0)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in outcomes and p.exitcode is not None]
+            if dead:
+                # Give the queue a moment: a rank may have exited right after putting.
+                time.sleep(0.5)
+                while not results.empty():
+                    rank, ok, payload = results.get()
+                    outcomes[rank] = (ok, payload)
+                lost = [r for r in dead if r not in outcomes]
+                if lost:
+                    codes = {r: procs[r].exitcode for r in lost}
+                    raise _world_error(WorldError, f"ranks {lost} exited without reporting (exit codes {codes})",
+                                       outcomes)
+    return outcomes
 
 
 def _end_ranks(procs: list, wait_s: float, grace_s: float = 5.0) -> None:

@@ -37,7 +37,8 @@ def probe_rollout_servers(cfg: RunConfig, urls: list[str], group: ProcessGroup) 
     """Collective over ``group`` (every rank): every rank probes (each model-parallel leader
     will send requests) and all fail together, a failed rank with one line per unreachable
     server, the others naming the first failed rank."""
-    from megatron_rl.rollout.sglang.client import RolloutRequestError, probe_servers
+    from megatron_rl.rollout.sglang.control import probe_servers
+    from megatron_rl.rollout.sglang.ledger import RolloutRequestError
 
     error = None
     try:

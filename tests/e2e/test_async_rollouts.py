@@ -32,7 +32,7 @@ from protocol_servers import running_protocol_server
 from megatron_rl.config import RunConfig, load_config
 from megatron_rl.config_loading import to_dict
 from megatron_rl.parallel.world import run_world
-from megatron_rl.rollout.sglang.client import request_json
+from megatron_rl.rollout.sglang.control import request_json
 
 pytestmark = pytest.mark.parallel
 

@@ -26,8 +26,8 @@ from megatron_rl.rollout.sglang.client import (
     SGLangClient,
     SGLangClientConfig,
     StaleWeightVersionError,
-    request_json,
 )
+from megatron_rl.rollout.sglang.control import request_json
 from megatron_rl.rollout.sglang.server import (
     ManagedServer,
     ServerStartError,

@@ -24,9 +24,8 @@ from megatron_rl.rollout.sglang.client import (
     SGLangClient,
     SGLangClientConfig,
     _is_behind,
-    probe_servers,
-    request_json,
 )
+from megatron_rl.rollout.sglang.control import probe_servers, request_json
 from megatron_rl.rollout.sglang.engine import STEP_METRICS, SGLangEngine
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)

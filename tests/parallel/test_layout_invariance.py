@@ -7,14 +7,18 @@ One gloo world per layout; everything a layout checks comes out of that one worl
 """
 
 import functools
+from dataclasses import dataclass, field
+from typing import Callable
 
 import pytest
 import torch
 
-from megatron_rl.parallel.layout_check import (
+from megatron_rl.parallel.smoke_worker import (
     LayoutRun,
     compare,
-    layout_worker,
+    forward_backward,
+    layout_groups,
+    load_layout_model,
     merge_rank_results,
     random_sequences,
 )
@@ -41,6 +45,55 @@ LAYOUTS = {
 }
 
 
+@dataclass
+class CheckedRun(LayoutRun):
+    """The smoke worker's run plus what these tests check in the same world."""
+
+    prompt_lengths: list[int] = field(default_factory=list)
+    """Prompt length of each sample, for the log-prob pass with routing records."""
+    extra_check: Callable | None = None
+    """Module-level ``fn(model, groups, run) -> dict`` run after loading, returned as ``extra``."""
+
+
+def checked_layout_worker(run: CheckedRun) -> dict:
+    """The smoke worker's forward + backward, after the log-prob pass and ``extra_check`` on
+    the loaded model."""
+    with layout_groups(run) as groups:
+        model = load_layout_model(run)
+        extra = run.extra_check(model, groups, run) if run.extra_check else {}
+        logprob_pass = _logprob_pass(model, groups, run)
+        return {**forward_backward(model, groups, run), "logprob_pass": logprob_pass, "extra": extra}
+
+
+def _logprob_pass(model, groups, run: CheckedRun) -> dict:
+    """Per-sample response log-probs, entropies and routing records of this DP rank."""
+    from megatron_rl.parallel.logprobs import compute_logprobs
+
+    mine = list(range(groups.dp_rank, len(run.sequences), groups.dp_size))
+    result = compute_logprobs(model, groups, [run.sequences[i] for i in mine], [run.prompt_lengths[i] for i in mine],
+                              micro_batch_sequences=run.micro_batch_sequences, record_routing=True)
+    out = {}
+    for j, sample in enumerate(mine):
+        lo, hi = int(result.cu_seqlens_S1[j]), int(result.cu_seqlens_S1[j + 1])
+        rec = result.record.sample(j)
+        out[sample] = {"logprobs": result.logprobs_T[lo:hi], "entropy": result.entropy_T[lo:hi],
+                       "expert_ids": rec.expert_ids_TLK, "probs": rec.probs_TLK, "gates": rec.gates_TLK,
+                       "layer_numbers": rec.layer_numbers}
+    return out
+
+
+def _merged(results: list[dict]) -> dict:
+    """:func:`merge_rank_results` plus each sample's log-prob pass once, every rank's copy of
+    it (``per_rank_logprob_pass``: the model-parallel ranks must agree) and each rank's ``extra``."""
+    logprob_pass: dict[int, dict] = {}
+    for res in results:
+        for sample, value in res["logprob_pass"].items():
+            logprob_pass.setdefault(sample, value)
+    return {**merge_rank_results(results), "logprob_pass": logprob_pass,
+            "per_rank_logprob_pass": [res["logprob_pass"] for res in results],
+            "extra": [res["extra"] for res in results]}
+
+
 @pytest.fixture(scope="module")
 def checkpoint_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("layout") / "ckpt")
@@ -48,7 +101,7 @@ def checkpoint_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(checkpoint_dir):
-    run = LayoutRun(
+    run = CheckedRun(
         model=MODEL,
         parallel=ParallelConfig(),
         checkpoint_dir=checkpoint_dir,
@@ -57,7 +110,7 @@ def reference(checkpoint_dir):
         save_checkpoint=True,
         extra_check=reference_checks,
     )
-    return merge_rank_results(run_world(layout_worker, 1, run, timeout_s=300))
+    return _merged(run_world(checked_layout_worker, 1, run, timeout_s=300))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +118,7 @@ def layout_results(checkpoint_dir, reference):
     @functools.cache
     def run(name):
         parallel, world = LAYOUTS[name]
-        job = LayoutRun(
+        job = CheckedRun(
             model=MODEL,
             parallel=parallel,
             checkpoint_dir=checkpoint_dir,
@@ -73,7 +126,7 @@ def layout_results(checkpoint_dir, reference):
             prompt_lengths=PROMPT_LENGTHS,
             extra_check=token_budget_pass,
         )
-        return merge_rank_results(run_world(layout_worker, world, job, timeout_s=300))
+        return _merged(run_world(checked_layout_worker, world, job, timeout_s=300))
 
     return run
 

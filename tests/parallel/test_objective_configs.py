@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.parallel.layout_check import random_sequences
+from megatron_rl.parallel.smoke_worker import random_sequences
 from megatron_rl.parallel.world import run_world
 from megatron_rl.train.prepare import load_run_config as load_config
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.parallel.layout_check import random_sequences
+from megatron_rl.parallel.smoke_worker import random_sequences
 from megatron_rl.parallel.world import run_world
 from megatron_rl.sections import ModelConfig, OptimConfig, ParallelConfig
 

@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 
-from megatron_rl.parallel.layout_check import random_sequences, relative_error
+from megatron_rl.parallel.smoke_worker import random_sequences, relative_error
 from megatron_rl.parallel.world import run_world
 from megatron_rl.sections import ModelConfig, ParallelConfig
 

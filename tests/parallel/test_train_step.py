@@ -15,7 +15,7 @@ import functools
 import pytest
 import torch
 
-from megatron_rl.parallel.layout_check import random_sequences, relative_error
+from megatron_rl.parallel.smoke_worker import random_sequences, relative_error
 from megatron_rl.parallel.world import run_world
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
@@ -85,8 +85,8 @@ def _step_all_plans(model, ddp, groups, mine, old, filters=False):
     optimizer step then still applies the gradient of the last plan.
     """
     from megatron_rl.algos.presets import get_preset
-    from megatron_rl.parallel.layout_check import _gathered_grads
     from megatron_rl.parallel.optim import build_optimizer, optimizer_step
+    from megatron_rl.parallel.smoke_worker import _gathered_grads
     from megatron_rl.parallel.train_step import (
         RoutingPlan,
         TrainBatch,

@@ -59,7 +59,7 @@ def test_a_later_request_is_computed_while_an_earlier_batch_decodes():
             unanswered = not first.done()
             first.cancel(), second.cancel()
         # Leaving the client stopped the server: the batches still "decoding" were cancelled.
-        return computed, unanswered, len(server._decoding)
+        return computed, unanswered, len(server.batcher.decoding)
 
     computed, unanswered, left = asyncio.run(scenario())
     assert computed and unanswered and left == 0

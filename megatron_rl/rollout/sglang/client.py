@@ -1,4 +1,4 @@
-"""The SGLang rollout client: async HTTP to SGLang servers (the engine is in ``sglang_engine``).
+"""The SGLang rollout client: async HTTP to SGLang servers.
 
 Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POST
 /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``, ``POST
@@ -6,9 +6,11 @@ Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POS
 :mod:`megatron_rl.rollout.sglang.wire`. Owns request scheduling over one or more servers:
 a bound on requests in flight, per-request timeouts, retries with jittered exponential
 backoff within a time budget, least-loaded server choice with a cool-down for servers that
-failed, hung-server detection, and the exactly-once accounting of samples. Does not own
-the collective engine (:mod:`~megatron_rl.rollout.sglang.engine`), weight transfer
-(:mod:`~megatron_rl.rollout.sglang.weight_sync`) or starting servers
+failed, hung-server detection, and the exactly-once accounting of samples (the ledger,
+counters and errors are :mod:`~megatron_rl.rollout.sglang.ledger`). Does not own the
+collective engine (:mod:`~megatron_rl.rollout.sglang.engine`), weight transfer
+(:mod:`~megatron_rl.rollout.sglang.weight_sync`), blocking control calls
+(:mod:`~megatron_rl.rollout.sglang.control`) or starting servers
 (:mod:`~megatron_rl.rollout.sglang.server`).
 
 Exactly-once semantics: each sample of a ``generate`` call has a client-side id (batch tag
@@ -43,16 +45,21 @@ import asyncio
 import json
 import random
 import time
-import urllib.error
-import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Sequence
 
 import aiohttp
 
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang.ledger import (
+    ClientStats,
+    RolloutRequestError,
+    SampleLedger,
+    ServerHungError,
+    ServersBehindError,
+    StaleWeightVersionError,
+)
 from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
     GenerateResult,
@@ -65,8 +72,7 @@ from megatron_rl.rollout.sglang.wire import (
 from moe_routing.validate import RoutingDataError
 
 __all__ = ["SGLANG_VERSION", "SGLangClientConfig", "SGLangClient", "RouteShape", "ClientStats",
-           "RolloutRequestError", "StaleWeightVersionError", "ServersBehindError", "ServerHungError", "SampleLedger",
-           "probe_servers", "request_json"]
+           "RolloutRequestError", "StaleWeightVersionError", "ServersBehindError", "ServerHungError", "SampleLedger"]
 
 
 @dataclass(kw_only=True)
@@ -128,101 +134,12 @@ class RouteShape:
     (SGLang sends zeros for dense layers). None: every layer is an MoE layer."""
 
 
-class RolloutRequestError(RuntimeError):
-    """A sample could not be generated within the retry budget, or a request was refused."""
-
-
-class StaleWeightVersionError(RolloutRequestError):
-    """A server kept answering with another weight version than the trainer expects."""
-
-
-class ServersBehindError(StaleWeightVersionError):
-    """Servers answered with weights older than expected (restarted); a re-push can fix them.
-
-    Attributes:
-        behind: URL -> the weight version it served.
-        partial: sample index -> result, for the samples that did get a current answer.
-    """
-
-    def __init__(self, message: str, behind: dict[str, str], partial: dict[int, GenerateResult]) -> None:
-        super().__init__(message)
-        self.behind, self.partial = behind, partial
-
-
-class ServerHungError(RolloutRequestError):
-    """A server holds requests but does not answer ``/health`` (stopped or wedged)."""
-
-
 class _Retryable(Exception):
     def __init__(self, cause: str, message: str, *, cool_down: bool = False) -> None:
         super().__init__(message)
         self.cause, self.cool_down = cause, cool_down
         self.served = ""
         """The weight version a ``stale_version`` answer carried."""
-
-
-@dataclass
-class ClientStats:
-    """Counters of one client (reset per ``generate`` call by the engine)."""
-
-    attempts: int = 0
-    """``/generate`` attempts sent."""
-    retries: dict[str, int] = field(default_factory=dict)
-    """Failed attempts by cause (connection, timeout, http_5xx, malformed_json, bad_payload, ...)."""
-    duplicates_dropped: int = 0
-    """Results that arrived for a sample already accounted for."""
-    timeouts: int = 0
-    """Attempts abandoned for time: ``request_timeout_s`` passed, or the server was hung."""
-    resyncs: int = 0
-    """Engine: weight re-pushes to servers that came back behind the trainer's version."""
-    max_in_flight: int = 0
-    """Most requests in flight at once."""
-    per_server: dict[str, int] = field(default_factory=dict)
-    """Successful responses by server URL."""
-
-    def add(self, other: "ClientStats") -> None:
-        """Accumulate ``other`` into these counters."""
-        self.attempts += other.attempts
-        for cause, n in other.retries.items():
-            self.retries[cause] = self.retries.get(cause, 0) + n
-        self.duplicates_dropped += other.duplicates_dropped
-        self.timeouts += other.timeouts
-        self.resyncs += other.resyncs
-        self.max_in_flight = max(self.max_in_flight, other.max_in_flight)
-        for url, n in other.per_server.items():
-            self.per_server[url] = self.per_server.get(url, 0) + n
-
-
-class SampleLedger:
-    """Results of one batch keyed by sample index: first result wins, the end checks all."""
-
-    def __init__(self, batch: str, count: int) -> None:
-        self.batch, self.count = batch, count
-        self._results: dict[int, Any] = {}
-        self.duplicates = 0
-
-    def add(self, index: int, result: Any) -> bool:
-        """Record ``result`` for ``index``; False (and counted) when it is a duplicate."""
-        if not 0 <= index < self.count:
-            raise RolloutRequestError(f"batch {self.batch}: result for unknown sample {index}")
-        if index in self._results:
-            self.duplicates += 1
-            return False
-        self._results[index] = result
-        return True
-
-    def results(self) -> list[Any]:
-        """Every sample's result in index order; raises unless each is present exactly once."""
-        missing = [i for i in range(self.count) if i not in self._results]
-        if missing:
-            raise RolloutRequestError(
-                f"batch {self.batch}: {len(missing)} of {self.count} samples have no result: {missing[:20]}"
-            )
-        return [self._results[i] for i in range(self.count)]
-
-    def received(self) -> dict[int, Any]:
-        """The results so far, by sample index."""
-        return dict(self._results)
 
 
 class SGLangClient:
@@ -520,61 +437,3 @@ def _is_behind(served: str, expected: str) -> bool:
     if not expected.lstrip("-").isdigit():
         return False
     return not served.lstrip("-").isdigit() or int(served) < int(expected)
-
-
-def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
-                  poll_s: float = 1.0) -> None:
-    """Fail unless every server answers ``GET /health`` with 200 (blocking; cheap).
-
-    Meant for before any heavy work (building the model, the warm start), so a run whose
-    servers are not there fails in seconds instead of after it.
-
-    Args:
-        urls: server base URLs.
-        timeout_s: limit for each probe.
-        wait_s: keep probing the servers that failed for this long (a restart in progress).
-        poll_s: pause between rounds while waiting.
-
-    Raises:
-        RolloutRequestError: one line per server that did not answer 200, naming it.
-    """
-    pending = [u.rstrip("/") for u in urls]
-    deadline = time.monotonic() + wait_s
-    while True:
-        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
-            answers = list(pool.map(lambda u: (u, *request_json("GET", u + "/health", timeout_s=timeout_s)), pending))
-        failed = [(u, status, body) for u, status, body in answers if status != 200]
-        if not failed:
-            return
-        if time.monotonic() + poll_s > deadline:
-            lines = [f"SGLang server {u} is not healthy: "
-                     + (f"GET /health: {body}" if status == 0 else f"GET /health answered HTTP {status}")
-                     for u, status, body in failed]
-            waited = f" (waited {wait_s:g}s)" if wait_s > 0 else ""
-            raise RolloutRequestError(f"{len(failed)} of {len(urls)} SGLang servers unreachable{waited}:\n"
-                                      + "\n".join(lines))
-        pending = [u for u, _, _ in failed]
-        time.sleep(poll_s)
-
-
-def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float = 60.0) -> tuple[int, Any]:
-    """Blocking JSON request for control calls (weight updates, health polling).
-
-    Returns:
-        ``(status, body)``: body parsed as JSON when it is, else the text; status 0 and the
-        error text when the server could not be reached.
-    """
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as resp:
-            status, raw = resp.status, resp.read()
-    except urllib.error.HTTPError as err:
-        status, raw = err.code, err.read()
-    except (urllib.error.URLError, OSError) as err:
-        return 0, str(getattr(err, "reason", err))
-    text = raw.decode(errors="replace")
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text

@@ -1,38 +1,30 @@
-"""A server that speaks SGLang 0.5.23's HTTP protocol, backed by a local engine (tests).
+"""The CPU SGLang stand-in: SGLang 0.5.23's HTTP protocol served by a local engine.
 
     python -m megatron_rl.rollout.sglang.standin --config configs/demo_cpu.yaml --port 30000 \\
         [--engine hf|megatron] [--weight-version default] [--max-batch N] [--token-latency-s S] [key=value ...]
 
-SGLang cannot run on CPU machines, so the real client and weight sync are tested over real
-HTTP against this stand-in. It builds the config's model in its own single-process gloo
-world (CPU platform, no parallelism) and serves it through the same endpoints, request
-fields and response fields as SGLang (:mod:`megatron_rl.rollout.sglang.wire` encodes them). The model it
-builds holds the served weights; by default the HF engine (a transformers replica with
-its own numerics, refreshed after every weight update's last bucket) generates, so HTTP
-tests see log-probs and routes that differ from the trainer's as a real server's do;
-``--engine megatron`` generates with the Megatron model itself (exact numerics). Endpoints:
-``POST /generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``,
-``POST /flush_cache``, ``POST /update_weights_from_tensor`` (by-value payloads),
-``POST /update_weight_version``, and ``/init_weights_update_group``,
-``/update_weights_from_distributed``, ``/destroy_weights_update_group`` over a gloo group
-(a ``nccl`` group is refused with 400). Weights may be named as a real SGLang server
-wants them (HF names of the Qwen3-MoE conversion table, fused back here) or as
+SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
+launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
+the config's model in its own single-process gloo world (CPU platform, no parallelism)
+and serves it through the same endpoints, request fields and response fields as SGLang
+(:mod:`megatron_rl.rollout.sglang.wire` encodes them). The model it builds holds the
+served weights; by default the HF engine (a transformers replica with its own numerics,
+refreshed after every weight update's last bucket) generates, so clients see log-probs and
+routes that differ from the trainer's as a real server's do; ``--engine megatron``
+generates with the Megatron model itself (exact numerics). Endpoints: ``POST /generate``,
+``GET /health``, ``GET /health_generate``, ``GET /model_info``, ``POST /flush_cache``,
+``POST /update_weights_from_tensor`` (by-value payloads), ``POST /update_weight_version``,
+and ``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group`` over a gloo group (a ``nccl`` group is refused with
+400). Weights may be named as a real SGLang server wants them (HF names of the Qwen3-MoE
+conversion table, fused back here) or as
 :func:`~megatron_rl.rollout.sglang.weight_sync.megatron_names` sends them.
 
-Concurrent ``/generate`` requests with equal sampling parameters are batched into one
-engine call (as SGLang batches continuously); every Megatron call runs on one dedicated
-thread, where the CPU platform and the parallel state live.
-``--max-batch 1`` answers each request alone, so a sample depends on its seed and the
-weights only (reproducible runs, as SGLang's deterministic inference); ``--token-latency-s``
-sleeps per generated token after each batch, a GPU's decode time without its compute
-(``tools/bench_async.py``).
-
-TEST-ONLY fault injection: ``POST /_test/fault`` ``{"kind": K, "times": n, "delay_s": s}``
-makes the next ``n`` ``/generate`` requests fail as K: ``http_500``, ``malformed_json``,
-``delay`` (sleep ``delay_s`` before answering), ``wrong_route_length`` (one position's
-routes missing), ``no_routes`` (as if launched without ``--enable-return-routed-experts``),
-``stale_version`` (another weight version reported) or ``abort``.
-``GET /_test/stats`` returns counters. Does not own the client or the weight gathering.
+Requests are batched by :mod:`~megatron_rl.rollout.sglang.standin_batching` (``--max-batch``,
+``--token-latency-s``); every Megatron call runs on one dedicated thread, where the CPU
+platform and the parallel state live. On stop it prints one line of what it did.
+Owns the engine host, the endpoints and the command line; does not own the client, the
+weight gathering or the batching.
 """
 
 from __future__ import annotations
@@ -43,7 +35,7 @@ import contextlib
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +46,7 @@ from aiohttp import web
 from megatron_rl.checkpoint.mapping import QWEN3_MOE, all_weights, fuse
 from megatron_rl.parallel.comm import broadcast
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
 from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
     WireFormatError,
@@ -62,8 +55,6 @@ from megatron_rl.rollout.sglang.wire import (
 )
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
-FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort")
-"""Faults ``POST /_test/fault`` can arm (test-only)."""
 _TOP_K_ALL = 1 << 30
 """SGLang's "no top-k" value (``-1`` on the wire is mapped to it)."""
 
@@ -184,36 +175,20 @@ class EngineHost:
 
 
 @dataclass
-class _Pending:
-    """A queued ``/generate`` request."""
+class ServerCounters:
+    """What a stand-in did, for its closing log line."""
 
-    prompt: list[int]
-    """Prompt token ids."""
-    want_routes: bool
-    """``return_routed_experts``."""
-    seed: int
-    """``sampling_seed`` (the first request of a batch seeds it)."""
-    future: asyncio.Future
-    """Resolved with the request's :class:`RolloutSample`."""
-
-
-@dataclass
-class _State:
-    """What the server reports and what the tests armed."""
-
-    weight_version: str
-    """Served weight version."""
-    faults: dict[str, int] = field(default_factory=dict)
-    """Armed fault kind -> requests it still applies to (test-only)."""
-    delay_s: float = 0.0
-    """Sleep of the ``delay`` fault."""
-    stats: dict[str, Any] = field(default_factory=lambda: {"generate_requests": 0, "responses": 0, "batches": 0,
-                                                           "max_batch": 0, "weight_updates": 0, "faults_fired": {}})
-    """Counters for ``/_test/stats``."""
+    generate_requests: int = 0
+    """``/generate`` requests received (refused ones included)."""
+    weight_updates: int = 0
+    """Weight update calls that loaded tensors."""
 
 
 class ProtocolServer:
     """The HTTP application over an :class:`EngineHost`.
+
+    A subclass may extend it: :meth:`app` returns the application before it starts (more
+    routes or middlewares can be added), and each endpoint is a method.
 
     Args:
         host: the engine.
@@ -222,22 +197,19 @@ class ProtocolServer:
         max_batch: most sequences per engine call (1: each request alone, so its sample depends
             on its own seed only, not on what it was batched with: reproducible runs).
         model_path: reported by ``/model_info``.
-        token_latency_s: after computing a batch, sleep this long per token of its longest
-            response, as a GPU server's decode would take (benchmarks on CPU: models
-            disaggregated accelerators without taking the trainer's cores); batches sleep side
-            by side, as requests decode together under continuous batching.
+        token_latency_s: modelled GPU decode time per token
+            (:class:`~megatron_rl.rollout.sglang.standin_batching.ContinuousBatcher`).
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", batch_window_s: float = 0.01,
                  max_batch: int = 256, model_path: str = "", token_latency_s: float = 0.0) -> None:
-        self.host, self.window, self.max_batch, self.model_path = host, batch_window_s, max_batch, model_path
-        self.token_latency_s = token_latency_s
-        self._decoding: set[asyncio.Task] = set()  # batches "decoding" (token_latency_s), answered when done
-        self.state = _State(weight_version=weight_version)
-        self.queue: asyncio.Queue | None = None
+        self.host, self.model_path, self.weight_version = host, model_path, weight_version
+        self.counters = ServerCounters()
+        self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
+                                         token_latency_s=token_latency_s)
 
     def app(self) -> web.Application:
-        """The aiohttp application (starts the batcher on startup)."""
+        """The aiohttp application (the batcher runs while it serves)."""
         app = web.Application(client_max_size=1 << 31)
         app.add_routes([
             web.post("/generate", self.generate), web.put("/generate", self.generate),
@@ -249,82 +221,22 @@ class ProtocolServer:
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_group),
-            web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.test_stats),
         ])
-        app.cleanup_ctx.append(self._batching)
+        app.cleanup_ctx.append(self.batcher.running)
         return app
 
-    async def _batching(self, app: web.Application):
-        """Run the batcher for the application's lifetime."""
-        self.queue = asyncio.Queue()
-        task = asyncio.create_task(self._batcher())
-        yield
-        for running in (task, *self._decoding):
-            running.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await running
+    def closing_line(self) -> str:
+        """What this server did, for the log when it stops."""
+        c = self.counters
+        return (f"protocol server stopped: {c.generate_requests} generate requests, {self.batcher.batches} "
+                f"batches, {c.weight_updates} weight updates, weight version {self.weight_version}")
 
     # ------------------------------------------------------------------ generation
 
-    async def _batcher(self) -> None:
-        while True:
-            batch = [await self.queue.get()]
-            deadline = time.monotonic() + self.window
-            while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
-                try:
-                    batch.append(await asyncio.wait_for(self.queue.get(), left))
-                except asyncio.TimeoutError:
-                    break
-            groups: dict[tuple, list[tuple[SamplingParams, _Pending]]] = {}
-            for params, pending in batch:
-                key = (repr(params), pending.want_routes)
-                groups.setdefault(key, []).append((params, pending))
-            for members in groups.values():
-                await self._run(members)
-
-    async def _run(self, members: list[tuple[SamplingParams, "_Pending"]]) -> None:
-        params, first = members[0]
-        stats = self.state.stats
-        stats["batches"] += 1
-        stats["max_batch"] = max(stats["max_batch"], len(members))
-        try:
-            samples = await self.host.call(
-                lambda: self.host.engine.generate([m.prompt for _, m in members], params,
-                                                  return_routed_experts=first.want_routes, seed=first.seed))
-        except Exception as err:  # noqa: BLE001 - each waiting request gets the error
-            for _, m in members:
-                if not m.future.done():
-                    m.future.set_exception(err)
-            return
-        if self.token_latency_s > 0:
-            # Sleeps, not computes: the batch occupies the "GPU" for its decode steps. It sleeps
-            # beside the batches after it, as SGLang's continuous batching decodes a request that
-            # arrives later alongside the running ones instead of queueing it behind them.
-            delay = self.token_latency_s * max(len(s.output_ids) for s in samples)
-            task = asyncio.create_task(self._answer_after(delay, members, samples))
-            self._decoding.add(task)
-            task.add_done_callback(self._decoding.discard)
-        else:
-            self._answer(members, samples)
-
-    async def _answer_after(self, delay_s: float, members: list, samples: list) -> None:
-        await asyncio.sleep(delay_s)
-        self._answer(members, samples)
-
-    @staticmethod
-    def _answer(members: list, samples: list) -> None:
-        for (_, m), sample in zip(members, samples):
-            if not m.future.done():
-                m.future.set_result(sample)
-
-    def _take_fault(self) -> str | None:
-        for kind, left in self.state.faults.items():
-            if left > 0:
-                self.state.faults[kind] = left - 1
-                fired = self.state.stats["faults_fired"]
-                fired[kind] = fired.get(kind, 0) + 1
-                return kind
-        return None
+    async def _engine_generate(self, prompts: list[list[int]], params: SamplingParams, want_routes: bool,
+                               seed: int) -> list:
+        return await self.host.call(lambda: self.host.engine.generate(prompts, params,
+                                                                      return_routed_experts=want_routes, seed=seed))
 
     def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, bool, int]:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
@@ -346,52 +258,32 @@ class ProtocolServer:
             raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds {longest}")
         if body.get("stream"):
             raise ValueError("streaming is not supported by the protocol server")
-        rid = str(body.get("rid") or f"req-{self.state.stats['generate_requests']}")
+        rid = str(body.get("rid") or f"req-{self.counters.generate_requests}")
         return rid, prompt, params, bool(body.get("return_routed_experts")), int(sp.get("sampling_seed") or 0)
 
     async def generate(self, request: web.Request) -> web.Response:
         """``POST /generate`` (non-streaming, ``input_ids`` only)."""
-        self.state.stats["generate_requests"] += 1
+        self.counters.generate_requests += 1
         started = time.monotonic()
         try:
             rid, prompt, params, want_routes, seed = self._parse(await request.json())
         except ValueError as err:
-            return web.json_response({"object": "error", "message": str(err), "code": 400}, status=400)
-        fault = self._take_fault()
-        if fault == "http_500":
-            return web.json_response({"object": "error", "message": "injected HTTP 500", "code": 500}, status=500)
-        if fault == "delay":
-            await asyncio.sleep(self.state.delay_s)
-        future = asyncio.get_running_loop().create_future()
-        await self.queue.put((params, _Pending(prompt, want_routes, seed, future)))
+            return _error(400, str(err))
         try:
-            sample = await future
+            sample = await self.batcher.submit(prompt, params, want_routes, seed)
         except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
-            return web.json_response({"object": "error", "message": f"{type(err).__name__}: {err}", "code": 500},
-                                     status=500)
+            return _error(500, f"{type(err).__name__}: {err}")
         routes = sample.routed_experts
         if routes is not None and self.host.model_cfg.num_dense_layers:
             # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
             full = routes.new_zeros(routes.shape[0], self.host.model_cfg.num_layers, routes.shape[2])
             full[:, list(self.host.model_cfg.moe_layers)] = routes
             routes = full
-        if fault == "wrong_route_length" and routes is not None:
-            routes = routes[:-1]
-        if fault == "no_routes":
-            routes = None
-        version = self.state.weight_version
-        payload = generate_response_payload(
+        return web.json_response(generate_response_payload(
             rid=rid, prompt_len=len(prompt), output_ids=sample.output_ids, output_logprobs=sample.output_logprobs,
             finish_reason=sample.finish_reason, routed_experts=routes, e2e_latency=time.monotonic() - started,
-            weight_version=f"stale-{version}" if fault == "stale_version" else version,
-        )
-        if fault == "abort":
-            payload["meta_info"]["finish_reason"] = {"type": "abort", "message": "injected abort"}
-        self.state.stats["responses"] += 1
-        if fault == "malformed_json":
-            text = web.json_response(payload).text
-            return web.Response(text=text[: len(text) // 2], content_type="application/json")
-        return web.json_response(payload)
+            weight_version=self.weight_version,
+        ))
 
     async def health(self, request: web.Request) -> web.Response:
         """``GET /health``: 200 once the engine is up (it is, once the server listens)."""
@@ -399,11 +291,8 @@ class ProtocolServer:
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """``GET /health_generate``: a one-token greedy generation must succeed."""
-        future = asyncio.get_running_loop().create_future()
-        params = SamplingParams(temperature=0.0, max_new_tokens=1)
-        await self.queue.put((params, _Pending([0], False, 0, future)))
         try:
-            await future
+            await self.batcher.submit([0], SamplingParams(temperature=0.0, max_new_tokens=1), False, 0)
         except Exception:  # noqa: BLE001 - any failure means unhealthy
             return web.Response(status=503)
         return web.Response(status=200)
@@ -413,7 +302,7 @@ class ProtocolServer:
         m = self.host.model_cfg
         return web.json_response({
             "model_path": self.model_path, "tokenizer_path": None, "is_generation": True,
-            "weight_version": self.state.weight_version, "model_type": "megatron_rl_protocol_server",
+            "weight_version": self.weight_version, "model_type": "megatron_rl_protocol_server",
             "architectures": ["MegatronGPTMoE"], "protocol_version": SGLANG_VERSION,
             "num_hidden_layers": m.num_layers, "num_experts_per_tok": m.moe_router_topk, "num_experts": m.num_experts,
         })
@@ -429,10 +318,10 @@ class ProtocolServer:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
     def _updated(self, body: dict, count: int) -> web.Response:
-        self.state.stats["weight_updates"] += 1
+        self.counters.weight_updates += 1
         if body.get("weight_version") is not None:
-            self.state.weight_version = str(body["weight_version"])
-        return self._result(True, f"Updated {count} tensors. Weight version: {self.state.weight_version}.")
+            self.weight_version = str(body["weight_version"])
+        return self._result(True, f"Updated {count} tensors. Weight version: {self.weight_version}.")
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor`` (entry 0 of ``serialized_named_tensors``)."""
@@ -452,7 +341,7 @@ class ProtocolServer:
     async def update_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version`` ``{new_version, abort_all_requests}``."""
         body = await request.json()
-        self.state.weight_version = str(body["new_version"])
+        self.weight_version = str(body["new_version"])
         return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
                                   "new_version": body["new_version"]})
 
@@ -491,23 +380,14 @@ class ProtocolServer:
         dist.destroy_process_group(group)
         return self._result(True, f"destroyed {name}")
 
-    # ------------------------------------------------------------------ test-only
 
-    async def arm_fault(self, request: web.Request) -> web.Response:
-        """TEST-ONLY: make the next ``times`` ``/generate`` requests fail as ``kind``."""
-        b = await request.json()
-        if b.get("kind") not in FAULT_KINDS:
-            return self._result(False, f"unknown fault {b.get('kind')!r}; known: {list(FAULT_KINDS)}")
-        self.state.faults[b["kind"]] = int(b.get("times", 1))
-        self.state.delay_s = float(b.get("delay_s", self.state.delay_s))
-        return self._result(True, f"armed {b['kind']} x{self.state.faults[b['kind']]}")
-
-    async def test_stats(self, request: web.Request) -> web.Response:
-        """TEST-ONLY: request, batch and fault counters."""
-        return web.json_response({**self.state.stats, "weight_version": self.state.weight_version})
+def _error(status: int, message: str) -> web.Response:
+    """An error body as SGLang's HTTP server writes it."""
+    return web.json_response({"object": "error", "message": message, "code": status}, status=status)
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The stand-in's command line (``--config`` and ``--port`` required)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", required=True, help="run config whose model section is served")
     parser.add_argument("--host", default="127.0.0.1")
@@ -522,7 +402,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-latency-s", type=float, default=0.0,
                         help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = ProtocolServer) -> int:
+    """Build the engine that ``args`` ask for and serve it with ``server_type`` (a
+    :class:`ProtocolServer` or a subclass) until SIGTERM/SIGINT; prints what it did on stop."""
     # As the run reads it: a config that starts from a checkpoint takes its model section from it.
     from megatron_rl.checkpoint.init_source import run_config_from_checkpoint
 
@@ -530,19 +415,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     host = EngineHost(cfg.model, cfg.seed, args.micro_batch_sequences, args.engine)
-    server = ProtocolServer(host, weight_version=args.weight_version, model_path=args.config,
-                            max_batch=args.max_batch, token_latency_s=args.token_latency_s)
+    server = server_type(host, weight_version=args.weight_version, model_path=args.config,
+                         max_batch=args.max_batch, token_latency_s=args.token_latency_s)
     try:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}", flush=True)
         web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
     finally:
-        stats = server.state.stats
-        # One closing line for the log: what this server did (launch tests read it).
-        print(f"protocol server stopped: {stats['generate_requests']} generate requests, {stats['batches']} "
-              f"batches, {stats['weight_updates']} weight updates, weight version {server.state.weight_version}",
-              flush=True)
+        print(server.closing_line(), flush=True)
         host.close()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return serve(argument_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

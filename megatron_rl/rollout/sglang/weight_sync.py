@@ -50,11 +50,8 @@ from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.parallel.world import free_port
-from megatron_rl.rollout.sglang.client import (
-    SGLangClientConfig,
-    probe_servers,
-    request_json,
-)
+from megatron_rl.rollout.sglang.client import SGLangClientConfig
+from megatron_rl.rollout.sglang.control import probe_servers, request_json
 from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
 from megatron_rl.rollout.sglang.wire import serialize_named_tensors
 

@@ -1,4 +1,4 @@
-"""Layout invariance: one checkpoint, any layout, the same logits and gradients.
+"""The worker of ``megatron-rl-smoke``: one checkpoint, any layout, the same logits and gradients.
 
 ``layout_worker`` runs on every rank of a world: it builds the model for its layout,
 saves (reference run) or loads (every other run) the weights through Megatron's
@@ -6,14 +6,18 @@ distributed checkpoint, runs one forward + backward over the same packed batch t
 Megatron's schedules and returns, from the ranks that own them, the full-vocabulary
 logits of every sample (gathered over TP, only for comparison) and the reduced gradients
 of the router weights and of the output layer. ``compare`` states how far two such
-results are apart. The smoke job and the parallel tests both drive these.
+results are apart. Its steps (:func:`layout_groups`, :func:`load_layout_model`,
+:func:`forward_backward`) are separate so that a caller can check more in the same world
+(the layout-invariance tests add the log-prob pass). Owns no command line
+(:mod:`megatron_rl.smoke`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,6 @@ from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.comm import all_gather_cat
 from megatron_rl.parallel.cpu_platform import cpu_platform
 from megatron_rl.parallel.groups import ParallelGroups, model_parallel
-from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
 from megatron_rl.parallel.packing import (
     PackedMicroBatch,
@@ -58,12 +61,6 @@ class LayoutRun:
     """Sequences packed into one micro-batch."""
     seed: int = 1234
     """Seed for the weights of the reference run."""
-    prompt_lengths: list[int] | None = None
-    """Prompt length of each sample; when given, the log-prob pass with routing records runs."""
-    config_overrides: dict = field(default_factory=dict)
-    """Extra TransformerConfig fields (e.g. for routing replay checks)."""
-    extra_check: Callable | None = None
-    """Module-level ``fn(model, groups, run) -> dict`` run after loading, merged into the result."""
 
 
 def micro_batches_for_rank(
@@ -133,93 +130,64 @@ def _gathered_grads(model: torch.nn.Module, groups: ParallelGroups) -> dict[str,
     return grads
 
 
-def layout_worker(run: LayoutRun) -> dict:
-    """Per-rank body of a layout world (call through ``run_world``)."""
-    world_size = dist.get_world_size()
+@contextlib.contextmanager
+def layout_groups(run: LayoutRun) -> Iterator[ParallelGroups]:
+    """This rank's groups for ``run``'s layout (checked first), on the CPU platform unless
+    the layout turns it off."""
     validate_model(run.model)
-    validate_layout(run.model, run.parallel, world_size)
+    validate_layout(run.model, run.parallel, dist.get_world_size())
     with cpu_platform(enable=run.parallel.use_cpu_platform is not False):
         with model_parallel(run.parallel, run.seed) as groups:
-            model = build_model(run.model, run.parallel, **run.config_overrides)
-            if run.save_checkpoint:
-                save_model(model, Path(run.checkpoint_dir))
-            else:
-                load_model(model, Path(run.checkpoint_dir))
-            extra = run.extra_check(model, groups, run) if run.extra_check else {}
-            logprob_pass = _logprob_pass(model, groups, run) if run.prompt_lengths else {}
-            ddp = wrap_for_training(model)
-            micro_batches = micro_batches_for_rank(
-                run.sequences, groups, run.micro_batch_sequences
-            )
-            outputs = run_schedule(
-                ddp, micro_batches, _cross_entropy_loss(groups, run.model.vocab_size), forward_only=False
-            )
-            samples: dict[int, torch.Tensor] = {}
-            for out in outputs:
-                samples.update(out["samples"])
-            grads = _gathered_grads(ddp, groups)  # a collective: every rank must enter
-            return {
-                "rank": dist.get_rank(),
-                "tp_rank": groups.tp_rank,
-                "pp_rank": groups.pp_rank,
-                "dp_rank": groups.dp_rank,
-                "ep_rank": groups.ep_rank,
-                "is_last_stage": groups.is_last_stage,
-                "samples": samples if groups.tp_rank == 0 else {},
-                "grads": grads if groups.tp_rank == 0 else {},
-                "logprob_pass": logprob_pass,
-                "extra": extra,
-            }
+            yield groups
 
 
-def _logprob_pass(model, groups: ParallelGroups, run: LayoutRun) -> dict:
-    """Per-sample response log-probs, entropies and routing records of this DP rank."""
-    mine = list(range(groups.dp_rank, len(run.sequences), groups.dp_size))
-    result = compute_logprobs(
-        model,
-        groups,
-        [run.sequences[i] for i in mine],
-        [run.prompt_lengths[i] for i in mine],
-        micro_batch_sequences=run.micro_batch_sequences,
-        record_routing=True,
-    )
-    out = {}
-    for j, sample in enumerate(mine):
-        lo, hi = int(result.cu_seqlens_S1[j]), int(result.cu_seqlens_S1[j + 1])
-        rec = result.record.sample(j)
-        out[sample] = {
-            "logprobs": result.logprobs_T[lo:hi],
-            "entropy": result.entropy_T[lo:hi],
-            "expert_ids": rec.expert_ids_TLK,
-            "probs": rec.probs_TLK,
-            "gates": rec.gates_TLK,
-            "layer_numbers": rec.layer_numbers,
-        }
-    return out
+def load_layout_model(run: LayoutRun) -> torch.nn.Module:
+    """The model in this rank's layout, with freshly initialized weights saved (reference
+    run) or the reference weights loaded."""
+    model = build_model(run.model, run.parallel)
+    if run.save_checkpoint:
+        save_model(model, Path(run.checkpoint_dir))
+    else:
+        load_model(model, Path(run.checkpoint_dir))
+    return model
+
+
+def forward_backward(model: torch.nn.Module, groups: ParallelGroups, run: LayoutRun) -> dict:
+    """One forward + backward of the batch; the logits and gradients this rank owns."""
+    ddp = wrap_for_training(model)
+    micro_batches = micro_batches_for_rank(run.sequences, groups, run.micro_batch_sequences)
+    outputs = run_schedule(ddp, micro_batches, _cross_entropy_loss(groups, run.model.vocab_size), forward_only=False)
+    samples: dict[int, torch.Tensor] = {}
+    for out in outputs:
+        samples.update(out["samples"])
+    grads = _gathered_grads(ddp, groups)  # a collective: every rank must enter
+    return {
+        "rank": dist.get_rank(),
+        "tp_rank": groups.tp_rank,
+        "pp_rank": groups.pp_rank,
+        "dp_rank": groups.dp_rank,
+        "ep_rank": groups.ep_rank,
+        "is_last_stage": groups.is_last_stage,
+        "samples": samples if groups.tp_rank == 0 else {},
+        "grads": grads if groups.tp_rank == 0 else {},
+    }
+
+
+def layout_worker(run: LayoutRun) -> dict:
+    """Per-rank body of a layout world (call through ``run_world``)."""
+    with layout_groups(run) as groups:
+        return forward_backward(load_layout_model(run), groups, run)
 
 
 def merge_rank_results(results: list[dict]) -> dict:
-    """Combine per-rank results: every sample's outputs and each gradient, once.
-
-    ``per_rank_logprob_pass`` keeps every rank's copy so callers can check that all ranks
-    of a model-parallel group returned the same log-probs and records.
-    """
+    """Combine per-rank results: every sample's logits and each gradient, once."""
     samples: dict[int, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
-    logprob_pass: dict[int, dict] = {}
     for res in results:
         samples.update(res["samples"])
         for name, grad in res["grads"].items():
             grads.setdefault(name, grad)
-        for sample, value in res["logprob_pass"].items():
-            logprob_pass.setdefault(sample, value)
-    return {
-        "samples": samples,
-        "grads": grads,
-        "logprob_pass": logprob_pass,
-        "per_rank_logprob_pass": [res["logprob_pass"] for res in results],
-        "extra": [res["extra"] for res in results],
-    }
+    return {"samples": samples, "grads": grads}
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:

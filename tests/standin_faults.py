@@ -1,0 +1,110 @@
+"""The CPU SGLang stand-in with fault injection and counters, for the tests.
+
+    python tests/standin_faults.py --config configs/demo_task.yaml --port 30000 [stand-in options]
+
+:class:`FaultInjectingServer` extends the product's
+:class:`~megatron_rl.rollout.sglang.standin.ProtocolServer` (same command line, same
+endpoints) with two test endpoints:
+
+* ``POST /_test/fault`` ``{"kind": K, "times": n, "delay_s": s}`` makes the next ``n``
+  ``/generate`` requests fail as K: ``http_500``, ``malformed_json`` (half a body),
+  ``delay`` (sleep ``delay_s`` before answering), ``wrong_route_length`` (one position's
+  routes missing), ``no_routes`` (as if launched without ``--enable-return-routed-experts``),
+  ``stale_version`` (another weight version reported) or ``abort``. ``times`` 0 disarms.
+* ``GET /_test/stats``: ``generate_requests`` (received), ``responses`` (answered 200),
+  ``faults_fired`` by kind and the served ``weight_version``.
+
+A fault that changes the answer is applied to the body the stand-in wrote, so the stand-in
+itself stays as the product runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import sys
+
+import numpy as np
+from aiohttp import web
+
+from megatron_rl.rollout.sglang.standin import ProtocolServer, argument_parser, serve
+
+FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort")
+"""Faults ``POST /_test/fault`` can arm."""
+
+
+class FaultInjectingServer(ProtocolServer):
+    """:class:`ProtocolServer` with ``/_test/fault`` and ``/_test/stats``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.faults: dict[str, int] = {}
+        """Armed fault kind -> requests it still applies to."""
+        self.delay_s = 0.0
+        """Sleep of the ``delay`` fault."""
+        self.requests = 0
+        self.responses = 0
+        self.fired: dict[str, int] = {}
+
+    def app(self) -> web.Application:
+        app = super().app()
+        app.add_routes([web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.stats)])
+        return app
+
+    async def arm_fault(self, request: web.Request) -> web.Response:
+        """Make the next ``times`` ``/generate`` requests fail as ``kind``."""
+        b = await request.json()
+        if b.get("kind") not in FAULT_KINDS:
+            return self._result(False, f"unknown fault {b.get('kind')!r}; known: {list(FAULT_KINDS)}")
+        self.faults[b["kind"]] = int(b.get("times", 1))
+        self.delay_s = float(b.get("delay_s", self.delay_s))
+        return self._result(True, f"armed {b['kind']} x{self.faults[b['kind']]}")
+
+    async def stats(self, request: web.Request) -> web.Response:
+        """Request, response and fault counters, and the served weight version."""
+        return web.json_response({"generate_requests": self.requests, "responses": self.responses,
+                                  "faults_fired": self.fired, "weight_version": self.weight_version})
+
+    def _take_fault(self) -> str | None:
+        for kind, left in self.faults.items():
+            if left > 0:
+                self.faults[kind] = left - 1
+                self.fired[kind] = self.fired.get(kind, 0) + 1
+                return kind
+        return None
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        fault = self._take_fault()
+        if fault == "http_500":
+            return web.json_response({"object": "error", "message": "injected HTTP 500", "code": 500}, status=500)
+        if fault == "delay":
+            await asyncio.sleep(self.delay_s)
+        response = await super().generate(request)
+        if response.status != 200:
+            return response
+        self.responses += 1
+        if fault is None or fault == "delay":
+            return response
+        payload = json.loads(response.text)
+        meta = payload["meta_info"]
+        if fault == "wrong_route_length" and "routed_experts" in meta:
+            model = self.host.model_cfg
+            ids = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            meta["routed_experts"] = base64.b64encode(
+                ids.reshape(-1, model.num_layers, model.moe_router_topk)[:-1].tobytes()).decode("ascii")
+        elif fault == "no_routes":
+            meta.pop("routed_experts", None)
+        elif fault == "stale_version":
+            meta["weight_version"] = f"stale-{meta['weight_version']}"
+        elif fault == "abort":
+            meta["finish_reason"] = {"type": "abort", "message": "injected abort"}
+        elif fault == "malformed_json":
+            text = json.dumps(payload)
+            return web.Response(text=text[: len(text) // 2], content_type="application/json")
+        return web.json_response(payload)
+
+
+if __name__ == "__main__":
+    sys.exit(serve(argument_parser().parse_args(), FaultInjectingServer))
