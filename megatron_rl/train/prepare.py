@@ -21,6 +21,7 @@ from megatron_rl.checkpoint.hf_config import check_architecture_holds
 from megatron_rl.checkpoint.init_source import (
     InitSource,
     inspect_init_checkpoint,
+    run_config_from_checkpoint,
 )
 from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
 from megatron_rl.config import RunConfig
