@@ -32,6 +32,7 @@ from .validation import (
     id_checks,
 )
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TokenBatch:
     """One packed batch: per-token tensors on one token axis, plus per-sequence ones.

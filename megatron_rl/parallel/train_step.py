@@ -250,14 +250,7 @@ def forward_backward(
         logprobs_T=probe.logprobs_T if probe else None, advantages_T=batch.advantages_T,
         entropy_T=probe.entropy_T if probe else None, truncated_S=batch.truncated_S,
     )
-    kept_T = response_mask_T
-    if needs_filter_inputs or objective.overlong_filter:
-        kept_T, mask_metrics = _global_loss_mask(objective, groups, response, lengths_S=lengths)
-        metrics.update(mask_metrics)
-    num_tokens, num_kept_seqs = kept_counts(dataclasses.replace(response, loss_mask_T=kept_T))
-    counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
-    if groups.dp_size > 1:
-        all_reduce(counts, groups.dp)
+    kept_T, counts = _kept_mask_and_counts(objective, groups, response, lengths, metrics)
 
     micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
@@ -278,6 +271,23 @@ def forward_backward(
         float(replay.replayed_micro_batches if replay is not None else 0)
     )
     return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T)
+
+
+def _kept_mask_and_counts(
+    objective: ObjectiveConfig, groups: ParallelGroups, response: TokenBatch, lengths_S: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[T_resp]`` kept mask (the mask metrics go into ``metrics``) and the ``[2]``
+    kept-token and kept-sequence counts of the whole mini-batch, summed over DP."""
+    kept_T = response.loss_mask_T
+    if objective.entropy_top_rho is not None or objective.stapo_tau_p is not None or objective.overlong_filter:
+        kept_T, mask_metrics = _global_loss_mask(objective, groups, response, lengths_S=lengths_S)
+        metrics.update(mask_metrics)
+    num_tokens, num_kept_seqs = kept_counts(dataclasses.replace(response, loss_mask_T=kept_T))
+    counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
+    if groups.dp_size > 1:
+        all_reduce(counts, groups.dp)
+    return kept_T, counts
 
 
 def _global_loss_mask(
