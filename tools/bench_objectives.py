@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from megatron_rl.algos import OBJECTIVE_PRESETS, get_preset, policy_loss
+from megatron_rl.algos import OBJECTIVE_PRESETS, TokenBatch, get_preset, policy_loss
 
 REPO = Path(__file__).resolve().parents[1]
 REFERENCE_FILE = REPO / "tests" / "unit" / "test_algos_reference.py"
@@ -115,7 +115,7 @@ def main() -> None:
     for index, name in enumerate(names, 1):
         cfg = get_preset(name)
         lib_wall, lib_cpu = time_loss_and_backward(
-            lambda b, cfg=cfg: policy_loss(cfg, **b)[0], batch, args.repeats
+            lambda b, cfg=cfg: policy_loss(cfg, TokenBatch(**b))[0], batch, args.repeats
         )
         ref_wall, ref_cpu = time_loss_and_backward(
             lambda b, cfg=cfg: reference.reference_loss(cfg, b),

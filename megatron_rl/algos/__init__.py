@@ -6,10 +6,12 @@ Tensors and floats in, tensors out: no ``torch.distributed``, no Megatron, no I/
     cfg = get_preset("dapo")                       # or get_preset("gspo", stapo_tau_p=0.002)
     adv_T = compute_advantages(cfg, rewards_S=..., group_ids_S=..., seq_ids_T=...,
                                loss_mask_T=..., num_groups=G)
-    loss, metrics = policy_loss(cfg, logprobs_T=..., old_logprobs_T=..., advantages_T=adv_T,
-                                loss_mask_T=..., seq_ids_T=..., num_seqs=S)
+    batch = TokenBatch(logprobs_T=..., old_logprobs_T=..., advantages_T=adv_T,
+                       loss_mask_T=..., seq_ids_T=..., num_seqs=S)
+    loss, metrics = policy_loss(cfg, batch)
 
-Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``loss`` (entry point),
+Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``batch`` (TokenBatch,
+the packed inputs and their checks), ``loss`` (entry point),
 ``surrogate`` (ratio units and gates), ``weights`` (RSPO, TIS/MIS/IcePop), ``masks``
 (overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``shaping``,
 ``segments`` (packed-axis kernels), ``log_ratio`` (the overflow-safe exp of every ratio),
@@ -26,6 +28,7 @@ from .advantages import (
     token_returns_T,
 )
 from .aggregation import aggregate_loss, kept_counts
+from .batch import TokenBatch
 from .config import ObjectiveConfig, ObjectiveConfigError
 from .kl import kl_estimate_T, kl_reward_penalty_T
 from .loss import policy_loss
@@ -41,6 +44,7 @@ __all__ = [
     "InputError",
     "ObjectiveConfig",
     "ObjectiveConfigError",
+    "TokenBatch",
     "aggregate_loss",
     "build_loss_mask",
     "compute_advantages",

@@ -26,39 +26,38 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from .batch import TokenBatch
 from .segments import KeptTokens
 
 Count = int | float | Tensor | None
 
 
-def kept_counts(mask_T: Tensor, seq_ids_T: Tensor, num_seqs: int) -> tuple[Tensor, Tensor]:
-    """Returns (kept tokens, sequences with at least one kept token) as 0-dim int64 tensors.
+def kept_counts(batch: TokenBatch) -> tuple[Tensor, Tensor]:
+    """(kept tokens, sequences with at least one kept token) of ``batch.loss_mask_T``.
 
-    These are the numbers to all-reduce (or sum over micro-batches) into the
-    ``global_num_tokens`` / ``global_num_seqs`` arguments.
+    Returns 0-dim int64 tensors: the numbers to all-reduce (or sum over micro-batches)
+    into the ``global_num_tokens`` / ``global_num_seqs`` arguments.
     """
-    count_S = KeptTokens.build(mask_T.bool(), seq_ids_T, num_seqs, torch.float64).count_S
+    count_S = KeptTokens.build(
+        batch.loss_mask_T.bool(), batch.seq_ids_T, batch.num_seqs, torch.float64
+    ).count_S
     return count_S.sum().long(), (count_S > 0).sum()
 
 
 def aggregate_loss(
     loss_T: Tensor,
-    mask_T: Tensor,
-    seq_ids_T: Tensor,
-    num_seqs: int,
+    batch: TokenBatch,
     mode: str,
     *,
     max_len: int | None = None,
     global_num_tokens: Count = None,
     global_num_seqs: Count = None,
 ) -> Tensor:
-    """Aggregates per-token losses over the kept tokens.
+    """Aggregates per-token losses over the kept tokens ``batch.loss_mask_T``.
 
     Args:
         loss_T: [T] per-token losses (finite on masked tokens too).
-        mask_T: [T] bool kept tokens.
-        seq_ids_T: [T] int64 sequence ids in [0, num_seqs).
-        num_seqs: S.
+        batch: the kept mask, sequence ids and S.
         mode: one of token_mean, seq_mean_token_mean, seq_mean_token_sum, constant_normalizer.
         max_len: L_max for constant_normalizer.
         global_num_tokens: token_mean denominator (default: local kept tokens).
@@ -67,7 +66,7 @@ def aggregate_loss(
     Returns:
         0-dim loss.
     """
-    kept = KeptTokens.build(mask_T.bool(), seq_ids_T, num_seqs, loss_T.dtype)
+    kept = KeptTokens.build(batch.loss_mask_T.bool(), batch.seq_ids_T, batch.num_seqs, loss_T.dtype)
     return aggregate_kept(
         loss_T,
         kept,

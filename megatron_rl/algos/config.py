@@ -132,7 +132,7 @@ class ObjectiveConfig:
     overlong_penalty_cache_len: int = 4096
     """DAPO soft overlong punishment buffer L_cache (tokens)."""
     check_inputs: bool = True
-    """Validate input tensors (one host sync per call); turn off in trusted hot loops."""
+    """Check input values (NaN/inf, ids, masks; one host sync per call); off in trusted hot loops."""
 
     def __post_init__(self) -> None:
         self.validate()

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .batch import TokenBatch
 from .config import ObjectiveConfig
 from .order_stats import kth_smallest, top_k_mask
-from .validation import InputError
 
 # rho * N is computed in float64; 0.7 * 10 = 7.000000000000001 must still give k = 7.
 _CEIL_SLACK = 1e-9
@@ -90,52 +90,38 @@ def stapo_keep_T(
     return ~(candidate_T & (n > 0) & (entropy_T < threshold))
 
 
-def build_loss_mask(
-    cfg: ObjectiveConfig,
-    *,
-    loss_mask_T: Tensor,
-    seq_ids_T: Tensor,
-    logprobs_T: Tensor | None = None,
-    advantages_T: Tensor | None = None,
-    entropy_T: Tensor | None = None,
-    truncated_S: Tensor | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Applies the configured masks on top of the response mask.
+def build_loss_mask(cfg: ObjectiveConfig, batch: TokenBatch) -> tuple[Tensor, dict[str, Tensor]]:
+    """Applies the configured masks on top of the response mask ``batch.loss_mask_T``.
 
     Args:
         cfg: objective configuration (overlong_filter, entropy_top_rho, stapo_tau_p/q).
-        loss_mask_T: [T] bool response mask.
-        seq_ids_T: [T] int64 sequence ids.
-        logprobs_T: [T] current log-probs (STAPO).
-        advantages_T: [T] advantages (STAPO).
-        entropy_T: [T] current entropies (80/20, STAPO).
-        truncated_S: [S] bool, True for truncated samples (overlong filter).
+        batch: the response mask and sequence ids, plus what the masks read:
+            ``truncated_S`` (overlong filter), ``entropy_T`` (80/20, STAPO), ``logprobs_T``
+            and ``advantages_T`` (STAPO).
 
     Returns:
         ([T] bool kept mask, metrics): ``mask/<name>_frac`` is the fraction of response
         tokens each mask removed (a token can be removed by several), as 0-dim tensors.
 
-    Inputs are not validated here; ``policy_loss`` validates what it is given.
+    Raises:
+        InputError: an input the configured masks read is missing. Values are not
+            checked here; ``policy_loss`` checks what it is given.
     """
-    response_T = loss_mask_T.bool()
+    batch.require(cfg, loss=False, filters=True)
+    response_T = batch.loss_mask_T.bool()
     base_T = response_T
     removed: dict[str, Tensor] = {}
     if cfg.overlong_filter:
-        _need(truncated_S, "truncated_S", "overlong_filter=True")
-        base_T = response_T & overlong_keep_T(truncated_S, seq_ids_T)
+        base_T = response_T & overlong_keep_T(batch.truncated_S, batch.seq_ids_T)
         removed["overlong"] = response_T & ~base_T
     kept_T = base_T
     if cfg.entropy_top_rho is not None:
-        _need(entropy_T, "entropy_T", "entropy_top_rho")
-        keep_T = entropy_top_keep_T(entropy_T, base_T, cfg.entropy_top_rho)
+        keep_T = entropy_top_keep_T(batch.entropy_T, base_T, cfg.entropy_top_rho)
         removed["entropy"] = base_T & ~keep_T
         kept_T = kept_T & keep_T
     if cfg.stapo_tau_p is not None:
-        _need(entropy_T, "entropy_T", "stapo_tau_p")
-        _need(logprobs_T, "logprobs_T", "stapo_tau_p")
-        _need(advantages_T, "advantages_T", "stapo_tau_p")
         keep_T = stapo_keep_T(
-            logprobs_T, advantages_T, entropy_T, base_T, cfg.stapo_tau_p, cfg.stapo_q
+            batch.logprobs_T, batch.advantages_T, batch.entropy_T, base_T, cfg.stapo_tau_p, cfg.stapo_q
         )
         removed["stapo"] = base_T & ~keep_T
         kept_T = kept_T & keep_T
@@ -145,8 +131,3 @@ def build_loss_mask(
         for name, mask_T in removed.items()
     }
     return kept_T, metrics
-
-
-def _need(tensor: Tensor | None, name: str, option: str) -> None:
-    if tensor is None:
-        raise InputError(f"{name} is required by ObjectiveConfig.{option}")

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .batch import TokenBatch
 from .config import ObjectiveConfig
 from .log_ratio import exp_log_ratio
 from .segments import KeptTokens, segment_sum
@@ -76,33 +77,27 @@ class SurrogateOut:
 
 
 def compute_surrogate(
-    cfg: ObjectiveConfig,
-    *,
-    logprobs_T: Tensor,
-    old_logprobs_T: Tensor | None,
-    advantages_T: Tensor,
-    kept: KeptTokens,
-    log_gamma_T: Tensor | None,
+    cfg: ObjectiveConfig, batch: TokenBatch, kept: KeptTokens, log_gamma_T: Tensor | None
 ) -> SurrogateOut:
     """Evaluates the configured ratio unit and gate on kept tokens.
 
     Args:
         cfg: objective configuration.
-        logprobs_T: [T] current log-probs (carry the gradient).
-        old_logprobs_T: [T] old-policy log-probs (constant); unused for ratio_unit 'none'.
-        advantages_T: [T] advantages (constant).
+        batch: ``logprobs_T`` (carries the gradient), ``old_logprobs_T`` (constant; unused
+            for ratio_unit 'none') and ``advantages_T`` (constant).
         kept: the kept tokens and their per-sequence counts.
         log_gamma_T: [T] log of the floored RSPO weight (detached), or None without RSPO.
 
     Returns:
         The per-token loss and diagnostics.
     """
-    adv_T = advantages_T.detach()
+    logprobs_T = batch.logprobs_T
+    adv_T = batch.advantages_T.detach()
     if cfg.ratio_unit == "none":
         loss_T = -adv_T * logprobs_T * kept.weight_T
         return SurrogateOut(loss_T, torch.ones_like(loss_T).detach(), None, None, None)
     # Masked log-ratios become 0 before exp, so no overflow there can reach a value or gradient.
-    log_ratio_T = (logprobs_T - old_logprobs_T.detach()) * kept.weight_T
+    log_ratio_T = (logprobs_T - batch.old_logprobs_T.detach()) * kept.weight_T
     rspo_before = log_gamma_T is not None and cfg.rspo_apply == "before_clip"
     if rspo_before:
         log_ratio_T = log_ratio_T + log_gamma_T * kept.weight_T

@@ -3,12 +3,14 @@
 Owns the rejection of bad inputs with errors that name the tensor (and the first bad
 position): wrong rank or length, wrong dtype, an empty batch, NaN/inf anywhere (masked
 positions included: a non-finite number anywhere is an upstream bug), sequence ids out of
-range, masks that are not 0/1, RSPO weights outside (0, 1], negative global counts.
+range, masks that are not 0/1, RSPO weights outside (0, 1], negative global counts. Which
+tensor of a loss call gets which check is ``algos.batch``'s.
 
-Shape checks are free. Value checks are reduced to one boolean per check and fetched in
-**one** host synchronisation per call; only when that flag is False are the individual
-checks revisited to name the culprit. Callers that trust their inputs turn all of this
-off with ``ObjectiveConfig.check_inputs=False``.
+Shape checks are free (a ``TokenBatch`` runs them whenever one is built). Value checks
+are reduced to one boolean per check and fetched in **one** host synchronisation per call;
+only when that flag is False are the individual checks revisited to name the culprit.
+Callers that trust their inputs turn the value checks off with
+``ObjectiveConfig.check_inputs=False``.
 
 Shape legend: T tokens, S sequences.
 """
@@ -38,7 +40,7 @@ def check_shapes(
     """Checks ranks, lengths and dtypes; returns T.
 
     Args:
-        per_token: name -> [T] tensor (None entries are skipped); the first entry sets T.
+        per_token: name -> [T] tensor (None entries are skipped); the first given sets T.
         per_seq: name -> [S] tensor (None entries are skipped).
         num_seqs: S, must be a positive int.
         floating: names that must have a floating dtype; all others must be bool/integer.
@@ -60,7 +62,7 @@ def check_shapes(
         if (name in floating) != tensor.dtype.is_floating_point:
             kind = "a floating" if name in floating else "a bool or integer"
             raise InputError(f"{name} must have {kind} dtype, got {tensor.dtype}")
-    first_name = next(iter(per_token))
+    first_name = next(name for name, tensor in per_token.items() if tensor is not None)
     num_tokens = per_token[first_name].numel()
     if num_tokens == 0:
         raise InputError(f"empty batch: {first_name} has 0 tokens")
@@ -125,6 +127,30 @@ def id_checks(
             checks.append(
                 range_check(name, mask, (mask == 0) | (mask == 1), "has a value other than 0/1")
             )
+    return checks
+
+
+def count_checks(counts: dict[str, int | float | Tensor | None]) -> list[ValueCheck]:
+    """Caller-supplied global counts: a number or 1-element tensor, finite and >= 0.
+
+    Raises:
+        InputError: a count is neither a number nor a 1-element tensor (no sync needed).
+    """
+    checks = []
+    for name, count in counts.items():
+        if count is None:
+            continue
+        if (
+            isinstance(count, bool)
+            or not isinstance(count, (int, float, Tensor))
+            or torch.as_tensor(count).numel() != 1
+        ):
+            raise InputError(f"{name} must be a number or a 1-element tensor, got {count!r}")
+        value = torch.as_tensor(count).reshape(1)
+        ok = torch.isfinite(value.double()) & (value >= 0)
+        checks.append(
+            (name, ok.all(), first_bad_message(name, lambda ok=ok: ~ok, "is negative or not finite"))
+        )
     return checks
 
 

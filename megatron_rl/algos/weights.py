@@ -34,6 +34,7 @@ import math
 import torch
 from torch import Tensor
 
+from .batch import TokenBatch
 from .config import ObjectiveConfig
 from .log_ratio import exp_log_ratio
 from .segments import KeptTokens
@@ -44,22 +45,19 @@ def floor_router_shift_T(gamma_T: Tensor, gamma_min: float) -> Tensor:
     return gamma_T.detach().clamp(min=gamma_min)
 
 
-def mismatch_log_ratio_T(
-    level: str, old_logprobs_T: Tensor, rollout_logprobs_T: Tensor, kept: KeptTokens
-) -> Tensor:
+def mismatch_log_ratio_T(level: str, batch: TokenBatch, kept: KeptTokens) -> Tensor:
     """Log of the train/rollout ratio each token is corrected with (detached).
 
     Args:
         level: 'token' or 'sequence'.
-        old_logprobs_T: [T] log pi_old.
-        rollout_logprobs_T: [T] log pi_rollout from the rollout engine.
+        batch: ``old_logprobs_T`` (log pi_old) and ``rollout_logprobs_T`` (log pi_rollout).
         kept: the kept tokens.
 
     Returns:
         [T] ``log rho_t`` (token level) or ``log rho_i`` broadcast to the tokens of
         sequence i (sequence level); 0 on tokens that are not kept.
     """
-    log_rho_T = (old_logprobs_T.detach() - rollout_logprobs_T.detach()) * kept.weight_T
+    log_rho_T = (batch.old_logprobs_T.detach() - batch.rollout_logprobs_T.detach()) * kept.weight_T
     if level == "sequence":
         log_rho_T = kept.to_tokens(kept.seq_sum(log_rho_T)) * kept.weight_T
     return log_rho_T

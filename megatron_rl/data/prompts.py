@@ -29,7 +29,11 @@ import torch
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.data.config import DataConfig
 from megatron_rl.data.tasks import TASKS, build_task
-from megatron_rl.data.tokenizer import CharPromptTokenizer, PromptTokenizer
+from megatron_rl.data.tokenizer import (
+    CharPromptTokenizer,
+    PromptTokenizer,
+    normalized_prompt,
+)
 
 Split = Literal["train", "eval"]
 
@@ -241,7 +245,10 @@ def _row_record(
     answer = row.get(cfg.answer_key)
     if answer is None:
         raise ConfigError(f"data.answer_key: {where} has no {cfg.answer_key!r}")
-    prompt = _normalized_prompt(prompt, f"data.prompt_key: {where}")
+    try:
+        prompt = normalized_prompt(prompt)
+    except ValueError as err:
+        raise ConfigError(f"data.prompt_key: {where}: {err}") from None
     if cfg.id_key is not None and cfg.id_key in row:
         if row[cfg.id_key] is None:
             raise ConfigError(f"data.id_key: {where} has no {cfg.id_key!r}")
@@ -259,29 +266,6 @@ def _row_record(
         ground_truth=str(answer),
         metadata={name: row[name] for name in cfg.metadata_keys},
     )
-
-
-def _normalized_prompt(prompt: Any, where: str) -> str | list[dict]:
-    if isinstance(prompt, str):
-        return prompt
-    if not isinstance(prompt, list) or not prompt:
-        raise ConfigError(
-            f"{where}: the prompt must be a string or a non-empty list of messages, got {prompt!r}"
-        )
-    messages = []
-    for i, message in enumerate(prompt):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise ConfigError(
-                f"{where}: message {i} must be a dict with string 'role' and 'content', got {message!r}"
-            )
-        # Arrow gives every message the union of all messages' fields, absent ones as
-        # null; a template testing "is defined" would otherwise see them as set.
-        messages.append({k: v for k, v in message.items() if v is not None})
-    return messages
 
 
 def _file_format(path: str, key: str) -> str:

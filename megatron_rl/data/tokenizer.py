@@ -3,7 +3,8 @@
 Owns the tokenizer section of the run config (:class:`TokenizerConfig`), the interface the
 trainer codes against (:class:`PromptTokenizer`), its two implementations (a local Hugging
 Face tokenizer with its chat template, :func:`load_tokenizer`; the built-in task's
-character tokenizer, :func:`char_tokenizer_adapter`) and the config-time check
+character tokenizer, :func:`char_tokenizer_adapter`), what a prompt may be (a string or
+a list of chat messages, :func:`normalized_prompt`) and the config-time check
 :func:`check_tokenizer_config`.
 
 It does not own prompt files (``megatron_rl.data.prompts``), sampling (the rollout engine
@@ -113,7 +114,8 @@ class HFPromptTokenizer(PromptTokenizer):
             # Default add_special_tokens: a plain prompt starts the way the tokenizer
             # starts any sequence (e.g. with bos).
             return list(self.hf_tokenizer.encode(prompt))
-        messages = _as_messages(prompt)
+        prompt = normalized_prompt(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if self.system_prompt is not None and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
         encoded = self.hf_tokenizer.apply_chat_template(
@@ -288,11 +290,22 @@ def _single_token_id(tokenizer: Any, text: str, key: str) -> int:
     return int(ids[0])
 
 
-def _as_messages(prompt: str | Messages) -> Messages:
+def normalized_prompt(prompt: Any) -> str | Messages:
+    """A prompt as a string or a list of messages, the messages' null fields dropped.
+
+    Arrow gives every message of a prompt file the union of all messages' fields, absent
+    ones as null; a chat template testing "is defined" would otherwise see them as set.
+
+    Raises:
+        ValueError: the prompt is neither, or a message is not a dict with string
+            ``role`` and ``content`` (the message is named by its index).
+    """
     if isinstance(prompt, str):
-        return [{"role": "user", "content": prompt}]
+        return prompt
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"a chat prompt must be a non-empty list of messages, got {prompt!r}")
+        raise ValueError(
+            f"the prompt must be a string or a non-empty list of messages, got {prompt!r}"
+        )
     for i, message in enumerate(prompt):
         if not (
             isinstance(message, dict)
@@ -300,7 +313,6 @@ def _as_messages(prompt: str | Messages) -> Messages:
             and isinstance(message.get("content"), str)
         ):
             raise ValueError(
-                f"message {i} of a chat prompt must be a dict with string 'role' and "
-                f"'content', got {message!r}"
+                f"message {i} must be a dict with string 'role' and 'content', got {message!r}"
             )
-    return list(prompt)
+    return [{k: v for k, v in message.items() if v is not None} for message in prompt]

@@ -229,21 +229,12 @@ def compute_logprobs(
     validate_samples(sequences, prompt_lengths, vocab, gpt.max_sequence_length)
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
-
-    def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
-        logprobs, entropy = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens, vocab_size=vocab
-        )
-        zero = logits_1TV.new_zeros(())
-        return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
-
     probing = replay_ids_TLK is not None or old_record is not None
-    watch = record_routing or probing
-    if old_record is not None:
+    recorder = None
+    if record_routing or probing:
         # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
-        probs_dtype = old_record.probs_TLK.dtype
-    recorder = RouterRecorder([model], probs_dtype=probs_dtype, diagnostics=probing) if watch else None
+        dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
+        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing)
     if old_record is not None:
         _queue_queries(recorder, old_record, micro_batches, groups)
     replay = None
@@ -254,9 +245,36 @@ def compute_logprobs(
         )
     with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
         outputs = run_schedule(
-            model, micro_batches, loss_fn, forward_only=True,
-            before_forward=replay.before_forward if replay is not None else None,
+            model, micro_batches, _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab),
+            forward_only=True, before_forward=replay.before_forward if replay is not None else None,
         )
+    result = _results_in_sample_order(outputs, micro_batches, groups, sequences, prompt_lengths)
+    if recorder is not None:
+        record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
+        if record_routing:
+            result.record = record
+        if probing:
+            _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
+    return result
+
+
+def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int):
+    """The schedule's loss function: each micro-batch's response log-probs and entropies (no loss)."""
+
+    def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
+        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
+        logprobs, entropy = vocab_parallel_logprobs_entropy(
+            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens, vocab_size=vocab
+        )
+        zero = logits_1TV.new_zeros(())
+        return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
+
+    return loss_fn
+
+
+def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicroBatch], groups: ParallelGroups,
+                             sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int]) -> LogProbResult:
+    """The last stage's per-micro-batch outputs in sample order, on every pipeline stage (no record yet)."""
     response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
     total = int(response_lengths.sum())
     cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
@@ -267,14 +285,7 @@ def compute_logprobs(
         packed.copy_(to_sample_order(per_mb, micro_batches, cu).T)
     if groups.pp_size > 1:
         broadcast(packed, groups.pp_size - 1, groups.pp)
-    result = LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
-    if recorder is not None:
-        record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
-        if record_routing:
-            result.record = record
-        if probing:
-            _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
-    return result
+    return LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
 
 
 def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:

@@ -30,6 +30,7 @@ only when RSPO, routing diagnostics or the 80/20 / STAPO filters ask for it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from typing import Literal, Sequence
 import torch
 
 from megatron_rl.algos.aggregation import kept_counts
+from megatron_rl.algos.batch import TokenBatch
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
@@ -243,18 +245,12 @@ def forward_backward(
         if gamma_T is not None:
             metrics.update(gamma_metrics(gamma_T, response_mask_T, objective.rspo_gamma_min))
 
-    kept_T = response_mask_T
-    if needs_filter_inputs or objective.overlong_filter:
-        kept_T, mask_metrics = _global_loss_mask(
-            objective, groups, response_mask_T=response_mask_T, seq_ids_T=seq_ids_T, lengths_S=lengths,
-            logprobs_T=probe.logprobs_T if probe else None, advantages_T=batch.advantages_T,
-            entropy_T=probe.entropy_T if probe else None, truncated_S=batch.truncated_S,
-        )
-        metrics.update(mask_metrics)
-    num_tokens, num_kept_seqs = kept_counts(kept_T, seq_ids_T, num_seqs)
-    counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
-    if groups.dp_size > 1:
-        all_reduce(counts, groups.dp)
+    response = TokenBatch(
+        loss_mask_T=response_mask_T, seq_ids_T=seq_ids_T, num_seqs=num_seqs,
+        logprobs_T=probe.logprobs_T if probe else None, advantages_T=batch.advantages_T,
+        entropy_T=probe.entropy_T if probe else None, truncated_S=batch.truncated_S,
+    )
+    kept_T, counts = _kept_mask_and_counts(objective, groups, response, lengths, metrics)
 
     micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
@@ -277,17 +273,25 @@ def forward_backward(
     return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T)
 
 
+def _kept_mask_and_counts(
+    objective: ObjectiveConfig, groups: ParallelGroups, response: TokenBatch, lengths_S: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``[T_resp]`` kept mask (the mask metrics go into ``metrics``) and the ``[2]``
+    kept-token and kept-sequence counts of the whole mini-batch, summed over DP."""
+    kept_T = response.loss_mask_T
+    if objective.entropy_top_rho is not None or objective.stapo_tau_p is not None or objective.overlong_filter:
+        kept_T, mask_metrics = _global_loss_mask(objective, groups, response, lengths_S=lengths_S)
+        metrics.update(mask_metrics)
+    num_tokens, num_kept_seqs = kept_counts(dataclasses.replace(response, loss_mask_T=kept_T))
+    counts = torch.stack([num_tokens.double(), num_kept_seqs.double()])
+    if groups.dp_size > 1:
+        all_reduce(counts, groups.dp)
+    return kept_T, counts
+
+
 def _global_loss_mask(
-    objective: ObjectiveConfig,
-    groups: ParallelGroups,
-    *,
-    response_mask_T: torch.Tensor,
-    seq_ids_T: torch.Tensor,
-    lengths_S: torch.Tensor,
-    logprobs_T: torch.Tensor | None,
-    advantages_T: torch.Tensor,
-    entropy_T: torch.Tensor | None,
-    truncated_S: torch.Tensor | None,
+    objective: ObjectiveConfig, groups: ParallelGroups, response: TokenBatch, *, lengths_S: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This rank's ``[T_resp]`` kept mask and the mask metrics of the global mini-batch.
 
@@ -298,22 +302,19 @@ def _global_loss_mask(
     from the gathered response lengths ``lengths_S``, so they stay unique across ranks.
     """
     if groups.dp_size == 1:
-        return build_loss_mask(
-            objective, loss_mask_T=response_mask_T, seq_ids_T=seq_ids_T, logprobs_T=logprobs_T,
-            advantages_T=advantages_T, entropy_T=entropy_T, truncated_S=truncated_S,
-        )
+        return build_loss_mask(objective, response)
+    response.require(objective, loss=False, filters=True)
     # Only what the configured masks read travels; float inputs share one gather in their
     # promoted dtype (exact: promotion only widens).
     floats = {}
     if objective.entropy_top_rho is not None or objective.stapo_tau_p is not None:
-        floats["entropy_T"] = entropy_T
+        floats["entropy_T"] = response.entropy_T
     if objective.stapo_tau_p is not None:
-        floats.update(logprobs_T=logprobs_T, advantages_T=advantages_T)
-    floats = {name: t for name, t in floats.items() if t is not None}  # build_loss_mask names what is missing
-    num_tokens, num_seqs = int(response_mask_T.numel()), int(lengths_S.numel())
-    sizes_R2 = all_gather_cat(torch.tensor([[num_tokens, num_seqs]], dtype=torch.int64), groups.dp)
+        floats.update(logprobs_T=response.logprobs_T, advantages_T=response.advantages_T)
+    num_tokens = int(response.loss_mask_T.numel())
+    sizes_R2 = all_gather_cat(torch.tensor([[num_tokens, response.num_seqs]], dtype=torch.int64), groups.dp)
     token_sizes, seq_sizes = sizes_R2[:, 0].tolist(), sizes_R2[:, 1].tolist()
-    token_inputs = {"loss_mask_T": all_gather_varlen(response_mask_T.bool(), groups.dp, sizes=token_sizes)}
+    token_inputs = {"loss_mask_T": all_gather_varlen(response.loss_mask_T.bool(), groups.dp, sizes=token_sizes)}
     if floats:
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in floats.values()))
         columns = torch.stack([t.detach().to(dtype) for t in floats.values()], dim=1)
@@ -321,16 +322,16 @@ def _global_loss_mask(
         for i, (name, t) in enumerate(floats.items()):
             token_inputs[name] = gathered[:, i].to(t.dtype)
     per_seq = [lengths_S.to(torch.int64)]
-    with_truncated = objective.overlong_filter and truncated_S is not None
-    if with_truncated:
-        per_seq.append(truncated_S.to(torch.int64))
+    if objective.overlong_filter:
+        per_seq.append(response.truncated_S.to(torch.int64))
     seq_columns = all_gather_varlen(torch.stack(per_seq, dim=1), groups.dp, sizes=seq_sizes)
     cu_S1 = torch.zeros(seq_columns.shape[0] + 1, dtype=torch.int64)
     torch.cumsum(seq_columns[:, 0], 0, out=cu_S1[1:])
-    kept_T, metrics = build_loss_mask(
-        objective, seq_ids_T=seq_ids_from_cu_seqlens(cu_S1),
-        truncated_S=seq_columns[:, 1].bool() if with_truncated else None, **token_inputs,
+    everyone = TokenBatch(
+        seq_ids_T=seq_ids_from_cu_seqlens(cu_S1), num_seqs=seq_columns.shape[0],
+        truncated_S=seq_columns[:, 1].bool() if objective.overlong_filter else None, **token_inputs,
     )
+    kept_T, metrics = build_loss_mask(objective, everyone)
     start = sum(token_sizes[: groups.dp_rank])
     return kept_T[start : start + num_tokens], metrics
 
@@ -365,8 +366,7 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
             # reach every parameter its forward used (gradients are collective under DDP).
             loss = logits_1TV.sum() * 0.0
             return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}
-        loss, metrics = policy_loss(
-            objective,
+        tokens = TokenBatch(
             logprobs_T=logprobs_T,
             old_logprobs_T=part(batch.old_logprobs_T),
             advantages_T=part(batch.advantages_T),
@@ -378,8 +378,9 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
             entropy_T=entropy_T,
             rspo_gamma_T=part(gamma_T),
             truncated_S=None if batch.truncated_S is None else batch.truncated_S[samples].to(device),
-            global_num_tokens=counts[0].to(device),
-            global_num_seqs=counts[1].to(device),
+        )
+        loss, metrics = policy_loss(
+            objective, tokens, global_num_tokens=counts[0].to(device), global_num_seqs=counts[1].to(device),
             apply_filters=False,
         )
         metrics = {**metrics, "loss": loss.detach(), "micro_batch": torch.tensor(1)}

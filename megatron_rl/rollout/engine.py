@@ -67,7 +67,16 @@ class RolloutEngine(Protocol):
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, return_routed_experts: bool, seed: int
     ) -> list[RolloutSample]:
-        """Generate one response per prompt (repeat a prompt for a group)."""
+        """Generate one response per prompt (repeat a prompt for a group).
+
+        Args:
+            prompts: token ids of each prompt (of this data-parallel rank).
+            params: sampling parameters.
+            return_routed_experts: also return SGLang-layout routes ``[N - 1, L, K]`` per sample.
+            seed: generator seed; combine the step and round into it for reproducibility.
+
+        Engines say in their own docstring over which ranks the call is collective.
+        """
         ...
 
     def update_weights(self, version: int) -> None:

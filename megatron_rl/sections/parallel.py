@@ -57,17 +57,31 @@ def validate_layout(
     m: ModelConfig, p: ParallelConfig, world_size: int | None = None, prefix: str = "parallel"
 ) -> None:
     """Check that the layout fits the model and, when known, the world size."""
-    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
-    etp, cp = p.expert_tensor_parallel_size, p.context_parallel_size
+    _check_group_sizes(p, prefix)
+    _check_model_splits(m, p, prefix)
+    _check_sequence_parallel(p, prefix)
+    _check_world_size(p, world_size, prefix)
+
+
+def _check_group_sizes(p: ParallelConfig, prefix: str) -> None:
+    """Every parallel size is at least 1; context parallelism is not supported."""
     for name, val in (
-        ("tensor_model_parallel_size", tp),
-        ("pipeline_model_parallel_size", pp),
-        ("expert_model_parallel_size", ep),
-        ("expert_tensor_parallel_size", etp),
-        ("context_parallel_size", cp),
+        ("tensor_model_parallel_size", p.tensor_model_parallel_size),
+        ("pipeline_model_parallel_size", p.pipeline_model_parallel_size),
+        ("expert_model_parallel_size", p.expert_model_parallel_size),
+        ("expert_tensor_parallel_size", p.expert_tensor_parallel_size),
+        ("context_parallel_size", p.context_parallel_size),
     ):
         require(val >= 1, f"{prefix}.{name}", "must be >= 1")
-    require(cp == 1, f"{prefix}.context_parallel_size", "context parallelism is not supported yet")
+    require(
+        p.context_parallel_size == 1, f"{prefix}.context_parallel_size", "context parallelism is not supported yet"
+    )
+
+
+def _check_model_splits(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:
+    """Each parallel size divides the model dimensions it splits."""
+    tp, pp, ep = p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size
+    etp = p.expert_tensor_parallel_size
     require(
         m.num_experts % ep == 0,
         f"{prefix}.expert_model_parallel_size",
@@ -116,6 +130,11 @@ def validate_layout(
         f"PP ({pp}) leaves the first stage without an MoE layer ({m.num_layers // pp} layers per stage, "
         f"model.num_dense_layers={m.num_dense_layers}); routing records need one per stage",
     )
+
+
+def _check_sequence_parallel(p: ParallelConfig, prefix: str) -> None:
+    """Sequence parallelism needs TP > 1, and MoE with TP > 1 needs it."""
+    tp = p.tensor_model_parallel_size
     require(
         not (p.sequence_parallel and tp == 1),
         f"{prefix}.sequence_parallel",
@@ -126,6 +145,11 @@ def validate_layout(
         f"{prefix}.sequence_parallel",
         "MoE with tensor parallelism requires sequence parallelism (Megatron-Core rule)",
     )
+
+
+def _check_world_size(p: ParallelConfig, world_size: int | None, prefix: str) -> None:
+    """The configured and launched world sizes agree and hold whole model and expert groups."""
+    etp, ep, pp = p.expert_tensor_parallel_size, p.expert_model_parallel_size, p.pipeline_model_parallel_size
     if p.world_size is not None:
         require(p.world_size >= 1, f"{prefix}.world_size", "must be >= 1")
         require(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.algos import get_preset, kl_estimate_T, policy_loss
+from megatron_rl.algos import TokenBatch, get_preset, kl_estimate_T, policy_loss
 
 F64 = torch.float64
 TOL = dict(rtol=0.0, atol=1e-10)
@@ -36,7 +36,7 @@ def _batch(seed: int, num_seqs: int = 10, *, constant_adv: bool = True) -> dict:
 
 def _grad(cfg, b: dict, **extra):
     lp = b["logprobs_T"].clone().requires_grad_(True)
-    loss, _ = policy_loss(cfg, **{**b, "logprobs_T": lp}, **extra)
+    loss, _ = policy_loss(cfg, TokenBatch(**{**b, "logprobs_T": lp}, **extra))
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad
 
@@ -175,7 +175,7 @@ def test_weights_masks_and_constants_carry_no_gradient(overrides):
     )
     leaves = {k: v.clone().requires_grad_(True) for k, v in constants.items()}
     lp = b["logprobs_T"].clone().requires_grad_(True)
-    loss, _ = policy_loss(cfg, **{**b, **leaves, "logprobs_T": lp})
+    loss, _ = policy_loss(cfg, TokenBatch(**{**b, **leaves, "logprobs_T": lp}))
     grads = torch.autograd.grad(loss, [lp, *leaves.values()], allow_unused=True)
     assert grads[0].abs().sum() > 0
     for name, grad in zip(leaves, grads[1:], strict=True):

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_rl.algos import build_loss_mask, get_preset
+from megatron_rl.algos import TokenBatch, build_loss_mask, get_preset
 from megatron_rl.algos.masks import entropy_top_keep_T, stapo_keep_T
 from megatron_rl.algos.order_stats import kth_smallest, order_keys, top_k_mask
 
@@ -106,10 +106,13 @@ def test_masks_compose_on_the_overlong_survivors():
     entropy = torch.tensor([9.0, 8.0, 7.0, 1.0, 2.0, 3.0], dtype=torch.float64)
     mask, metrics = build_loss_mask(
         cfg,
-        loss_mask_T=torch.ones(6, dtype=torch.bool),
-        seq_ids_T=seq_ids,
-        entropy_T=entropy,
-        truncated_S=torch.tensor([True, False]),
+        TokenBatch(
+            loss_mask_T=torch.ones(6, dtype=torch.bool),
+            seq_ids_T=seq_ids,
+            num_seqs=2,
+            entropy_T=entropy,
+            truncated_S=torch.tensor([True, False]),
+        ),
     )
     # Sequence 0 is dropped, so the top half is taken among sequence 1's three tokens.
     assert mask.tolist() == [False, False, False, False, True, True]

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_rl.algos import get_preset, policy_loss
+from megatron_rl.algos import TokenBatch, get_preset, policy_loss
 
 F64 = torch.float64
 
@@ -44,7 +44,7 @@ def test_metric_values():
         mismatch_high=1.1,
         overlong_filter=True,
     )
-    _, m = policy_loss(cfg, **b)
+    _, m = policy_loss(cfg, TokenBatch(**b))
     assert all(
         isinstance(v, torch.Tensor) and v.dim() == 0 and not v.requires_grad for v in m.values()
     )
@@ -87,7 +87,7 @@ def test_metric_values():
     )
     assert float(m["weight/mismatch/max"]) == pytest.approx(float(rho[~rejected].max()))
     assert float(m["weight/mismatch_outside_frac"]) == float(m["weight/mismatch_rejected_frac"])
-    _, tis = policy_loss(dataclasses.replace(cfg, mismatch="tis", mismatch_low=0.0), **b)
+    _, tis = policy_loss(dataclasses.replace(cfg, mismatch="tis", mismatch_low=0.0), TokenBatch(**b))
     assert float(tis["weight/mismatch_rejected_frac"]) == 0
     assert 0 < float(tis["weight/mismatch_outside_frac"]) == pytest.approx(float((rho > 1.1).double().mean()))
     assert float(tis["weight/mismatch/max"]) == pytest.approx(1.1)
@@ -95,7 +95,7 @@ def test_metric_values():
 
 def test_metrics_of_sequence_unit_use_the_sequence_ratio():
     b = _batch()
-    _, m = policy_loss(get_preset("gspo"), **b)
+    _, m = policy_loss(get_preset("gspo"), TokenBatch(**b))
     kept = b["loss_mask_T"]
     log_r = (b["logprobs_T"].detach() - b["old_logprobs_T"]) * kept
     seq_ratio = [

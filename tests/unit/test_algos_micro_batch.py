@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatron_rl.algos import (
     OBJECTIVE_PRESETS,
+    TokenBatch,
     build_loss_mask,
     get_preset,
     kept_counts,
@@ -53,25 +56,30 @@ def _slice(b: dict, lp: torch.Tensor, mask: torch.Tensor, first: int, last: int)
 
 def _whole_and_split(cfg, b: dict, bounds: list[int]):
     lp_whole = b["logprobs_T"].clone().requires_grad_(True)
-    whole, _ = policy_loss(cfg, **{**b, "logprobs_T": lp_whole})
+    whole, _ = policy_loss(cfg, TokenBatch(**{**b, "logprobs_T": lp_whole}))
     (grad_whole,) = torch.autograd.grad(whole, lp_whole)
 
     lp = b["logprobs_T"].clone().requires_grad_(True)
-    mask, _ = build_loss_mask(
-        cfg,
+    inputs = TokenBatch(
         loss_mask_T=b["loss_mask_T"],
         seq_ids_T=b["seq_ids_T"],
+        num_seqs=b["num_seqs"],
         logprobs_T=lp,
         advantages_T=b["advantages_T"],
         entropy_T=b["entropy_T"],
         truncated_S=b["truncated_S"],
     )
-    num_tokens, num_seqs = kept_counts(mask, b["seq_ids_T"], b["num_seqs"])
+    mask, _ = build_loss_mask(cfg, inputs)
+    num_tokens, num_seqs = kept_counts(dataclasses.replace(inputs, loss_mask_T=mask))
     total = torch.zeros((), dtype=torch.float64)
     for first, last in zip(bounds[:-1], bounds[1:], strict=True):
         part = _slice(b, lp, mask, first, last)
         loss, _ = policy_loss(
-            cfg, **part, global_num_tokens=num_tokens, global_num_seqs=num_seqs, apply_filters=False
+            cfg,
+            TokenBatch(**part),
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs,
+            apply_filters=False,
         )
         total = total + loss
     (grad_split,) = torch.autograd.grad(total, lp)
@@ -107,10 +115,10 @@ def test_without_global_counts_micro_batches_differ():
     # The global counts matter: local denominators give a different (wrong) total.
     cfg = get_preset("dapo")
     b = _batch(13)
-    whole, _ = policy_loss(cfg, **b)
+    whole, _ = policy_loss(cfg, TokenBatch(**b))
     lp = b["logprobs_T"]
     parts = [
-        policy_loss(cfg, **_slice(b, lp, b["loss_mask_T"], first, last))[0]
+        policy_loss(cfg, TokenBatch(**_slice(b, lp, b["loss_mask_T"], first, last)))[0]
         for first, last in ((0, 5), (5, 16))
     ]
     assert not torch.allclose(sum(parts), whole, rtol=0.0, atol=1e-6)

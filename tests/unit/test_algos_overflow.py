@@ -19,6 +19,7 @@ import torch
 from megatron_rl.algos import (
     OBJECTIVE_PRESETS,
     ObjectiveConfigError,
+    TokenBatch,
     build_loss_mask,
     get_preset,
     kl_estimate_T,
@@ -94,7 +95,7 @@ def _batch(dtype: torch.dtype, *, extreme: bool) -> dict:
 def _loss_and_grad(cfg, batch: dict):
     inputs = {k: v for k, v in batch.items() if k != "extreme_T"}
     lp = inputs.pop("logprobs_T").clone().requires_grad_(True)
-    loss, _ = policy_loss(cfg, logprobs_T=lp, **inputs)
+    loss, _ = policy_loss(cfg, TokenBatch(logprobs_T=lp, **inputs))
     (grad_T,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad_T
 
@@ -109,13 +110,7 @@ def test_extreme_log_ratios_give_finite_gradients_and_leave_other_tokens_alone(p
     cfg = get_preset(preset)
     ext, base = _batch(dtype, extreme=True), _batch(dtype, extreme=False)
     kept_T, _ = build_loss_mask(
-        cfg,
-        loss_mask_T=ext["loss_mask_T"],
-        seq_ids_T=ext["seq_ids_T"],
-        logprobs_T=ext["logprobs_T"],
-        advantages_T=ext["advantages_T"],
-        entropy_T=ext["entropy_T"],
-        truncated_S=ext["truncated_S"],
+        cfg, TokenBatch(**{k: v for k, v in ext.items() if k != "extreme_T"})
     )
     assert kept_T[ext["extreme_T"]].all()  # the masks do not hide what is tested
     loss, grad_T = _loss_and_grad(cfg, ext)

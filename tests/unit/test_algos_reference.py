@@ -19,7 +19,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from megatron_rl.algos import OBJECTIVE_PRESETS, get_preset, policy_loss
+from megatron_rl.algos import OBJECTIVE_PRESETS, TokenBatch, get_preset, policy_loss
 
 TOL = dict(rtol=0.0, atol=1e-6)
 
@@ -211,7 +211,7 @@ def _loss_and_grad(fn, b):
 
 def assert_matches_reference(cfg, b):
     def library(batch):
-        return policy_loss(cfg, **batch)[0]
+        return policy_loss(cfg, TokenBatch(**batch))[0]
 
     got_loss, got_grad = _loss_and_grad(library, b)
     want_loss, want_grad = _loss_and_grad(lambda batch: reference_loss(cfg, batch), b)
@@ -303,7 +303,7 @@ def test_global_counts_are_used_as_denominators():
     b = make_batch(5)
     for name in ("dapo", "grpo", "dr_grpo"):
         cfg = get_preset(name)
-        got = policy_loss(cfg, **b, global_num_tokens=1000, global_num_seqs=50)[0]
+        got = policy_loss(cfg, TokenBatch(**b), global_num_tokens=1000, global_num_seqs=50)[0]
         want = reference_loss(cfg, b, global_num_tokens=1000, global_num_seqs=50)
         torch.testing.assert_close(got, want, **TOL)
 
@@ -312,7 +312,7 @@ def test_entropy_bonus_gradient_reaches_entropy():
     cfg = replace(get_preset("dapo"), entropy_coef=0.1)
     b = make_batch(2)
     entropy = b["entropy_T"].clone().requires_grad_(True)
-    loss, _ = policy_loss(cfg, **{**b, "entropy_T": entropy})
+    loss, _ = policy_loss(cfg, TokenBatch(**{**b, "entropy_T": entropy}))
     (grad,) = torch.autograd.grad(loss, entropy)
     kept = b["loss_mask_T"]
     torch.testing.assert_close(

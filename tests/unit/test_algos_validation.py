@@ -12,6 +12,7 @@ from megatron_rl.algos import (
     InputError,
     ObjectiveConfig,
     ObjectiveConfigError,
+    TokenBatch,
     get_preset,
     policy_loss,
 )
@@ -51,7 +52,7 @@ def test_non_finite_input_is_named_with_its_token(name, bad):
     b[name] = b[name].clone()
     b[name][7] = bad
     with pytest.raises(InputError, match=f"{name} contains NaN/inf at token 7"):
-        policy_loss(get_preset("ppo"), **b)
+        policy_loss(get_preset("ppo"), TokenBatch(**b))
 
 
 @pytest.mark.parametrize(
@@ -61,7 +62,7 @@ def test_mismatched_length_is_named(name):
     b = _full_batch()
     b[name] = b[name][:-1]
     with pytest.raises(InputError, match=f"{name} has 11 tokens but logprobs_T has 12"):
-        policy_loss(get_preset("ppo"), **b)
+        policy_loss(get_preset("ppo"), TokenBatch(**b))
 
 
 def test_structural_errors_are_named():
@@ -69,26 +70,27 @@ def test_structural_errors_are_named():
     with pytest.raises(InputError, match="empty batch: logprobs_T has 0 tokens"):
         policy_loss(
             get_preset("ppo"),
-            **{k: (v[:0] if isinstance(v, torch.Tensor) else v) for k, v in b.items()},
+            TokenBatch(**{k: (v[:0] if isinstance(v, torch.Tensor) else v) for k, v in b.items()}),
         )
     with pytest.raises(InputError, match="truncated_S has 2 entries but num_seqs=3"):
-        policy_loss(get_preset("ppo"), **b, truncated_S=torch.zeros(2, dtype=torch.bool))
+        policy_loss(get_preset("ppo"), TokenBatch(**b, truncated_S=torch.zeros(2, dtype=torch.bool)))
     with pytest.raises(InputError, match="seq_ids_T has an id outside \\[0, 3\\) at token 11"):
-        policy_loss(get_preset("ppo"), **{**b, "seq_ids_T": torch.tensor([0] * 11 + [3])})
+        policy_loss(get_preset("ppo"), TokenBatch(**{**b, "seq_ids_T": torch.tensor([0] * 11 + [3])}))
     with pytest.raises(InputError, match="seq_ids_T must have a bool or integer dtype"):
-        policy_loss(get_preset("ppo"), **{**b, "seq_ids_T": b["seq_ids_T"].double()})
+        policy_loss(get_preset("ppo"), TokenBatch(**{**b, "seq_ids_T": b["seq_ids_T"].double()}))
     with pytest.raises(InputError, match="loss_mask_T has a value other than 0/1 at token 4"):
         policy_loss(
-            get_preset("ppo"), **{**b, "loss_mask_T": torch.tensor([1, 1, 1, 1, 2] + [1] * 7)}
+            get_preset("ppo"),
+            TokenBatch(**{**b, "loss_mask_T": torch.tensor([1, 1, 1, 1, 2] + [1] * 7)}),
         )
     with pytest.raises(InputError, match="advantages_T must be 1-D"):
-        policy_loss(get_preset("ppo"), **{**b, "advantages_T": b["advantages_T"].reshape(3, 4)})
+        policy_loss(get_preset("ppo"), TokenBatch(**{**b, "advantages_T": b["advantages_T"].reshape(3, 4)}))
     with pytest.raises(InputError, match="num_seqs must be a positive int"):
-        policy_loss(get_preset("ppo"), **{**b, "num_seqs": 0})
+        policy_loss(get_preset("ppo"), TokenBatch(**{**b, "num_seqs": 0}))
     with pytest.raises(InputError, match="rspo_gamma_T is outside \\(0, 1\\] at token 0"):
-        policy_loss(get_preset("rspo"), **b, rspo_gamma_T=torch.full((12,), 1.5, dtype=F64))
+        policy_loss(get_preset("rspo"), TokenBatch(**b, rspo_gamma_T=torch.full((12,), 1.5, dtype=F64)))
     with pytest.raises(InputError, match="global_num_tokens is negative"):
-        policy_loss(get_preset("ppo"), **b, global_num_tokens=-3)
+        policy_loss(get_preset("ppo"), TokenBatch(**b), global_num_tokens=-3)
 
 
 @pytest.mark.parametrize(
@@ -105,14 +107,14 @@ def test_structural_errors_are_named():
 )
 def test_missing_configured_input_is_named(overrides, missing):
     with pytest.raises(InputError, match=f"{missing} is required"):
-        policy_loss(get_preset("ppo", **overrides), **_batch())
+        policy_loss(get_preset("ppo", **overrides), TokenBatch(**_batch()))
 
 
 def test_check_inputs_false_skips_value_checks():
     b = _batch()
     b["advantages_T"] = b["advantages_T"].clone()
     b["advantages_T"][0] = float("nan")
-    loss, _ = policy_loss(get_preset("ppo", check_inputs=False), **b)
+    loss, _ = policy_loss(get_preset("ppo", check_inputs=False), TokenBatch(**b))
     assert torch.isnan(loss)
 
 
@@ -122,7 +124,7 @@ def test_all_masked_batch_gives_zero_loss_and_zero_gradient(name):
     b = _full_batch()
     b["loss_mask_T"] = torch.zeros(12, dtype=torch.bool)
     lp = b["logprobs_T"].clone().requires_grad_(True)
-    loss, metrics = policy_loss(get_preset(name), **{**b, "logprobs_T": lp})
+    loss, metrics = policy_loss(get_preset(name), TokenBatch(**{**b, "logprobs_T": lp}))
     (grad,) = torch.autograd.grad(loss, lp)
     assert loss.item() == 0.0 and (grad == 0).all()
     assert int(metrics["count/kept_tokens"]) == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_rl.algos import (
+    TokenBatch,
     aggregate_loss,
     build_loss_mask,
     compute_advantages,
@@ -39,12 +40,14 @@ def single_token_loss(cfg, ratio: float, adv: float, old: float = -2.0):
     lp = t([old + math.log(ratio)]).requires_grad_(True)
     loss, metrics = policy_loss(
         cfg,
-        logprobs_T=lp,
-        old_logprobs_T=t([old]),
-        advantages_T=t([adv]),
-        loss_mask_T=torch.ones(1, dtype=torch.bool),
-        seq_ids_T=torch.zeros(1, dtype=torch.long),
-        num_seqs=1,
+        TokenBatch(
+            logprobs_T=lp,
+            old_logprobs_T=t([old]),
+            advantages_T=t([adv]),
+            loss_mask_T=torch.ones(1, dtype=torch.bool),
+            seq_ids_T=torch.zeros(1, dtype=torch.long),
+            num_seqs=1,
+        ),
     )
     (grad,) = torch.autograd.grad(loss, lp)
     return float(loss.detach()), float(grad[0]), metrics
@@ -191,7 +194,8 @@ def test_19_2_dual_clip():
 def test_19_3_aggregation(mode, max_len, expected):
     loss_T = t([1, 2, 3, 4, 5, 6])
     seq_ids = torch.tensor([0, 0, 1, 1, 1, 1])
-    got = aggregate_loss(loss_T, torch.ones(6, dtype=torch.bool), seq_ids, 2, mode, max_len=max_len)
+    kept = TokenBatch(loss_mask_T=torch.ones(6, dtype=torch.bool), seq_ids_T=seq_ids, num_seqs=2)
+    got = aggregate_loss(loss_T, kept, mode, max_len=max_len)
     assert float(got) == pytest.approx(expected, abs=1e-12)
 
 
@@ -202,12 +206,14 @@ def _one_sequence(cfg, log_ratios, advantages):
     lp = (old + t(log_ratios)).requires_grad_(True)
     loss, metrics = policy_loss(
         cfg,
-        logprobs_T=lp,
-        old_logprobs_T=old,
-        advantages_T=t(advantages),
-        loss_mask_T=torch.ones(n, dtype=torch.bool),
-        seq_ids_T=torch.zeros(n, dtype=torch.long),
-        num_seqs=1,
+        TokenBatch(
+            logprobs_T=lp,
+            old_logprobs_T=old,
+            advantages_T=t(advantages),
+            loss_mask_T=torch.ones(n, dtype=torch.bool),
+            seq_ids_T=torch.zeros(n, dtype=torch.long),
+            num_seqs=1,
+        ),
     )
     (grad,) = torch.autograd.grad(loss, lp)
     return loss.detach(), grad, metrics
@@ -356,7 +362,14 @@ def test_19_10_sequence_level_weight():
     kept = KeptTokens.build(
         torch.ones(4, dtype=torch.bool), torch.zeros(4, dtype=torch.long), 1, F64
     )
-    log_rho = mismatch_log_ratio_T("sequence", ratios.log(), torch.zeros(4, dtype=F64), kept)
+    batch = TokenBatch(
+        old_logprobs_T=ratios.log(),
+        rollout_logprobs_T=torch.zeros(4, dtype=F64),
+        loss_mask_T=torch.ones(4, dtype=torch.bool),
+        seq_ids_T=torch.zeros(4, dtype=torch.long),
+        num_seqs=1,
+    )
+    log_rho = mismatch_log_ratio_T("sequence", batch, kept)
     weight, _ = mismatch_weight_T(
         get_preset("ppo", mismatch="tis", mismatch_level="sequence"), log_rho
     )
@@ -368,6 +381,10 @@ LOSSES = t([0.2, -0.1, 0.4, 0.3, 0.0, 0.1, 0.5, -0.2, 0.3, 0.1])
 ONE_SEQ = torch.zeros(10, dtype=torch.long)
 
 
+def _one_seq(mask_T):
+    return TokenBatch(loss_mask_T=mask_T, seq_ids_T=ONE_SEQ, num_seqs=1)
+
+
 def test_19_11_stapo_mask_and_renormalisation():
     # Candidates (A > 0, p < 0.002) at tokens 2, 5, 7, 9 with entropies 0.1, 0.5, 1.2, 2.0.
     adv = t([-1, -1, 1, 1, -1, 1, 1, 1, -1, 1])
@@ -375,19 +392,22 @@ def test_19_11_stapo_mask_and_renormalisation():
     entropy = t([0.0, 0.0, 0.1, 0.0, 0.0, 0.5, 0.0, 1.2, 0.0, 2.0])
     mask, metrics = build_loss_mask(
         get_preset("stapo"),
-        loss_mask_T=torch.ones(10, dtype=torch.bool),
-        seq_ids_T=ONE_SEQ,
-        logprobs_T=probs.log(),
-        advantages_T=adv,
-        entropy_T=entropy,
+        TokenBatch(
+            loss_mask_T=torch.ones(10, dtype=torch.bool),
+            seq_ids_T=ONE_SEQ,
+            num_seqs=1,
+            logprobs_T=probs.log(),
+            advantages_T=adv,
+            entropy_T=entropy,
+        ),
     )
     assert torch.nonzero(~mask).flatten().tolist() == [2, 5, 7]  # below the 75th percentile 1.4
     assert float(metrics["mask/stapo_frac"]) == pytest.approx(0.3)
-    assert float(aggregate_loss(LOSSES, mask, ONE_SEQ, 1, "token_mean")) == pytest.approx(
+    assert float(aggregate_loss(LOSSES, _one_seq(mask), "token_mean")) == pytest.approx(
         0.185714, abs=1e-6
     )
     assert float(
-        aggregate_loss(LOSSES, torch.ones(10, dtype=torch.bool), ONE_SEQ, 1, "token_mean")
+        aggregate_loss(LOSSES, _one_seq(torch.ones(10, dtype=torch.bool)), "token_mean")
     ) == pytest.approx(0.16)
 
 
@@ -395,12 +415,15 @@ def test_19_12_entropy_top_20_percent():
     entropy = t([0.05, 2.3, 0.1, 0.02, 1.7, 0.3, 0.01, 0.9, 0.04, 0.2])
     mask, _ = build_loss_mask(
         get_preset("entropy_8020"),
-        loss_mask_T=torch.ones(10, dtype=torch.bool),
-        seq_ids_T=ONE_SEQ,
-        entropy_T=entropy,
+        TokenBatch(
+            loss_mask_T=torch.ones(10, dtype=torch.bool),
+            seq_ids_T=ONE_SEQ,
+            num_seqs=1,
+            entropy_T=entropy,
+        ),
     )
     assert torch.nonzero(mask).flatten().tolist() == [1, 4]
-    assert float(aggregate_loss(LOSSES, mask, ONE_SEQ, 1, "token_mean")) == pytest.approx(
+    assert float(aggregate_loss(LOSSES, _one_seq(mask), "token_mean")) == pytest.approx(
         -0.05, abs=1e-12
     )
 
@@ -420,8 +443,10 @@ def test_19_13_rspo_floor_applied_once():
         seq_ids_T=torch.zeros(1, dtype=torch.long),
         num_seqs=1,
     )
-    plain, _ = policy_loss(get_preset("ppo"), logprobs_T=t([-1.9]), **base)
+    plain, _ = policy_loss(get_preset("ppo"), TokenBatch(logprobs_T=t([-1.9]), **base))
     for raw, effective in ((0.5, 0.8), (gamma, gamma)):
-        loss, metrics = policy_loss(cfg, logprobs_T=t([-1.9]), rspo_gamma_T=t([raw]), **base)
+        loss, metrics = policy_loss(
+            cfg, TokenBatch(logprobs_T=t([-1.9]), rspo_gamma_T=t([raw]), **base)
+        )
         assert float(loss) == pytest.approx(effective * float(plain), abs=1e-12)
         assert float(metrics["weight/rspo/mean"]) == pytest.approx(effective, abs=1e-12)

@@ -72,22 +72,9 @@ class EmbeddedEngine:
     def close(self) -> None:
         """Nothing to release: the engine is the training model."""
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        return_routed_experts: bool = True,
-        seed: int = 0,
-    ) -> list[RolloutSample]:
-        """One response per prompt, for this DP rank's prompts (a collective call).
-
-        Args:
-            prompts: token ids of each prompt.
-            params: sampling parameters.
-            return_routed_experts: also return SGLang-layout routes per sample.
-            seed: generator seed; combine the step and round into it for reproducibility.
-        """
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+        """``RolloutEngine.generate`` for this DP rank (collective over the world)."""
         gpt = unwrap(self.model)
         longest = max(len(p) for p in prompts) + params.max_new_tokens
         if longest > gpt.max_sequence_length:

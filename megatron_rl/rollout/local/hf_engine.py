@@ -117,22 +117,9 @@ class HFEngine:
 
     # ------------------------------------------------------------------ generation
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        params: SamplingParams,
-        *,
-        return_routed_experts: bool = True,
-        seed: int = 0,
-    ) -> list[RolloutSample]:
-        """One response per prompt of this DP rank (collective over the model-parallel group).
-
-        Args:
-            prompts: token ids of each prompt.
-            params: sampling parameters.
-            return_routed_experts: also return SGLang-layout routes ``[N - 1, L, K]`` per sample.
-            seed: generator seed; combine the step and round into it for reproducibility.
-        """
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+        """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group)."""
         check_lengths(prompts, params.max_new_tokens, self.max_length)
         mp = self.groups.mp
         mp_size, mp_rank = comm.size(mp), comm.rank(mp)

@@ -130,17 +130,9 @@ def generate(
     device = next(hf_model.parameters()).device
     B, P = len(prompts), max(len(p) for p in prompts)
     lengths_B = torch.tensor([len(p) for p in prompts], device=device)
-    input_BP = torch.full((B, P), pad_id, dtype=torch.long, device=device)
-    for i, prompt in enumerate(prompts):
-        input_BP[i, P - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-    mask_BP = (torch.arange(P, device=device) >= (P - lengths_B)[:, None]).long()
-    # Left padding: positions count real tokens only, so RoPE sees what an unpadded pass sees.
-    positions_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+    input_BP, mask_BP, positions_BP = _left_padded(prompts, lengths_B, pad_id)
     stops = set(params.stop_token_ids)
-    outputs: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[list[torch.Tensor]] = [[] for _ in prompts]
-    routes: list[list[torch.Tensor]] = [[] for _ in prompts]
-    stopped = [False] * B
+    responses = _Responses(B)
     from transformers import DynamicCache
 
     cache = DynamicCache(config=hf_model.config)
@@ -150,7 +142,7 @@ def generate(
         step_routes = _pop_step_routes(captured, B, P)
         if step_routes is not None:
             for i in range(B):
-                routes[i].append(step_routes[i, P - len(prompts[i]):])
+                responses.routes[i].append(step_routes[i, P - len(prompts[i]):])
         rows = torch.arange(B, device=device)  # sample index of each batch row
         next_pos_B = lengths_B.clone()
         for step in range(params.max_new_tokens):
@@ -158,13 +150,7 @@ def generate(
             tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
                                           top_k=params.top_k, generator=generator)
             token_lp_B = logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]
-            keep = []
-            for r, (i, token) in enumerate(zip(rows.tolist(), tokens_B.tolist())):
-                outputs[i].append(token)
-                logprobs[i].append(token_lp_B[r])
-                stopped[i] = token in stops
-                if not stopped[i] and step + 1 < params.max_new_tokens:
-                    keep.append(r)
+            keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -180,15 +166,55 @@ def generate(
             step_routes = _pop_step_routes(captured, len(rows), 1)
             if step_routes is not None:
                 for r, i in enumerate(rows.tolist()):
-                    routes[i].append(step_routes[r])
-    id_dtype = compact_id_dtype(_num_experts(hf_model.config))
-    return [
-        Generation(
-            output_ids=outputs[i], logprobs=torch.stack(logprobs[i]).float().cpu(), stopped=stopped[i],
-            routes_NLK=torch.cat(routes[i]).to(id_dtype).cpu() if return_routes else None,
-        )
-        for i in range(B)
-    ]
+                    responses.routes[i].append(step_routes[r])
+    return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes)
+
+
+def _left_padded(
+    prompts: Sequence[Sequence[int]], lengths_B: torch.Tensor, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[B, P]`` ids, attention mask and positions of the prompts, padded on the left."""
+    device = lengths_B.device
+    B, P = len(prompts), int(lengths_B.max())
+    input_BP = torch.full((B, P), pad_id, dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompts):
+        input_BP[i, P - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+    mask_BP = (torch.arange(P, device=device) >= (P - lengths_B)[:, None]).long()
+    # Left padding: positions count real tokens only, so RoPE sees what an unpadded pass sees.
+    positions_BP = (mask_BP.cumsum(-1) - 1).clamp(min=0)
+    return input_BP, mask_BP, positions_BP
+
+
+class _Responses:
+    """What each sample has generated so far (indexed by sample, not by batch row)."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.output_ids: list[list[int]] = [[] for _ in range(num_samples)]
+        self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
+        self.routes: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
+        self.stopped = [False] * num_samples
+
+    def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B: torch.Tensor,
+               stops: set[int], last_step: bool) -> list[int]:
+        """Adds each row's token to its sample; returns the rows that go on decoding."""
+        keep = []
+        for r, (i, token) in enumerate(zip(samples, tokens_B.tolist())):
+            self.output_ids[i].append(token)
+            self.logprobs[i].append(token_lp_B[r])
+            self.stopped[i] = token in stops
+            if not self.stopped[i] and not last_step:
+                keep.append(r)
+        return keep
+
+    def generations(self, id_dtype: torch.dtype, *, with_routes: bool) -> list[Generation]:
+        """One :class:`Generation` per sample; routes (when collected) as ``id_dtype``."""
+        return [
+            Generation(
+                output_ids=ids, logprobs=torch.stack(logprobs).float().cpu(), stopped=stopped,
+                routes_NLK=torch.cat(routes).to(id_dtype).cpu() if with_routes else None,
+            )
+            for ids, logprobs, routes, stopped in zip(self.output_ids, self.logprobs, self.routes, self.stopped)
+        ]
 
 
 def _num_experts(config) -> int:
