@@ -1,6 +1,6 @@
 """Check the relative links of README.md, launch/README.md and docs/*.md.
 
-    python docs/check_links.py
+    python tools/check_doc_links.py
 
 Every link that is not a URL must name an existing file, and its ``#anchor`` (if any) a
 heading of that file, slugged as GitHub slugs headings. Prints each broken link and exits 1
