@@ -46,7 +46,7 @@ class MlflowConfig:
     run_name: str | None = None
     """Run name (None: the run directory's name)."""
     start_timeout_s: float = 60.0
-    """How long the run may take to start on the server before MLflow logging is given up."""
+    """How long the tracking server may take to answer when the run starts before MLflow logging is given up."""
     upload_checkpoints: bool = False
     """Upload the HF checkpoints as run artifacts (default: a tag with each checkpoint's path)."""
 

@@ -318,7 +318,7 @@ def plot_run(
         if spec.stacked:
             steps = sorted({step for points in series.values() for step, _ in points})
             stacks = [[dict(points).get(step, 0.0) for step in steps] for points in series.values()]
-            ax.stackplot(steps, *stacks, labels=list(series))
+            ax.stackplot(steps, *stacks, labels=_distinct_parts(list(series)))
         else:
             for key, points in series.items():
                 steps, values = zip(*points)
@@ -333,6 +333,18 @@ def plot_run(
         fig.savefig(path, dpi=100)
         written.append(path)
     return written
+
+
+def _distinct_parts(names: list[str]) -> list[str]:
+    """``names`` without the ``/``-separated parts they all start and end with
+    (``perf/phase/<x>/seconds`` -> ``<x>``)."""
+    if len(names) < 2:
+        return names
+    split = [name.split("/") for name in names]
+    head = len(os.path.commonprefix(split))
+    tail = len(os.path.commonprefix([parts[::-1] for parts in split]))
+    short = ["/".join(parts[head : len(parts) - tail]) for parts in split]
+    return short if all(short) else names
 
 
 def summary_table(

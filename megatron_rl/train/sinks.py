@@ -16,8 +16,8 @@ the rest of the run; W&B online then logs offline into ``<run_dir>/wandb`` inste
 later ``wandb sync``. A tracker that has not started within its timeout is given up the same
 way, and closing waits at most ``logging.close_timeout_s``: no tracker stops or hangs the run.
 
-MLflow metric names may not hold ``@``: every character MLflow refuses becomes ``_``
-(``eval/pass@4`` -> ``eval/pass_4``). Does not own the metrics themselves, nor
+MLflow metric names are :func:`mlflow_name`'s: ``eval/pass@4`` -> ``eval/pass_4``,
+``perf/phase/update/seconds`` -> ``perf/phase.update.seconds``. Does not own the metrics themselves, nor
 ``metrics.jsonl`` and TensorBoard (``train.metrics``), nor which rank logs (the caller
 creates the trackers enabled on one rank only).
 """
@@ -34,6 +34,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -116,6 +118,8 @@ class _Worker:
         """Run ``finish`` after the queued calls; wait at most ``timeout_s`` for all of them."""
         self.submit(finish)
         self._calls.put(None)
+        if self.off:
+            return  # what its thread is still stuck in has been given up already
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             self.give_up(f"still busy after logging.close_timeout_s={timeout_s:g} s; what it holds is dropped")
@@ -169,7 +173,8 @@ class _Wandb:
         import wandb
 
         # Errors reach the caller as exceptions; wandb's own console lines would repeat them.
-        wandb.setup(settings=wandb.Settings(silent=True))
+        quiet = functools.partial(wandb.setup, settings=wandb.Settings(silent=True))
+        quiet()
         c = self.c
         self.run_dir.mkdir(parents=True, exist_ok=True)
         init = functools.partial(
@@ -184,6 +189,7 @@ class _Wandb:
             except Exception as err:  # noqa: BLE001 - the offline files are the fallback
                 # The service keeps the failed run's id; a fresh service lets the offline run reuse it.
                 wandb.teardown()
+                quiet()
                 _warn(f"W&B: cannot start the online run ({_reason(err)}); logging offline to "
                       f"{self.run_dir / 'wandb'} instead (upload with: wandb sync {self.run_dir / 'wandb'})")
         self.run = init(mode="offline")
@@ -216,8 +222,27 @@ class _Wandb:
 
 
 def mlflow_name(name: str) -> str:
-    """``name`` with every character MLflow refuses in a metric name replaced by ``_``."""
-    return re.sub(r"[^A-Za-z0-9_\-. :/]", "_", name)
+    """``name`` as an MLflow metric name: every character MLflow refuses becomes ``_``, and every
+    ``/`` after the first becomes ``.``: MLflow's UI groups charts by the part before the first
+    ``/``, and its file store keeps a name's later parts as directories, where ``routing/flip_rate``
+    and ``routing/flip_rate/layer1`` could not both exist."""
+    head, slash, tail = re.sub(r"[^A-Za-z0-9_\-. :/]", "_", name).partition("/")
+    return head + slash + tail.replace("/", ".")
+
+
+def _probe_server(uri: str, timeout_s: float) -> None:
+    """Raise ``ConnectionError`` unless an ``http(s)`` tracking server answers within ``timeout_s``
+    (any HTTP status counts: the server is there). MLflow's own client would retry a refused
+    connection for minutes, printing a line per retry."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout_s).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as err:
+        raise ConnectionError(f"{uri} did not answer within {timeout_s:g} s "
+                              f"({getattr(err, 'reason', err)})") from None
 
 
 class _Mlflow:
@@ -233,6 +258,7 @@ class _Mlflow:
 
         c = self.c
         self.client = MlflowClient(tracking_uri=c.tracking_uri)
+        _probe_server(self.client.tracking_uri, c.start_timeout_s)
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
             return
@@ -299,7 +325,7 @@ class Trackers:
             self._backends.append((_Worker("W&B", wandb_run.start, w.init_timeout_s + 30), wandb_run))
         if m.enabled:
             mlflow_run = _Mlflow(cfg, ids)
-            self._backends.append((_Worker("MLflow", mlflow_run.start, m.start_timeout_s), mlflow_run))
+            self._backends.append((_Worker("MLflow", mlflow_run.start, m.start_timeout_s + 30), mlflow_run))
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         """One step's metrics (Python floats)."""
