@@ -163,29 +163,31 @@ class StepWatch:
 
 
 def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The phase breakdown of a run as a fixed-width table: per phase, the mean seconds per
-    step outside nested phases, its share of the mean step time, and the largest peak memory
-    of each kind over the steps; last the step itself. Rows are those of ``read_metrics``;
-    only rows with ``time/step`` (RL steps) count."""
+    """The run's phase breakdown as a fixed-width table: per phase, the mean seconds per step
+    outside nested phases, its share of the mean step time and the largest peak of each
+    memory kind over the steps; then ``other`` and the step itself. Rows are
+    ``read_metrics``'s; only those with ``time/step`` (RL steps) count."""
     steps = [row for row in rows if row.get("time/step") is not None]
     if not steps:
         return "(no step timed)"
-    phases = list(dict.fromkeys(m.group(1) for row in steps for key in row
-                                if (m := _PHASE_SECONDS.fullmatch(key)) and m.group(1) != "other"))
-    kinds = list(dict.fromkeys(key.rsplit("/", 1)[1] for row in steps for key in row
+    phases = list(dict.fromkeys(match.group(1) for row in steps for key in row
+                                if (match := _PHASE_SECONDS.fullmatch(key)) and match.group(1) != "other"))
+    kinds = list(dict.fromkeys(key.removeprefix("perf/step/") for row in steps for key in row
                                if key.startswith("perf/step/")))
     mean_step = sum(row["time/step"] for row in steps) / len(steps)
-    header = ["phase", "s/step", "share", *(k.removesuffix("_gib") + " GiB" for k in kinds)]
-    body = []
-    for phase, prefix in [*((p, f"perf/phase/{p}") for p in phases), ("other", "perf/phase/other"),
-                          ("step", None)]:
-        seconds = mean_step if prefix is None else sum(row.get(f"{prefix}/seconds") or 0.0 for row in steps) / len(steps)
-        peaks = [max((row.get(f"{prefix or 'perf/step'}/{k}") or 0.0 for row in steps), default=0.0) for k in kinds]
-        body.append([phase, f"{seconds:.3f}", f"{100 * seconds / mean_step:.1f}%" if mean_step else "-",
-                     *(f"{p:.3f}" if p else "-" for p in peaks)])
-    widths = [max(len(line[c]) for line in [header, *body]) for c in range(len(header))]
-    lines = ["  ".join(text.ljust(w) if c == 0 else text.rjust(w) for c, (text, w) in enumerate(zip(line, widths)))
-             for line in [header, *body]]
+
+    def line(name: str, seconds: float, prefix: str) -> list[str]:
+        peaks = [max(row.get(f"{prefix}/{kind}") or 0.0 for row in steps) for kind in kinds]
+        share = f"{100 * seconds / mean_step:.1f}%" if mean_step > 0 else "-"
+        return [name, f"{seconds:.3f}", share, *(f"{peak:.3f}" if peak else "-" for peak in peaks)]
+
+    body = [line(p, sum(row.get(f"perf/phase/{p}/seconds") or 0.0 for row in steps) / len(steps), f"perf/phase/{p}")
+            for p in (*phases, "other")]
+    body.append(line("step", mean_step, "perf/step"))
+    header = ["phase", "s/step", "share", *(kind.removesuffix("_gib") + " GiB" for kind in kinds)]
+    widths = [max(len(cells[c]) for cells in [header, *body]) for c in range(len(header))]
+    lines = ["  ".join(text.ljust(w) if c == 0 else text.rjust(w) for c, (text, w) in enumerate(zip(cells, widths)))
+             for cells in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

@@ -25,6 +25,7 @@ creates the trackers enabled on one rank only).
 from __future__ import annotations
 
 import functools
+import importlib
 import json
 import os
 import queue
@@ -38,6 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -58,6 +60,13 @@ def _warn(message: str) -> None:
 def _reason(err: BaseException) -> str:
     lines = str(err).strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _import(module: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise ImportError(f"{module.split('.')[0]} is not installed (pip install -e \".[{extra}]\")") from None
 
 
 @functools.cache
@@ -142,8 +151,11 @@ class _Ids:
         self._lock = threading.Lock()
         self.ids: dict[str, str] = {}
         if resumed and self.path.is_file():
-            self.ids = json.loads(self.path.read_text())
-        else:
+            try:
+                self.ids = json.loads(self.path.read_text())
+            except (OSError, ValueError) as err:
+                _warn(f"{self.path} is unreadable ({_reason(err)}); the trackers start new runs")
+        if not self.ids:
             self._write()
 
     def set(self, name: str, run_id: str) -> None:
@@ -163,15 +175,14 @@ class _Wandb:
 
     def __init__(self, cfg: RunConfig, ids: _Ids, resumed: bool) -> None:
         self.cfg, self.c, self.run_dir = cfg, cfg.logging.wandb, Path(cfg.train.run_dir)
-        self.config = None if resumed else {**to_dict(cfg), "git_commit": source_commit()}
+        self.config = None if resumed else to_dict(cfg)
         self.run_id = ids.ids.get("wandb") or secrets.token_hex(4)
         ids.set("wandb", self.run_id)
         self.run = None
         self.last_step: int | None = None
 
     def start(self) -> None:
-        import wandb
-
+        wandb = _import("wandb", "wandb")
         # Errors reach the caller as exceptions; wandb's own console lines would repeat them.
         quiet = functools.partial(wandb.setup, settings=wandb.Settings(silent=True))
         quiet()
@@ -179,7 +190,8 @@ class _Wandb:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         init = functools.partial(
             wandb.init, project=c.project, entity=c.entity, name=c.name or self.run_dir.resolve().name,
-            group=c.group, tags=c.tags or None, dir=str(self.run_dir), id=self.run_id, config=self.config,
+            group=c.group, tags=c.tags or None, dir=str(self.run_dir), id=self.run_id,
+            config=None if self.config is None else {**self.config, "git_commit": source_commit()},
             settings=wandb.Settings(console="off", silent=True, init_timeout=c.init_timeout_s))
         if c.mode == "online":
             try:
@@ -217,8 +229,8 @@ class _Wandb:
         images = {f"plots/{p.stem}": wandb.Image(str(p)) for p in paths}
         self.run.log(images, step=self.last_step)
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 def mlflow_name(name: str) -> str:
@@ -254,10 +266,8 @@ class _Mlflow:
         self.client = None
 
     def start(self) -> None:
-        from mlflow.tracking import MlflowClient
-
         c = self.c
-        self.client = MlflowClient(tracking_uri=c.tracking_uri)
+        self.client = _import("mlflow.tracking", "mlflow").MlflowClient(tracking_uri=c.tracking_uri)
         _probe_server(self.client.tracking_uri, c.start_timeout_s)
         if self.run_id is not None:
             self.client.update_run(self.run_id, status="RUNNING")
@@ -299,8 +309,8 @@ class _Mlflow:
         for path in paths:
             self.client.log_artifact(self.run_id, str(path), "plots")
 
-    def finish(self) -> None:
-        self.client.set_terminated(self.run_id, "FINISHED")
+    def finish(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
 
 
 class Trackers:
@@ -343,15 +353,16 @@ class Trackers:
         for worker, backend in self._backends:
             worker.submit(functools.partial(backend.plots, list(paths)))
 
-    def close(self) -> None:
-        """Finish every tracker's run, each waited for at most ``logging.close_timeout_s``."""
+    def close(self, failed: bool = False) -> None:
+        """Finish every tracker's run (marked failed when the run raised), each waited for at
+        most ``logging.close_timeout_s``."""
         backends, self._backends = self._backends, []
         for worker, backend in backends:
-            worker.close(backend.finish, self.close_timeout_s)
+            worker.close(functools.partial(backend.finish, failed), self.close_timeout_s)
 
     def __enter__(self) -> Trackers:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.close(failed=exc_type is not None)
 
