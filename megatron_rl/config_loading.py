@@ -167,8 +167,13 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 def attribute_docs(cls: type) -> dict[str, str]:
     """The docstrings written under the attributes of dataclass ``cls`` (its own class body,
-    read from the source), each joined into one line; attributes without one are absent."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    read from the source), each joined into one line; attributes without one are absent, and
+    all are when the source is not installed."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(textwrap.dedent(source))
     body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
     docs = {}
     for target, doc in zip(body, body[1:]):

@@ -77,7 +77,7 @@ def _report(run_dir: Path) -> list[Path]:
     rows = read_metrics(run_dir / "metrics.jsonl")
     print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
                                "routing/replay_agreement",
-                               "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update"]))
+                               "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update", "time/step"]))
     print("time and peak memory per phase (mean over the steps; nested phases apart):")
     print(phase_table(rows))
     print("plots: " + ", ".join(str(p) for p in plots))
