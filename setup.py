@@ -40,7 +40,14 @@ setup(
         "aiohttp>=3.9",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # The tests log real W&B offline runs and MLflow file-store runs and read them back with
+        # the libraries' own readers: wandb.sdk.internal.datastore, which 0.30 dropped, hence
+        # the bound (the "wandb" extra has none).
+        "test": ["pytest>=8", "wandb>=0.19,<0.30", "mlflow-skinny>=3.0"],
+        # Trackers (logging.wandb, logging.mlflow). mlflow-skinny is MLflow's client: servers
+        # and file stores; a local database store (sqlite://) needs the full "mlflow" package.
+        "wandb": ["wandb>=0.19"],
+        "mlflow": ["mlflow-skinny>=3.0"],
         # GPU-only extras: install CUDA torch first (see README), never on a CPU machine.
         "sglang": ["sglang==0.5.23"],
         "te": ["transformer-engine[pytorch]>=2.0"],

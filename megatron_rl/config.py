@@ -4,7 +4,7 @@ dotted overrides, and the rules that span sections.
 Each section is a kw_only dataclass with one-line attribute docstrings, living with its
 owner: the shared ones in :mod:`megatron_rl.sections` (model, parallel, optim), the others
 next to their code (``data.config``, ``rewards.config``, ``rollout.config``,
-``rollout.sglang.config``, ``train.config``, ``fp8``, ``algos.section``). All of those are
+``rollout.sglang.config``, ``train.config``, ``train.logging_config``, ``fp8``, ``algos.section``). All of those are
 leaves, so this module sits just above them and below everything that runs. A YAML preset
 is a partial :class:`RunConfig`; ``key.sub=value`` overrides apply on top. :func:`validate`
 runs every section's rules and the cross-section ones before any model is built: an
@@ -44,6 +44,11 @@ from megatron_rl.sections import (
     validate_model,
 )
 from megatron_rl.train.config import EvalConfig, TrainerConfig, check_eval_config
+from megatron_rl.train.logging_config import (
+    LoggingConfig,
+    ProfileConfig,
+    check_logging_config,
+)
 
 __all__ = ["ConfigError", "RunConfig", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
 
@@ -83,6 +88,10 @@ class RunConfig:
     """Held-out evaluation."""
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     """Objective: ``preset`` plus typed ObjectiveConfig overrides (megatron_rl.algos.section)."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Weights & Biases and MLflow (megatron_rl.train.sinks)."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """The torch profiler on chosen steps (megatron_rl.train.phases)."""
     seed: int = 1234
     """Seed for weights, data order and sampling."""
 
@@ -101,7 +110,7 @@ def resolve_objective(cfg: RunConfig) -> ObjectiveConfig:
 def validate_run(cfg: RunConfig) -> None:
     """Rules across sections of an RL run (cheap: no file is read, no model is built)."""
     objective = resolve_objective(cfg)
-    for key, rule in check_eval_config(cfg.eval):
+    for key, rule in [*check_eval_config(cfg.eval), *check_logging_config(cfg.logging, cfg.profile)]:
         raise ConfigError(f"{key}: {rule}")
     r, t = cfg.rollout, cfg.train
     require(
@@ -203,12 +212,12 @@ def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
     return loaded
 
 
-def read_preset(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """A YAML preset as a nested dict, with its ``base:`` chain merged in first.
+def preset_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """The files of a YAML preset's ``base:`` chain, the farthest base first, each with the keys
+    it sets itself (relative input paths, :data:`PATH_KEYS`, taken relative to that file).
 
     ``base: other.yaml`` (relative to the file) makes a preset a small diff of another,
-    e.g. one file per objective preset on top of the demo config. Relative input paths
-    (:data:`PATH_KEYS`) are taken relative to the file that names them.
+    e.g. one file per objective preset on top of the demo config.
     """
     path = Path(path).resolve()
     if path in _seen:
@@ -224,10 +233,18 @@ def read_preset(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any
     loaded = _anchor_paths(loaded, path.parent)
     base = loaded.pop("base", None)
     if base is None:
-        return loaded
+        return [(path, loaded)]
     if not isinstance(base, str):
         raise ConfigError(f"{path}: base: expected a file name, got {base!r}")
-    return merge(read_preset(path.parent / base, (*_seen, path)), loaded)
+    return [*preset_chain(path.parent / base, (*_seen, path)), (path, loaded)]
+
+
+def read_preset(path: str | Path) -> dict[str, Any]:
+    """A YAML preset as a nested dict, its ``base:`` chain merged in first (:func:`preset_chain`)."""
+    merged: dict[str, Any] = {}
+    for _, loaded in preset_chain(path):
+        merged = merge(merged, loaded)
+    return merged
 
 
 def load_config(

@@ -1,13 +1,20 @@
 """Generic loading of nested config dataclasses: strict types, dotted overrides, merging.
 
-Owns the mechanics only (mapping -> dataclass with unknown keys and wrong types rejected,
-``key.path=value`` parsing, dict merging, :func:`require`); the sections live with their
-owners (``megatron_rl.sections`` for the shared ones) and ``megatron_rl.config`` composes them.
+Owns the mechanics only (mapping -> dataclass with unknown keys and wrong types rejected, the
+closest known key suggested for an unknown one, ``key.path=value`` parsing, dict merging,
+:func:`require`, the attribute docstrings of a section, and YAML written with a comment per
+value); the sections live with their owners (``megatron_rl.sections`` for the shared ones) and
+``megatron_rl.config`` composes them.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import difflib
+import inspect
+import json
+import textwrap
 import types
 import typing
 from typing import Any, Literal, Sequence, TypeVar, Union, get_args, get_origin
@@ -107,11 +114,19 @@ def from_dict(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     for key, value in data.items():
         dotted = f"{prefix}.{key}" if prefix else key
         if key not in names:
-            raise ConfigError(
-                f"{dotted}: unknown key; {cls.__name__} accepts {sorted(names)}"
-            )
+            raise ConfigError(unknown_key_message(dotted, names, cls.__name__))
         kwargs[key] = _coerce(value, hints[key], dotted)
     return cls(**kwargs)
+
+
+def unknown_key_message(dotted: str, names: typing.Iterable[str], owner: str) -> str:
+    """``"<dotted>: unknown key; did you mean <closest>? <owner> accepts [...]"`` (the
+    suggestion only when a known key is close: ``train.stepz`` -> ``train.steps``)."""
+    names = sorted(names)
+    prefix, _, key = dotted.rpartition(".")
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean {prefix + '.' if prefix else ''}{close[0]}? " if close else ""
+    return f"{dotted}: unknown key; {hint}{owner} accepts {names}"
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
@@ -148,3 +163,54 @@ def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
+
+
+def attribute_docs(cls: type) -> dict[str, str]:
+    """The docstrings written under the attributes of dataclass ``cls`` (its own class body,
+    read from the source), each joined into one line; attributes without one are absent, and
+    all are when the source is not installed."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    tree = ast.parse(textwrap.dedent(source))
+    body = next(node for node in tree.body if isinstance(node, ast.ClassDef)).body
+    docs = {}
+    for target, doc in zip(body, body[1:]):
+        if (isinstance(target, ast.AnnAssign) and isinstance(target.target, ast.Name)
+                and isinstance(doc, ast.Expr) and isinstance(doc.value, ast.Constant)
+                and isinstance(doc.value.value, str)):
+            docs[target.target.id] = " ".join(doc.value.value.split())
+    return docs
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": []}`` -> ``{"a.b": 1, "c": []}`` (lists and empty mappings are values)."""
+    flat = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, dotted + "."))
+        else:
+            flat[dotted] = value
+    return flat
+
+
+def yaml_with_comments(data: dict[str, Any], comments: dict[str, str], indent: int = 0, prefix: str = "") -> str:
+    """Block YAML of a nested mapping with ``  # <comment>`` after each value that has one
+    (looked up by dotted key); lists and scalars are written in flow style on one line, so
+    the text loads back (``yaml.safe_load``) as ``data``."""
+    lines = []
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        pad = " " * indent
+        if isinstance(value, dict) and value:
+            lines.append(f"{pad}{key}:")
+            lines.append(yaml_with_comments(value, comments, indent + 2, dotted + "."))
+            continue
+        text = yaml.safe_dump(value, default_flow_style=True, width=float("inf")).removesuffix("...\n").strip()
+        if "\n" in text:  # a string with line breaks: JSON's escaped form is a one-line YAML flow scalar
+            text = json.dumps(value)
+        comment = f"  # {comments[dotted]}" if dotted in comments else ""
+        lines.append(f"{pad}{key}: {text}{comment}")
+    return "\n".join(lines)

@@ -25,7 +25,13 @@ from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_source import HFSource, inspect_hf_checkpoint
 from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
 from megatron_rl.config import RunConfig, read_preset, validate
-from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
+from megatron_rl.config_loading import (
+    ConfigError,
+    from_dict,
+    merge,
+    parse_overrides,
+    unknown_key_message,
+)
 
 RUN_CHOICES = ("params_dtype", "init_method_std", "moe_aux_loss_coeff")
 """``model`` keys a run may set freely on top of a checkpoint: the dtype it trains in (weights
@@ -94,7 +100,7 @@ def model_section(source: InitSource, requested: dict[str, Any] | None) -> dict[
     where = source.path / ("config.json" if source.kind == "hf" else RECORD_NAME)
     for key, value in (requested or {}).items():
         if key not in section:
-            raise ConfigError(f"model.{key}: unknown key; ModelConfig accepts {sorted(section)}")
+            raise ConfigError(unknown_key_message(f"model.{key}", section, "ModelConfig"))
         if key in RUN_CHOICES or (source.kind == "hf" and key in HF_RUN_CHOICES):
             section[key] = value
             continue

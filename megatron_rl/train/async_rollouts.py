@@ -75,7 +75,7 @@ import torch
 
 from megatron_rl.parallel.comm import broadcast_object, max_over, mean_over
 from megatron_rl.parallel.comm import rank as rank_in
-from megatron_rl.train.metrics import phase_timer
+from megatron_rl.train.phases import phase_timer
 from megatron_rl.train.rollouts import Round
 
 if TYPE_CHECKING:

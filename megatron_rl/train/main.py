@@ -1,5 +1,8 @@
 """Entry point of an RL run: ``megatron-rl-train --config configs/demo_cpu.yaml [key=value ...]``.
 
+``--print-config`` prints the resolved config (every default filled in, each value's source)
+and exits; ``--help`` lists every config section and key with its doc.
+
 Under ``torchrun`` (or ``srun`` + torchrun) the process group comes from the launcher's
 environment (NCCL on GPUs, gloo on CPU). Started plainly, it spawns a local gloo world of
 ``parallel.world_size`` processes itself, which is how the CPU demo runs. The config and
@@ -44,36 +47,64 @@ _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.ya
 
 
 def run_rank(cfg_dict: dict) -> list[dict]:
-    """Body of one rank: build groups, train, write plots and the summary on rank 0."""
+    """Body of one rank: build groups, train, write plots and the summary on rank 0, which
+    also feeds the run's W&B and MLflow runs (``logging``)."""
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.train.metrics import plot_run, read_metrics, summary_table
+    from megatron_rl.train.sinks import Trackers
     from megatron_rl.train.trainer import Trainer
 
     cfg = from_dict(RunConfig, cfg_dict)
     world = dist.group.WORLD
     validate(cfg, world_size=comm.size(world))
+    rank0 = comm.rank(world) == 0
     with cpu_platform(enable=cfg.parallel.use_cpu_platform is not False):
         with model_parallel(cfg.parallel, cfg.seed) as groups:
-            history = Trainer(cfg, groups).run()
-    if comm.rank(world) == 0:
-        run_dir = Path(cfg.train.run_dir)
-        plots = plot_run(run_dir)
-        rows = read_metrics(run_dir / "metrics.jsonl")
-        print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
-                                   "routing/replay_agreement",
-                                   "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update"]))
-        print("plots: " + ", ".join(str(p) for p in plots))
-        print(f"metrics: {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")
+            trainer = Trainer(cfg, groups)
+            with Trackers(cfg, enabled=rank0, resumed=trainer.resume_path is not None) as trackers:
+                history = trainer.run(trackers)
+                if rank0:
+                    trackers.log_plots(_report(Path(cfg.train.run_dir)))
     return history
 
 
+def _report(run_dir: Path) -> list[Path]:
+    """Draws the plots and prints the summary and phase tables; returns the plot files."""
+    from megatron_rl.train.metrics import plot_run, read_metrics, summary_table
+    from megatron_rl.train.phases import phase_table
+
+    plots = plot_run(run_dir)
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
+                               "routing/replay_agreement",
+                               "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update", "time/step"]))
+    print("time and peak memory per phase (mean over the steps; nested phases apart):")
+    print(phase_table(rows))
+    print("plots: " + ", ".join(str(p) for p in plots))
+    print(f"metrics: {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")
+    return plots
+
+
+class _Parser(argparse.ArgumentParser):
+    """Lists the config's sections and keys under ``--help`` (read from their docstrings only then)."""
+
+    def format_help(self) -> str:
+        from megatron_rl.train.config_report import config_help
+
+        self.epilog = config_help()
+        return super().format_help()
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default=str(_DEFAULT_CONFIG) if _DEFAULT_CONFIG.exists() else None)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config as YAML, each value's source in a comment, and exit")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=10")
     args = parser.parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if args.print_config:
+        return _print_config(args, int(os.environ["WORLD_SIZE"]) if launched else None)
     # Under torchrun the agent stops the workers (SIGTERM to each one's process group); the
     # default action ends a worker at once, even inside a collective, which a Python
     # handler could not.
@@ -86,6 +117,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-rl-train: stopped by {signal.Signals(stop.signum).name} before the run started",
               file=sys.stderr, flush=True)
         return 128 + stop.signum
+
+
+def _print_config(args: argparse.Namespace, world_size: int | None) -> int:
+    from megatron_rl.train.config_report import resolved_config_yaml
+
+    try:
+        text = resolved_config_yaml(args.config, args.overrides, world_size)
+    except ConfigError as err:
+        if os.environ.get("MEGATRON_RL_TRACEBACK"):
+            raise
+        print(f"megatron-rl-train: error: {err}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    return 0
 
 
 def _main(args: argparse.Namespace, launched: bool) -> int:

@@ -2,8 +2,9 @@
 
 Owns :class:`MetricsLogger` (``<run_dir>/metrics.jsonl`` plus TensorBoard scalars under
 ``<run_dir>/tensorboard``, resumable without duplicate steps), :func:`read_metrics`,
-:func:`plot_run` (PNG curves), :func:`summary_table`, :func:`phase_timer` (``time/<phase>``
-seconds) and :func:`progress` (a tqdm bar that is silent off the logging rank).
+:func:`plot_run` (PNG curves), :func:`summary_table` and :func:`progress` (a tqdm bar that is
+silent off the logging rank). The phase breakdown is measured in ``train.phases``; W&B and
+MLflow are fed by ``train.sinks``.
 
 It does not compute or reduce metrics: callers pass values already reduced once per step
 (a tensor is read here with one host sync per value) and choose the logging rank by
@@ -21,19 +22,21 @@ keys; keys are ``fnmatch`` patterns, where ``*`` also matches ``/``:
 * ``clip_fraction``: shares on a clip bound (``*clip/*_frac``, ``*clip_frac*``);
 * ``rspo_gamma``: RSPO router-shift weights (``*gamma/min``, ``*gamma/mean``,
   ``*rspo/min``, ``*rspo/mean``);
-* ``time``: seconds per phase (``time/*``).
+* ``time``: seconds per phase, nested phases included, and per step (``time/*``);
+* ``phases``: the step's time by phase, stacked, nested phases apart (``perf/phase/*/seconds``,
+  which sum to ``time/step``);
+* ``memory``: peak memory per phase (``perf/phase/*/host_rss_peak_gib``,
+  ``perf/phase/*/cuda_max_allocated_gib``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import numbers
 import os
-import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -248,6 +251,8 @@ class PlotSpec:
     """Y-axis label."""
     keys: tuple[str, ...]
     """``fnmatch`` patterns of metric names, tried in order (``*`` also matches ``/``)."""
+    stacked: bool = False
+    """Stack the series as areas (parts of a whole); a step a series lacks counts as 0."""
 
 
 DEFAULT_PLOTS: dict[str, PlotSpec] = {
@@ -266,6 +271,10 @@ DEFAULT_PLOTS: dict[str, PlotSpec] = {
         keys=("*gamma/min", "*gamma/mean", "*rspo/min", "*rspo/mean"),
     ),
     "time": PlotSpec(title="Time per phase", ylabel="seconds", keys=("time/*",)),
+    "phases": PlotSpec(title="Step time by phase (nested phases apart)", ylabel="seconds",
+                       keys=("perf/phase/*/seconds",), stacked=True),
+    "memory": PlotSpec(title="Peak memory per phase", ylabel="GiB",
+                       keys=("perf/phase/*/host_rss_peak_gib", "perf/phase/*/cuda_max_allocated_gib")),
 }
 """The plots :func:`plot_run` draws by default, by file stem."""
 
@@ -306,9 +315,14 @@ def plot_run(
             continue
         fig = Figure(figsize=(7, 4), layout="constrained")
         ax = fig.subplots()
-        for key, points in series.items():
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker=".", label=key)
+        if spec.stacked:
+            steps = sorted({step for points in series.values() for step, _ in points})
+            stacks = [[dict(points).get(step, 0.0) for step in steps] for points in series.values()]
+            ax.stackplot(steps, *stacks, labels=_distinct_parts(list(series)))
+        else:
+            for key, points in series.items():
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker=".", label=key)
         ax.set_title(spec.title)
         ax.set_xlabel("step")
         ax.set_ylabel(spec.ylabel)
@@ -319,6 +333,18 @@ def plot_run(
         fig.savefig(path, dpi=100)
         written.append(path)
     return written
+
+
+def _distinct_parts(names: list[str]) -> list[str]:
+    """``names`` without the ``/``-separated parts they all start and end with
+    (``perf/phase/<x>/seconds`` -> ``<x>``)."""
+    if len(names) < 2:
+        return names
+    split = [name.split("/") for name in names]
+    head = len(os.path.commonprefix(split))
+    tail = len(os.path.commonprefix([parts[::-1] for parts in split]))
+    short = ["/".join(parts[head : len(parts) - tail]) for parts in split]
+    return short if all(short) else names
 
 
 def summary_table(
@@ -369,29 +395,6 @@ def _cell(row: Mapping[str, Any], name: str) -> str:
     if value is None:
         return "null"
     return f"{value:.4g}" if isinstance(value, float) else str(value)
-
-
-@contextlib.contextmanager
-def phase_timer(metrics: dict[str, Any], phase: str) -> Iterator[None]:
-    """Adds the seconds spent in the ``with`` block to ``metrics[f"time/{phase}"]``.
-
-    Adds rather than sets, so a phase entered once per micro-batch reports its step total.
-    On CUDA the device is synchronized at both ends: kernels run asynchronously, and the
-    wall clock would otherwise charge them to whichever later phase waits for them.
-    """
-    _synchronize()
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        _synchronize()
-        key = f"time/{phase}"
-        metrics[key] = metrics.get(key, 0.0) + (time.perf_counter() - start)
-
-
-def _synchronize() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def progress(iterable_or_total: Iterable[T] | int, desc: str, enabled: bool = True) -> tqdm:

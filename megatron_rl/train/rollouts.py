@@ -31,7 +31,7 @@ from megatron_rl.parallel.comm import (
 )
 from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.train.metrics import phase_timer
+from megatron_rl.train.phases import phase_timer
 
 if TYPE_CHECKING:
     from megatron_rl.algos import ObjectiveConfig

@@ -65,10 +65,12 @@ from megatron_rl.train.engines import (
 from megatron_rl.train.evaluation import pass_at_k
 from megatron_rl.train.hf_export import HFExportSpec, export_hf
 from megatron_rl.train.init_weights import load_initial_weights
-from megatron_rl.train.metrics import MetricsLogger, phase_timer, progress
+from megatron_rl.train.metrics import MetricsLogger, progress
+from megatron_rl.train.phases import StepWatch, phase_timer
 from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 from megatron_rl.train.rollouts import Groups, RolloutSource, check_versions
 from megatron_rl.train.sft import run_warm_start
+from megatron_rl.train.sinks import Trackers
 
 
 class Trainer:
@@ -112,8 +114,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ the run
 
-    def run(self) -> list[dict]:
-        """The whole run; returns the per-step metrics (as floats) logged by this run."""
+    def run(self, trackers: Trackers | None = None) -> list[dict]:
+        """The whole run; returns the per-step metrics (as floats) logged by this run, which
+        ``trackers`` (W&B, MLflow) also get, with each HF checkpoint."""
         t = self.cfg.train
         history: list[dict] = []
         resume_step = int(self.resume_path.name.split("_")[-1]) if self.resume_path is not None else None
@@ -122,6 +125,8 @@ class Trainer:
                 row = {k: float(v) for k, v in metrics.items()}
                 history.append({"step": step, **row})
                 logger.log(step, row)
+                if trackers is not None:
+                    trackers.log(step, row)
 
             state = self._start(self._print_warm_start)
             self._setup_reference(state)
@@ -131,25 +136,36 @@ class Trainer:
                         "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
                         "data/prompts_over_length": torch.tensor(
                             float(self.train_set.num_filtered + self.eval_set.num_filtered))})
+            watch = StepWatch(self.cfg.profile, t.run_dir, rank(self.groups.world))
             bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
             for step in bar:
+                watch.begin(step)
                 metrics = self.rl_step(step, state)
                 state.step = step
                 evaluating = step % t.eval_every == 0 or step == t.steps
                 saving = step % t.save_every == 0 or step == t.steps
                 if self.ahead is not None and (evaluating or saving):
                     # Evaluation sees this step's weights; a checkpoint holds the next batch, whole.
-                    self.ahead.settle(state)
+                    with phase_timer(metrics, "rollout_join"):
+                        self.ahead.settle(state)
                 if evaluating:
-                    metrics.update(self.evaluate())
+                    with phase_timer(metrics, "evaluation"):
+                        metrics.update(self.evaluate())
+                # Saved before the step is logged, so that its metrics include the checkpoint's time.
+                if saving:
+                    with phase_timer(metrics, "checkpoint"):
+                        self._save(state)
+                exported = None
+                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
+                    with phase_timer(metrics, "hf_export"):
+                        exported = self.export_hf(step)
+                watch.end(step, metrics)
                 if self.telemetry is not None:
                     metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
                 metrics.update(self._engine_metrics())
                 log(step, metrics)
-                if saving:
-                    self._save(state)
-                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
-                    self.export_hf(step)
+                if exported is not None and trackers is not None:
+                    trackers.log_checkpoint(step, exported)
             # Collective for SGLang (the weight-sync group spans every rank), so not in a
             # finally: a rank that failed must not wait here for peers that never come.
             self.engine.close()

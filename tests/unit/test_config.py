@@ -90,7 +90,7 @@ def test_malformed_override_is_rejected():
 
 RUN_INVALID = [
     (["objective.preset=ppo2"], "objective.preset", "unknown objective 'ppo2'"),
-    (["objective.eps_hgh=0.3"], "objective.eps_hgh", "unknown key; ObjectiveSection accepts"),
+    (["objective.eps_hgh=0.3"], "objective.eps_hgh", "unknown key; did you mean objective.eps_high? ObjectiveSection accepts"),
     (["objective.eps_low=abc"], "objective.eps_low", "expected a number, got 'abc'"),
     (["objective.dynamic_sampling=maybe"], "objective.dynamic_sampling", "expected true/false, got 'maybe'"),
     (["objective.eps_low=null"], "objective.eps_low", "expected a number, got None"),

@@ -1,10 +1,9 @@
-"""Metrics sinks: JSONL + TensorBoard logger, resume, plots, summary table, timers, progress."""
+"""Metrics sinks: JSONL + TensorBoard logger, resume, plots, summary table, progress."""
 
 from __future__ import annotations
 
 import json
 import math
-import time
 import warnings
 from fnmatch import fnmatchcase
 
@@ -16,7 +15,6 @@ from megatron_rl.train.metrics import (
     DEFAULT_PLOTS,
     MetricsLogger,
     PlotSpec,
-    phase_timer,
     plot_run,
     progress,
     read_metrics,
@@ -196,6 +194,10 @@ def test_default_plot_patterns_match_the_project_metric_names():
     assert plots_for("gamma/min") == ["rspo_gamma"]
     assert plots_for("objective/weight/rspo/mean") == ["rspo_gamma"]
     assert plots_for("time/rollout") == ["time"]
+    assert plots_for("time/step") == ["time"]
+    assert plots_for("perf/phase/reward/seconds") == ["phases"]
+    assert plots_for("perf/phase/update/host_rss_peak_gib") == ["memory"]
+    assert plots_for("perf/phase/update/cuda_max_allocated_gib") == ["memory"]
     assert plots_for("optim/grad_norm") == []
 
 
@@ -229,21 +231,7 @@ def test_summary_table_without_accuracy_or_rows():
         summary_table(rows, ["x"], max_rows=1)
 
 
-# --------------------------------------------------------------------------- timing, progress
-
-
-def test_phase_timer_records_and_accumulates_seconds():
-    metrics: dict = {}
-    with phase_timer(metrics, "rollout"):
-        time.sleep(0.02)
-    first = metrics["time/rollout"]
-    assert 0.015 < first < 1.0
-    with phase_timer(metrics, "rollout"):
-        time.sleep(0.01)
-    assert metrics["time/rollout"] > first + 0.005
-    with pytest.raises(KeyError), phase_timer(metrics, "train"):
-        raise KeyError("boom")
-    assert metrics["time/train"] >= 0.0
+# --------------------------------------------------------------------------- progress
 
 
 def test_progress_is_silent_when_disabled(capsys):

@@ -1,0 +1,116 @@
+"""The command line's view of a config: ``--print-config`` (every value and its source, loading
+back as the same run), ``--help``'s keys with their docs, and the closest key for a typo."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.config import RunConfig
+from megatron_rl.config_loading import ConfigError, attribute_docs, flatten, to_dict
+from megatron_rl.train.config_report import config_help, resolved_config_yaml
+from megatron_rl.train.main import main
+from megatron_rl.train.prepare import load_run_config
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "configs" / "demo_cpu.yaml"
+GSPO = ROOT / "configs" / "objectives" / "gspo.yaml"
+
+
+def _comments(text: str) -> dict[str, str]:
+    """Dotted key -> the comment after its value, read from the printed YAML's indentation."""
+    comments, path = {}, []
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        depth = (len(line) - len(line.lstrip())) // 2
+        key, _, rest = line.strip().partition(":")
+        path = [*path[:depth], key]
+        if "  # " in rest:
+            comments[".".join(path)] = rest.split("  # ", 1)[1]
+    return comments
+
+
+def test_printed_config_loads_back_as_the_same_run(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # a relative path on the command line is relative to the cwd
+    overrides = ["train.steps=3", "data.eval_files=[megatron_rl/assets/arithmetic/eval.jsonl]",
+                 "objective.eps_high=0.3", "logging.wandb.tags=[a, b]"]
+    cfg = load_run_config(GSPO, overrides)
+    text = resolved_config_yaml(GSPO, overrides)
+    assert set(flatten(yaml.safe_load(text))) == set(flatten(to_dict(cfg)))  # every default filled in
+    printed = tmp_path / "elsewhere" / "printed.yaml"
+    printed.parent.mkdir()
+    printed.write_text(text)
+    monkeypatch.chdir(tmp_path)
+    reloaded = load_run_config(printed)
+    # The same files: the override's relative path is printed absolute, so it holds from any directory.
+    assert reloaded.data.eval_files == [str(ROOT / "megatron_rl/assets/arithmetic/eval.jsonl")]
+    assert reloaded == dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_files=reloaded.data.eval_files))
+
+
+def test_each_value_names_its_source():
+    text = resolved_config_yaml(GSPO, ["train.steps=3", "optim.lr=2e-4"])
+    comments = _comments(text)
+    assert comments["train.steps"] == "override"
+    assert comments["optim.lr"] == "override"
+    assert comments["objective.preset"] == str(GSPO)  # the objective file sets it over its base
+    assert comments["optim.clip_grad"] == str(DEMO)  # set by the base file only
+    assert comments["train.epochs"] == str(DEMO)
+    assert comments["model.num_experts"] == "init_checkpoint"
+    assert comments["seed"] == str(DEMO)
+    assert comments["eval.greedy"] == str(DEMO)
+    assert comments["logging.wandb.mode"] == "default"
+    assert comments["objective.eps_low"] == "default; gspo gives 0.0003"
+    assert text.startswith(f"# megatron-rl-train resolved config: --config {GSPO}\n# overrides: train.steps=3")
+
+
+def test_print_config_command_prints_and_exits(capsys):
+    assert main(["--config", str(DEMO), "--print-config", "train.steps=7"]) == 0
+    out = capsys.readouterr().out
+    assert yaml.safe_load(out)["train"]["steps"] == 7
+    assert main(["--config", str(DEMO), "--print-config", "train.stepz=7"]) == 2
+    assert capsys.readouterr().err.startswith("megatron-rl-train: error: train.stepz: unknown key; did you mean "
+                                              "train.steps? TrainerConfig accepts")
+
+
+@pytest.mark.parametrize("override,key,suggestion", [
+    ("train.stepz=3", "train.stepz", "train.steps"),
+    ("trian.steps=3", "trian", "train"),
+    ("model.num_expert=8", "model.num_expert", "model.num_experts"),  # checked against the starting checkpoint
+    ("objective.eps_hihg=0.3", "objective.eps_hihg", "objective.eps_high"),
+    ("logging.wandb.mod=offline", "logging.wandb.mod", "logging.wandb.mode"),
+])
+def test_an_unknown_key_names_the_closest_one(override, key, suggestion):
+    with pytest.raises(ConfigError) as err:
+        load_run_config(DEMO, [override])
+    assert str(err.value).startswith(f"{key}: unknown key; did you mean {suggestion}? ")
+
+
+def test_an_unknown_key_far_from_every_key_gets_no_suggestion():
+    with pytest.raises(ConfigError) as err:
+        load_run_config(DEMO, ["xyzzy=1"])
+    assert str(err.value).startswith("xyzzy: unknown key; RunConfig accepts [")
+
+
+def test_help_lists_every_section_and_key_with_its_doc(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    listing = config_help(width=10_000)
+    lines = listing.splitlines()
+    for f in dataclasses.fields(RunConfig):
+        doc = attribute_docs(RunConfig)[f.name]
+        assert any(line.strip().startswith(f"{f.name}: {doc}") or line.strip().startswith(f"{f.name} (default")
+                   for line in lines), f.name
+    assert "    train.steps (default 30): RL steps (each: rollouts, old-policy pass, updates)." in lines
+    # The objective's options are documented once, on ObjectiveConfig's fields.
+    from megatron_rl.algos.config import ObjectiveConfig
+
+    eps_low = attribute_docs(ObjectiveConfig)["eps_low"]
+    assert f"    objective.eps_low (default 'preset'): {eps_low}" in lines
+    assert "      logging.wandb.mode (default 'disabled'): " in listing
+    assert "config keys (override any with key=value" in out and "train.steps (default 30)" in out
