@@ -7,7 +7,7 @@ of :class:`Term`: the *resident* ones hold for the whole phase; the others exist
 and the expert dispatch buffers) and add up with the resident ones only at that moment, so a
 phase's peak is its resident sum plus its costliest moment. Pipeline stages differ (the
 first holds the embedding and the most micro-batches in flight, the last the output layer and
-the logits), so training phases are planned per stage and the worst stage is kept.
+the logits), so the trainer's phases are planned for every stage.
 
 Where the rollout engine runs (:class:`~megatron_rl.plan.machine.Layout`):
 
@@ -40,6 +40,8 @@ from megatron_rl.rollout.sglang.config import SGLangConfig
 
 SGLANG_RELEASED = 1 * GIB
 """A colocated SGLang server's process while its memory is released: CUDA context and NCCL buffers."""
+LOGPROB_CHUNK_TOKENS = 1024
+"""``chunk_tokens`` of the trainer's log-prob passes and updates (``parallel.logprobs``, ``parallel.train_step``)."""
 RECORD_BYTES_PER_ENTRY = 9
 """A routing record's bytes per (token, MoE layer, k): uint8 expert id, fp32 probability, fp32 gate
 (``moe_routing.types``; ids widen to int16 beyond 256 experts)."""
@@ -164,9 +166,6 @@ def train_phase(cfg: RunConfig, layout: Layout, machine: Machine, stage: int, di
     terms = state_terms(cfg, layout, stage, distributed) + _runtime(machine)
     terms.append(Term(f"activations ({in_flight} micro-batch{'es' if in_flight > 1 else ''} of "
                       f"{shape.micro_batch_tokens} tokens, recompute {layout.recompute})", in_flight * per_micro_batch))
-    if _needs_probe(cfg):
-        tokens = shape.step_tokens // cfg.train.mini_batches
-        terms.append(Term("routing records (probe of the mini-batch)", _record_bytes(cfg, s, tokens, layers)))
     if stage == pp - 1:
         terms += _loss_terms(cfg, s, shape)
     if layout.recompute != "none":
@@ -202,20 +201,16 @@ def logprob_phase(cfg: RunConfig, layout: Layout, machine: Machine, stage: int, 
 
 
 def _loss_terms(cfg: RunConfig, s: act.RankShape, shape: StepShape) -> list[Term]:
-    return [Term("logits and the response rows' copy (or their gradients)", act.logits_bytes(cfg.model, s, shape.response_tokens), moment="loss"),
-            Term("vocab-parallel log-prob chunks", act.logprob_chunk_bytes(cfg.model, s, 1024), moment="loss")]
-
-
-def _needs_probe(cfg: RunConfig) -> bool:
-    from megatron_rl.config import resolve_objective
-
-    objective = resolve_objective(cfg)
-    return (objective.rspo_gamma_min is not None or cfg.train.routing_diagnostics
-            or objective.entropy_top_rho is not None or objective.stapo_tau_p is not None)
+    logits = act.logits_bytes(cfg.model, s, shape.response_tokens)
+    chunks = act.logprob_chunk_bytes(cfg.model, s, LOGPROB_CHUNK_TOKENS)
+    return [Term("logits and the response rows' copy (or their gradients)", logits, moment="loss"),
+            Term("vocab-parallel log-prob chunks", chunks, moment="loss")]
 
 
 def _record_bytes(cfg: RunConfig, s: act.RankShape, tokens: int, layers: range) -> int:
-    """Routing records a pass holds on the device until it ends (each router call's rows)."""
+    """Routing records a pass holds on the device until it ends (each router call's rows; then they
+    move to host memory, ``moe_routing.layout.gather_call_field``). The update's probe pass (RSPO,
+    diagnostics) records only a mini-batch, so the old-policy pass bounds it."""
     id_bytes = 1 if cfg.model.num_experts <= 256 else 2
     per_entry = RECORD_BYTES_PER_ENTRY - 1 + id_bytes
     rows = tokens // s.tp if s.sequence_parallel else tokens
@@ -288,7 +283,9 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
     pp = layout.parallel.pipeline_model_parallel_size
     state = max((state_terms(cfg, layout, stage, distributed) for stage in range(pp)),
                 key=lambda terms: sum(t.bytes for t in terms))
-    kept = sum(t.bytes for t in state if t.name != "gradient buffer (fp32)")
+    # Gradient buffers are recomputed, not kept; the reference model is not checkpointed.
+    offloaded = sum(t.bytes for t in state if t.name != "gradient buffer (fp32)")
+    saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights")
     shape = step_shape(cfg, layout)
     m = cfg.model
     record = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * RECORD_BYTES_PER_ENTRY
@@ -297,6 +294,9 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
         routes = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * 4
         terms.append(Term(f"rollout routes for R3, int32 ({procs} processes)", procs * routes))
     if layout.placement == "colocated" and layout.offload:
-        terms.append(Term(f"offloaded trainer state, pinned ({procs} processes)", procs * kept, moment="generate"))
-    terms.append(Term(f"checkpoint save staging ({procs} processes)", procs * kept, moment="checkpoint"))
+        terms.append(Term(f"offloaded trainer state, pinned ({procs} processes)", procs * offloaded,
+                          moment="generate"))
+    # Megatron's torch_dist writer copies a rank's tensors to host before writing them, in sync
+    # saves too (dist_checkpointing/strategies/filesystem_async.py:212-232, preload_tensors).
+    terms.append(Term(f"checkpoint save staging ({procs} processes)", procs * saved, moment="checkpoint"))
     return terms

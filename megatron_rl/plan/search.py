@@ -71,7 +71,8 @@ def _valid(cfg, parallel: ParallelConfig, world: int) -> bool:
     except ConfigError:
         return False
     tokens = cfg.train.micro_batch_tokens
-    return tokens is None or not parallel.sequence_parallel_enabled() or tokens % parallel.tensor_model_parallel_size == 0
+    tp = parallel.tensor_model_parallel_size
+    return tokens is None or not parallel.sequence_parallel_enabled() or tokens % tp == 0
 
 
 def cost_key(plan: Plan) -> tuple:
@@ -100,7 +101,7 @@ def format_search(plans: list[Plan], top: int) -> str:
     """A table of the best ``top`` fitting layouts."""
     if not plans:
         return "no layout fits this machine"
-    rows = ["| # | TP | EP | ETP | PP | DP | recompute | placement | peak GiB | margin GiB | highest phase |",
+    rows = ["| # | TP | EP | ETP | PP | DP | recompute | placement | needs GiB | margin GiB | highest phase |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for i, plan in enumerate(plans[:top], 1):
         layout, p = plan.layout, plan.layout.parallel
@@ -109,7 +110,7 @@ def format_search(plans: list[Plan], top: int) -> str:
             where += ", offload" if layout.offload else ", no offload"
         rows.append(f"| {i} | {p.tensor_model_parallel_size} | {p.expert_model_parallel_size} | "
                     f"{p.expert_tensor_parallel_size} | {p.pipeline_model_parallel_size} | {layout.data_parallel} | "
-                    f"{layout.recompute} | {where} | {plan.binding.peak / 2**30:.1f} | {plan.margin / 2**30:.1f} | "
+                    f"{layout.recompute} | {where} | {plan.binding.need / 2**30:.1f} | {plan.margin / 2**30:.1f} | "
                     f"{plan.binding.name} |")
     rows.append(f"{len(plans)} layouts fit; best first by the cost model of megatron_rl/plan/search.py")
     return "\n".join(rows)
