@@ -3,8 +3,9 @@ needs besides them for a moment (recomputed layers, logits, log-prob chunks, exp
 
 Owns the activation formulas of the planner. They count the tensors autograd saves in
 Megatron-Core 0.16.1's *local* layer spec (what the CPU runs and what
-``tools/bench_memory_plan.py`` measures), derived from what each op saves and checked
-tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks``:
+``tools/bench_memory_plan.py`` measures), derived from what each op saves; the bytes each
+decoder layer saves are compared with them exactly in ``tests/parallel/test_memory_plan_model.py``
+(``torch.autograd.graph.saved_tensors_hooks``):
 
 - RMSNorm (``torch.nn.RMSNorm``, composite): an fp32 copy of its input (the input itself when
   it is fp32), the fp32 normalized input and an fp32 ``rstd`` per row: ``8 D + 4`` bytes per
@@ -131,27 +132,27 @@ def dense_mlp_bytes(m: ModelConfig, s: RankShape) -> int:
     return _norm(ts, m.hidden_size) + b * ts * m.hidden_size + _swiglu(s.tokens, m.ffn_hidden_size // s.tp, b, False)
 
 
-def expert_rows(m: ModelConfig, s: RankShape, imbalance: float = 1.0) -> int:
-    """Token rows this rank's experts receive: its N tokens times K, gathered over ETP, times
-    how much more than the balanced share the busiest rank gets."""
-    return int(s.shard_tokens * m.moe_router_topk * s.etp * imbalance)
+def expert_rows(m: ModelConfig, s: RankShape) -> int:
+    """Token rows this rank's experts receive under balanced routing: its N tokens times K,
+    gathered over ETP (the busiest rank of an EP group gets a few percent more)."""
+    return s.shard_tokens * m.moe_router_topk * s.etp
 
 
-def moe_bytes(m: ModelConfig, s: RankShape, recompute_moe: bool = False, imbalance: float = 1.0) -> int:
+def moe_bytes(m: ModelConfig, s: RankShape, recompute_moe: bool = False) -> int:
     """One MoE layer's block (pre-MLP norm included)."""
     ts, b, h = s.shard_tokens, s.dtype_bytes, m.hidden_size
     saved = _norm(ts, h) + b * ts * h  # the norm, and its output (the router's and experts' input)
     if recompute_moe:
         return saved
-    return saved + moe_block_bytes(m, s, imbalance)
+    return saved + moe_block_bytes(m, s)
 
 
-def moe_block_bytes(m: ModelConfig, s: RankShape, imbalance: float = 1.0) -> int:
+def moe_block_bytes(m: ModelConfig, s: RankShape) -> int:
     """What the MoE block keeps besides its input: router, permutation, experts, shared expert."""
     ts, b, h, e, k = s.shard_tokens, s.dtype_bytes, m.hidden_size, m.num_experts, m.moe_router_topk
     scores = 12 * k + (9 * e if m.moe_router_score_function == "sigmoid" else 0)
     saved = ts * scores + ts * (5 * e + 8 * k)  # router; routing map, probabilities, permutation
-    rows = expert_rows(m, s, imbalance)
+    rows = expert_rows(m, s)
     saved += b * rows * h + 4 * rows + _swiglu(rows, m.moe_ffn_hidden_size // s.etp, b, True)
     if m.moe_shared_expert_intermediate_size:
         saved += _swiglu(s.tokens, m.moe_shared_expert_intermediate_size // s.tp, b, False)
@@ -160,25 +161,23 @@ def moe_block_bytes(m: ModelConfig, s: RankShape, imbalance: float = 1.0) -> int
     return saved
 
 
-def layer_bytes(m: ModelConfig, s: RankShape, layer: int, recompute: Recompute = "none",
-                imbalance: float = 1.0) -> int:
+def layer_bytes(m: ModelConfig, s: RankShape, layer: int, recompute: Recompute = "none") -> int:
     """Saved bytes of global layer ``layer`` (0-based) for one micro-batch under ``recompute``."""
     if recompute == "full":
         return s.dtype_bytes * s.shard_tokens * m.hidden_size  # the checkpointed layer's input
     saved = attention_bytes(m, s)
     if layer < m.num_dense_layers:
         return saved + dense_mlp_bytes(m, s)
-    return saved + moe_bytes(m, s, recompute_moe=recompute == "selective", imbalance=imbalance)
+    return saved + moe_bytes(m, s, recompute_moe=recompute == "selective")
 
 
-def recompute_transient_bytes(m: ModelConfig, s: RankShape, layers: range, recompute: Recompute,
-                              imbalance: float = 1.0) -> int:
+def recompute_transient_bytes(m: ModelConfig, s: RankShape, layers: range, recompute: Recompute) -> int:
     """The most a recomputed piece adds back at once during backward (0 without recompute)."""
     if recompute == "none":
         return 0
     if recompute == "full":
-        return max(layer_bytes(m, s, i, "none", imbalance) for i in layers)
-    return moe_block_bytes(m, s, imbalance) if any(i >= m.num_dense_layers for i in layers) else 0
+        return max(layer_bytes(m, s, i) for i in layers)
+    return moe_block_bytes(m, s) if any(i >= m.num_dense_layers for i in layers) else 0
 
 
 def head_bytes(m: ModelConfig, s: RankShape) -> int:
@@ -199,8 +198,8 @@ def logprob_chunk_bytes(m: ModelConfig, s: RankShape, chunk_tokens: int) -> int:
     return 2 * 4 * min(chunk_tokens, s.tokens) * (m.padded_vocab_size // s.tp)
 
 
-def dispatch_bytes(m: ModelConfig, s: RankShape, imbalance: float = 1.0) -> int:
+def dispatch_bytes(m: ModelConfig, s: RankShape) -> int:
     """Expert dispatch buffers of one MoE layer in flight: the permuted rows sent and the rows
     received (all-to-all or all-gather), and the combined output on the way back."""
-    rows = expert_rows(m, s, imbalance)
+    rows = expert_rows(m, s)
     return s.dtype_bytes * m.hidden_size * (2 * rows + s.shard_tokens)

@@ -6,7 +6,7 @@ describes (:func:`layout_from_config`), and the printed table (:func:`format_pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_rl.config import RunConfig
 from megatron_rl.plan.machine import Layout, Machine, gib
@@ -102,11 +102,6 @@ def make_plan(cfg: RunConfig, machine: Machine, layout: Layout | None = None) ->
                 host=Phase("host", "one node", tuple(host_terms(cfg, layout, machine, distributed))),
                 distributed=distributed, train_peak_distributed=train_peak_distributed,
                 gpus_needed=layout.world + layout.server_gpus)
-
-
-def with_layout(plan: Plan, **changes) -> Plan:
-    """The same run and machine replanned with some layout fields changed."""
-    return make_plan(plan.cfg, plan.machine, replace(plan.layout, **changes))
 
 
 def format_plan(plan: Plan) -> str:
