@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel.world import run_world
-from megatron_rl.plan.activations import RankShape, layer_bytes
+from megatron_rl.plan.activations import DTYPE_BYTES, RankShape, layer_bytes
 from megatron_rl.plan.params import rank_params
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
@@ -125,35 +125,43 @@ def _saved_per_layer(model_cfg, parallel, groups):
     return per_layer
 
 
-def _grads(model_cfg, parallel, groups, recompute):
+def _grads_per_recompute(model_cfg, groups):
+    """The update's gradients under each ``train.recompute`` choice, from the same weights."""
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.parallel.model import build_model, recompute_fields
     from megatron_rl.parallel.schedule import wrap_for_training
     from megatron_rl.parallel.train_step import RoutingPlan, forward_backward
 
-    model = build_model(model_cfg, parallel, moe_enable_routing_replay=True, **recompute_fields(recompute))
-    ddp = wrap_for_training(model)
-    forward_backward(ddp, groups, _batch(model_cfg, groups.dp_rank), get_preset("dr_grpo"),
-                     RoutingPlan(mode="none", diagnostics=False), micro_batch_tokens=TOKENS)
-    return {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    weights, grads = None, {}
+    for recompute in ("none", "selective", "full"):
+        model = build_model(model_cfg, ParallelConfig(), moe_enable_routing_replay=True, **recompute_fields(recompute))
+        weights = weights or [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for param, weight in zip(model.parameters(), weights):
+                param.copy_(weight)
+        ddp = wrap_for_training(model)
+        forward_backward(ddp, groups, _batch(model_cfg, groups.dp_rank), get_preset("dr_grpo"),
+                         RoutingPlan(mode="none", diagnostics=False), micro_batch_tokens=TOKENS)
+        grads[recompute] = {name: p.main_grad.clone() for name, p in model.named_parameters()}
+    return grads
 
 
 def _world():
+    """Every check, one model-parallel setup per layout (setting groups up is what costs)."""
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
 
     out = {"counts": {}, "saved": {}, "recompute": {}}
     with cpu_platform():
-        for family, layout in COUNTED:
-            parallel = LAYOUTS[layout]
+        for layout, parallel in LAYOUTS.items():
             with model_parallel(parallel, seed=1) as groups:
-                out["counts"][family, layout] = (groups.pp_rank, *_count(FAMILIES[family], parallel))
-        for name, (model_cfg, parallel) in ACTIVATIONS.items():
-            with model_parallel(parallel, seed=1) as groups:
-                out["saved"][name] = _saved_per_layer(model_cfg, parallel, groups)
-        for recompute in ("none", "selective", "full"):
-            with model_parallel(ParallelConfig(), seed=1) as groups:
-                out["recompute"][recompute] = _grads(ACTIVATION_MODEL, ParallelConfig(), groups, recompute)
+                for family in (f for f, counted_layout in COUNTED if counted_layout == layout):
+                    out["counts"][family, layout] = (groups.pp_rank, *_count(FAMILIES[family], parallel))
+                for name, (model_cfg, activation_layout) in ACTIVATIONS.items():
+                    if activation_layout == parallel:
+                        out["saved"][name] = _saved_per_layer(model_cfg, parallel, groups)
+                if parallel == ParallelConfig():
+                    out["recompute"] = _grads_per_recompute(ACTIVATION_MODEL, groups)
     return out
 
 
@@ -176,7 +184,7 @@ def test_saved_activations_per_layer_equal_the_formula(world, name):
     model_cfg, parallel = ACTIVATIONS[name]
     shape = RankShape(tokens=TOKENS, tp=parallel.tensor_model_parallel_size,
                       sequence_parallel=parallel.sequence_parallel_enabled(),
-                      etp=parallel.expert_tensor_parallel_size, dtype_bytes=4 if model_cfg.params_dtype == "float32" else 2)
+                      etp=parallel.expert_tensor_parallel_size, dtype_bytes=DTYPE_BYTES[model_cfg.params_dtype])
     for rank in world:
         predicted = {i: layer_bytes(model_cfg, shape, i) for i in range(model_cfg.num_layers)}
         assert rank["saved"][name] == predicted
