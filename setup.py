@@ -61,6 +61,7 @@ setup(
             "megatron-rl-logprob-parity = megatron_rl.checkpoint.cli:parity_main",
             "megatron-rl-export-fp8 = megatron_rl.checkpoint.cli:export_fp8_main",
             "megatron-rl-smoke = megatron_rl.smoke:main",
+            "megatron-rl-plan = megatron_rl.plan.cli:main",
         ],
     },
     classifiers=[

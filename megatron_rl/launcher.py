@@ -15,6 +15,8 @@ Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, se
    TP/PP/EP layout and ``parallel.world_size``, the node count must divide the
    processes, TP groups must stay inside a node, a node cannot run more processes than
    it has GPUs, and FP8 must be runnable here (Transformer Engine, CUDA, GPU generation);
+   on a GPU machine (or with ``--gpu-memory``) the memory planner (``megatron_rl.plan``)
+   must find that every phase of an RL step fits the GPUs and the node's host memory;
 3. the torchrun command (c10d rendezvous, no restarts by default: a failed run resumes
    from its last checkpoint when resubmitted) and the worker environment (threads per
    process);
@@ -37,6 +39,7 @@ live in ``launch/env.sh``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import signal
@@ -51,6 +54,8 @@ from typing import Mapping, Sequence, TextIO
 from megatron_rl.config import RunConfig
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.fp8 import Fp8Environment, check_fp8
+from megatron_rl.plan import Machine, make_plan, parse_bytes
+from megatron_rl.plan.report import layout_from_config
 from megatron_rl.rollout.sglang.server import FAILED_SUFFIX, parent_death_signal
 from megatron_rl.sections import validate_layout
 from megatron_rl.train.prepare import check_inputs, load_run_config
@@ -177,6 +182,32 @@ def validate_launch(
         "tensor-parallel group stays inside one node",
     )
     check_fp8(cfg.fp8, fp8_env)
+
+
+def check_memory(cfg: RunConfig, plan: LaunchPlan, gpu_memory: int, host_memory: int | None,
+                 gpus_per_node: int, shares_gpus: bool) -> None:
+    """Refuse a layout the memory planner says cannot fit (``megatron_rl.plan``).
+
+    Args:
+        cfg: the loaded run config.
+        plan: this launch (world size, processes per node).
+        gpu_memory: bytes per GPU.
+        host_memory: bytes of host memory per node (None: not checked).
+        gpus_per_node: GPUs per node.
+        shares_gpus: ``--sglang`` runs a server on the trainer's GPUs beside it (no offload).
+
+    Raises:
+        ConfigError: ``memory: <phase, its need, the biggest term>``.
+    """
+    machine = Machine(gpus=plan.world_size, gpu_memory=gpu_memory, host_memory=host_memory,
+                      gpus_per_node=gpus_per_node)
+    layout = dataclasses.replace(layout_from_config(cfg, machine), world=plan.world_size)
+    if shares_gpus:
+        layout = dataclasses.replace(layout, placement="colocated", offload=False, server_gpus=0)
+    # The servers of a disaggregated run have GPUs of their own, outside this launch.
+    memory_plan = make_plan(cfg, dataclasses.replace(machine, gpus=plan.world_size + layout.server_gpus), layout)
+    if not memory_plan.fits:
+        raise ConfigError(f"memory: {memory_plan.refusal()} (megatron-rl-plan prints the whole plan)")
 
 
 # --------------------------------------------------------------------------- the plan
@@ -336,6 +367,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="also run an SGLang server on this node for the rollouts (colocated, weights "
                              "through /update_weights_from_tensor); ARGS are megatron_rl.rollout.sglang.server's "
                              "options, e.g. --sglang='--model-path /ckpt/hf --tp-size 8 --mem-fraction-static 0.4'")
+    parser.add_argument("--gpu-memory", help="memory per GPU for the memory plan, e.g. 80GiB (default on a GPU "
+                                             "machine: the first GPU's; on a CPU machine the plan runs only with it)")
+    parser.add_argument("--host-memory", help="host memory per node for the memory plan (default on a GPU machine: "
+                                              "this node's)")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the command; start nothing")
     parser.add_argument("overrides", nargs="*", help="key.path=value overrides; arguments after -- go to the entry")
     return parser
@@ -345,6 +380,20 @@ def _gpus_on_node() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _memory_sizes(args: argparse.Namespace, gpus: int) -> tuple[int, int | None]:
+    """GPU memory per GPU and host memory per node: the arguments, else this machine's."""
+    if args.gpu_memory:
+        gpu_memory = parse_bytes(args.gpu_memory, "--gpu-memory")
+    else:
+        import torch
+
+        gpu_memory = torch.cuda.get_device_properties(0).total_memory
+    if args.host_memory:
+        return gpu_memory, parse_bytes(args.host_memory, "--host-memory")
+    host_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if gpus > 0 else None
+    return gpu_memory, host_memory
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -372,6 +421,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan.overrides += extra
             cfg = load_run_config(args.config, plan.overrides)  # validates the SGLang section too
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
+        if gpus > 0 or args.gpu_memory:
+            gpu_memory, host_memory = _memory_sizes(args, gpus)
+            check_memory(cfg, plan, gpu_memory, host_memory, gpus or plan.nproc_per_node, args.sglang is not None)
     except ConfigError as err:
         print(f"megatron-rl-launch: error: {err}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT

@@ -42,6 +42,21 @@ from megatron_rl.sections import ModelConfig, ParallelConfig
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+RECOMPUTE_FIELDS = {
+    "none": {},
+    # The MoE block (router, dispatch, experts) holds most of an MoE layer's activations. Of
+    # Megatron's other selective modules, "moe_act" needs grouped GEMMs, "layernorm" Transformer
+    # Engine, and "core_attn" saves nothing under TE's fused attention (Megatron warns so).
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+"""``TransformerConfig`` fields of each ``train.recompute`` choice."""
+
+
+def recompute_fields(recompute: str) -> dict:
+    """The ``TransformerConfig`` fields that make the policy update recompute as ``train.recompute`` says."""
+    return dict(RECOMPUTE_FIELDS[recompute])
+
 
 def transformer_engine_available() -> bool:
     """True when Transformer Engine imports and CUDA is present (the TE spec needs both)."""

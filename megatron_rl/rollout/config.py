@@ -45,6 +45,10 @@ class RolloutConfig:
     while a step trains; SGLang engine only; see megatron_rl.train.async_rollouts)."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers and weight sync (used when ``engine`` is sglang)."""
+    placement: Literal["disaggregated", "colocated"] = "disaggregated"
+    """disaggregated: the rollout servers run on GPUs of their own; colocated: the trainer and
+    SGLang take turns on the same GPUs, each moving its state out while the other works (not
+    built yet: refused at validation; ``megatron-rl-plan`` already plans it)."""
 
 
 def check_rollout_section(r: RolloutConfig) -> None:
@@ -58,6 +62,15 @@ def check_rollout_section(r: RolloutConfig) -> None:
     if r.engine == "sglang":
         check_sglang_section(r.sglang)
     check_staleness(r)
+    check_placement_built(r)
+
+
+def check_placement_built(r: RolloutConfig) -> None:
+    """Refuse what ``rollout.placement`` names but the trainer cannot do yet (no silent fallback)."""
+    require(r.placement != "colocated", "rollout.placement",
+            "colocated (the trainer offloading its state while SGLang generates on the same GPUs) is not built "
+            "yet; use disaggregated, or megatron-rl-launch --sglang for a server sharing the GPUs with a static "
+            "memory split")
 
 
 def check_staleness(r: RolloutConfig) -> None:

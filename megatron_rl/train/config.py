@@ -24,6 +24,11 @@ class TrainerConfig:
     updates and the embedded engine: samples are packed into as few micro-batches of at most
     this many tokens as fit, balanced, and each step's groups are balanced over data-parallel
     ranks by tokens. Null: ``micro_batch_sequences`` consecutive samples per micro-batch."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute in the policy update (Megatron's ``recompute_granularity``):
+    selective checkpoints each MoE block (router, dispatch, experts); full checkpoints every
+    layer. A checkpointed piece keeps only its input and runs again in backward. Log-prob
+    passes store no activations, so it changes only the update's memory and time."""
     routing_replay: Literal["none", "R2", "R3"] = "R2"
     """Routing plan during updates."""
     routing_diagnostics: bool = True

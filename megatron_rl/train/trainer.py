@@ -42,7 +42,7 @@ from megatron_rl.parallel.checkpoint import load_model, save_model
 from megatron_rl.parallel.comm import all_reduce, mean_over, rank
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
-from megatron_rl.parallel.model import build_model
+from megatron_rl.parallel.model import build_model, recompute_fields
 from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
@@ -88,7 +88,7 @@ class Trainer:
         # Before the model exists: a run whose rollout servers are missing fails in seconds.
         self.rollout_urls = rollout_urls(cfg, groups.world)
         self.model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
-                                 **transformer_config_fields(cfg.fp8))
+                                 **transformer_config_fields(cfg.fp8), **recompute_fields(cfg.train.recompute))
         self.resume_path = latest_checkpoint(cfg.train.run_dir) if cfg.train.resume else None
         if self.resume_path is None and self.init is not None:
             # Before the optimizer exists: a mixed-precision optimizer copies the weights

@@ -8,11 +8,12 @@ lower one):
 0. pure: the objective library (``algos``), ``moe_routing``'s math, the config mechanics
    and the registry;
 1. config sections: ``sections`` and each owner's ``config`` module (leaves);
-2. the run's composition: ``megatron_rl.config``;
+2. the run's composition: ``megatron_rl.config``, and the memory planner's arithmetic over it
+   (``megatron_rl.plan``);
 3. parallel plumbing: ``parallel`` and ``moe_routing``'s recording, replay and layout;
 4. I/O: ``rollout``, ``checkpoint``, ``data``, ``rewards``, telemetry;
 5. the loop: ``train``;
-6. entry points: the launcher and the smoke command.
+6. entry points: the launcher, the smoke command and the planner's command line.
 
 Tools and tests sit above all of them. A planted package shows the walker sees both kinds
 of fault.
@@ -48,6 +49,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.train.logging_config": 1,
     "megatron_rl.fp8": 1,
     "megatron_rl.config": 2,
+    "megatron_rl.plan": 2,
     "megatron_rl.parallel": 3,
     "moe_routing": 3,
     "megatron_rl.rollout": 4,
@@ -58,6 +60,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.train": 5,
     "megatron_rl.launcher": 6,
     "megatron_rl.smoke": 6,
+    "megatron_rl.plan.cli": 6,
 }
 """Module (or package) prefix -> layer; the longest matching prefix decides."""
 
