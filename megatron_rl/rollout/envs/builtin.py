@@ -93,7 +93,7 @@ class CalculatorEnv(Environment):
 
     def step(self, turn: ModelTurn) -> EnvStep:
         if not turn.tool_calls:
-            return EnvStep(done=True)
+            return EnvStep(done=True, metrics={"tool_calls": 0, "tool_errors": 0, "correct_tool_use": 0})
         results, errors, correct = [], 0, 0
         for call in turn.tool_calls:
             text, ok = self._run(call.name, call.arguments)
@@ -140,6 +140,6 @@ class FeedbackEnv(Environment):
     def step(self, turn: ModelTurn) -> EnvStep:
         given = self._extract(turn.text)
         if given is not None and given.strip() == self.answer:
-            return EnvStep(done=True)
+            return EnvStep(done=True, metrics={"retries": 0})
         return EnvStep(observation=[{"role": "user", "content": self.feedback}], reward=self.retry_penalty,
                        metrics={"retries": 1})
