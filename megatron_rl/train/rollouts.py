@@ -18,12 +18,14 @@ updates (:mod:`megatron_rl.train.trainer`), nor how a reward is computed
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from megatron_rl.algos import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.comm import (
     all_gather_objects,
     all_ranks_agree,
@@ -95,6 +97,75 @@ class _Drawn:
     """Responses whose reward function failed."""
     trajectories: dict[str, list[float]] = field(default_factory=dict)
     """``env/<name>`` -> one value per multi-turn trajectory that has it (``trajectory_stats``)."""
+
+
+class Background:
+    """Multi-turn rollouts of one sampling round generated in the background (asynchronous
+    rollouts with ``rollout.env``): the model-parallel leader's thread runs the whole
+    multi-turn rollout against the SGLang servers over HTTP only (the engine's
+    ``generate_local``; its environments answer in that thread's own daemon threads), so
+    nothing collective happens off the main thread; :meth:`finish` joins it on every rank,
+    fails every rank if the leader's thread failed, and gives the leader's trajectories to
+    its model-parallel peers. The servers hold one weight version throughout (no push
+    happens while a batch is in flight), which every turn checks."""
+
+    def __init__(self) -> None:
+        self.samples: list[RolloutSample] | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stats = None
+        """The leader's client counters (``ClientStats``)."""
+
+    @classmethod
+    def start(cls, source: RolloutSource, records: list[PromptRecord], seed: int,
+              on_samples: Callable[[dict[int, RolloutSample]], None]) -> Background:
+        from megatron_rl.rollout.multiturn import LonePeers, MultiTurnRollout
+        from megatron_rl.rollout.sglang.client import ClientStats
+
+        pending, engine = cls(), source.engine
+        if engine.weight_sync is not None and not engine.synced:
+            engine.update_weights(engine.weight_version)  # collective, as the engine's start_generate does
+        if comm.rank(source.groups.mp) != 0:
+            return pending
+        pending.stats = ClientStats()
+        expected = str(engine.weight_version) if engine.synced else None
+        turns = _LeaderTurns(engine, expected, pending.stats)
+        env = source.cfg.rollout.env
+        rollout = MultiTurnRollout(turns, source.tokenizer, env, source.multiturn.make_env, LonePeers(),
+                                   source.cfg.model.max_position_embeddings)
+        params, routes = source.sampling(source.cfg.rollout.temperature), source.cfg.rollout.return_routed_experts
+
+        def run() -> None:
+            try:
+                pending.samples = rollout.run(records, params, seed=seed, return_routes=routes)
+                on_samples(dict(enumerate(pending.samples)))
+            except BaseException as err:  # noqa: BLE001 - raised on every rank at the join
+                pending.error = err
+
+        pending.thread = threading.Thread(target=run, daemon=True, name="megatron-rl-async-trajectories")
+        pending.thread.start()
+        return pending
+
+    def finish(self, source: RolloutSource) -> list[RolloutSample]:
+        """Collective over the world: the leader's trajectories, on every rank of its group."""
+        if self.thread is not None:
+            self.thread.join()
+            source.engine.count_background(self.stats)
+        comm.raise_first_failure(self.error, source.groups.world, "a background multi-turn rollout")
+        if comm.size(source.groups.mp) > 1:
+            return comm.broadcast_object(self.samples, 0, source.groups.mp)
+        return self.samples
+
+
+class _LeaderTurns:
+    """The SGLang engine's ``generate_local`` behind the engine interface ``MultiTurnRollout`` calls."""
+
+    def __init__(self, engine, expected: str | None, stats) -> None:
+        self.engine, self.expected, self.stats = engine, expected, stats
+
+    def generate(self, prompts, params, *, return_routed_experts, seed, routes_from=None) -> list[RolloutSample]:
+        return self.engine.generate_local(prompts, params, return_routed_experts=return_routed_experts, seed=seed,
+                                          routes_from=routes_from, expected=self.expected, stats=self.stats)
 
 
 def check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
@@ -177,13 +248,24 @@ class RolloutSource:
                                     seed=seed)
 
     def start_generate(self, problems: list[PromptRecord], step: int, round_: int,
-                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration:
-        """:meth:`generate` begun in the background (the engine's ``start_generate``), with the
-        same prompts and seeds; ``on_samples`` gets the samples in the generating thread."""
+                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration | Background:
+        """:meth:`generate` begun in the background (the engine's ``start_generate``; with
+        ``rollout.env``, the whole multi-turn rollout in the model-parallel leader's thread),
+        with the same prompts and seeds; ``on_samples`` gets the samples in the generating thread."""
         r = self.cfg.rollout
+        seed = self._round_seed(step, round_)
+        if self.multiturn is not None:
+            return Background.start(self, self.per_sample(problems), seed, on_samples)
         return self.engine.start_generate([p.prompt_ids for p in self.per_sample(problems)],
                                           self.sampling(r.temperature), return_routed_experts=r.return_routed_experts,
-                                          seed=self._round_seed(step, round_), on_samples=on_samples)
+                                          seed=seed, on_samples=on_samples)
+
+    def finish_generate(self, pending: PendingGeneration | Background, version: int) -> list[RolloutSample]:
+        """Collective: the samples of a batch :meth:`start_generate` began (``version``: the
+        trainer's weight version now, see the engine's ``finish_generate``)."""
+        if isinstance(pending, Background):
+            return pending.finish(self)
+        return self.engine.finish_generate(pending, version)
 
     # ------------------------------------------------------------------ rewards
 

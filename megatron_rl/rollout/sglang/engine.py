@@ -245,6 +245,28 @@ class SGLangEngine:
         return self._complete(pending.prompts, pending.params, pending.want_routes, pending.seeds,
                               ("shared", outcome), resync_version=version)
 
+    def generate_local(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       return_routed_experts: bool = True, seed: int = 0, routes_from: Sequence[int] | None = None,
+                       expected: str | None, stats: ClientStats) -> list[RolloutSample]:
+        """:meth:`generate` by this rank alone over HTTP, nothing collective and no engine field
+        read (``expected``: the weight version the servers hold; ``stats`` collects the client's
+        counters): what a background thread's multi-turn rollout calls turn after turn (the
+        asynchronous rollouts of ``megatron_rl.train.async_rollouts``). A server found behind
+        cannot be given the weights from there, so it ends the batch with an error."""
+        routes_from = check_routes_from(prompts, routes_from)
+        todo = list(range(len(prompts)))
+        samples, behind = asyncio.run(self._generate(prompts, todo, params, return_routed_experts,
+                                                     self._seeds(seed, len(prompts)), expected, stats, routes_from))
+        if behind:
+            servers = ", ".join(f"{u} (at {v!r})" for u, v in sorted(behind.items()))
+            raise StaleWeightVersionError(f"servers behind weight version {expected} during a background multi-turn "
+                                          f"rollout: {servers}")
+        return [samples[i] for i in todo]
+
+    def count_background(self, stats: ClientStats) -> None:
+        """Add a background round's client counters to the next :meth:`step_metrics`."""
+        self._totals.add(stats)
+
     def _round(self, prompts, todo, params, want_routes, seeds,
                routes_from: list[int] | None = None) -> tuple[dict[int, RolloutSample], dict[str, str]]:
         """Samples for the indices ``todo``, and every server (on any rank) found behind."""
