@@ -49,7 +49,7 @@ from megatron_rl.rollout.envs.base import (
     checked_step,
 )
 from megatron_rl.rollout.envs.config import EnvConfig
-from megatron_rl.rollout.trajectory import TrajectoryBuilder
+from megatron_rl.rollout.trajectory import END_REASONS, TrajectoryBuilder
 
 
 class EnvironmentFailure(RuntimeError):
@@ -394,7 +394,8 @@ class MultiTurnRollout:
 def trajectory_stats(samples: Sequence[RolloutSample]) -> dict[str, list[float]]:
     """Per-trajectory numbers behind the ``env/*`` metrics (names -> one value per trajectory
     that has it): turns, each environment count, environment seconds, environment tokens and
-    all output tokens, template mismatches (of the trajectories checked) and end reasons."""
+    all output tokens, template mismatches (of the trajectories checked), and per end reason
+    1 or 0 (their means are the shares of trajectories that ended so)."""
     stats: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:
@@ -411,5 +412,6 @@ def trajectory_stats(samples: Sequence[RolloutSample]) -> dict[str, list[float]]
         add("env/masked_token_frac", float((~s.loss_mask()).sum()) / max(1, len(s.output_ids)))
         if meta.get("template_checked"):
             add("env/template_mismatch_frac", meta.get("template_mismatch_at") is not None)
-        add(f"env/end/{s.end_reason}", 1.0)
+        for reason in END_REASONS:
+            add(f"env/end/{reason}", reason == s.end_reason)
     return stats

@@ -60,9 +60,13 @@ def run_rank(cfg_dict: dict) -> list[dict]:
         run_dir = Path(cfg.train.run_dir)
         plots = plot_run(run_dir)
         rows = read_metrics(run_dir / "metrics.jsonl")
-        print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
-                                   "routing/replay_agreement",
-                                   "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update"]))
+        agentic = cfg.rollout.env.name is not None
+        columns = ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
+                   *(["env/turns", "env/tool_calls", "eval/correct_tool_use"] if agentic else []),
+                   "routing/replay_agreement", "gamma/mean", "objective/clip/high_token_frac", "time/rollout",
+                   "time/update"]
+        also = ["eval/accuracy_greedy", "eval/correct_tool_use", "eval/tool_calls"] if agentic else []
+        print(summary_table(rows, columns, also=also))
         print("plots: " + ", ".join(str(p) for p in plots))
         print(f"metrics: {run_dir / 'metrics.jsonl'} (TensorBoard: {run_dir / 'tensorboard'})")
     return history

@@ -169,7 +169,8 @@ def test_each_fault_ends_only_its_trajectory_with_a_counted_reason(tokenizer, ca
     # Turn 2 asked only for positions turn 1 left uncovered.
     assert engine.requests[1][0] == len(ok.prompt_ids) + ok.turns[0][1] - 1
     stats = trajectory_stats(samples)
-    assert stats["env/turns"] == [2, 1, 1, 1, 1, 1, 1] and sum(stats["env/end/env_error"]) == 3
+    assert stats["env/turns"] == [2, 1, 1, 1, 1, 1, 1] and stats["env/end/env_error"] == [0, 1, 0, 1, 0, 0, 1]
+    assert stats["env/end/done"] == [1, 0, 0, 0, 0, 0, 0] and len(stats["env/end/max_turns"]) == 7
     assert stats["env/tool_calls"] == [1.0] and 0 < stats["env/masked_token_frac"][0] < 1
 
 
