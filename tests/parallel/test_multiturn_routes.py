@@ -1,8 +1,9 @@
 """Routing replay across the turns of multi-turn trajectories, in EP2 on 2 gloo processes.
 
-The shipped checkpoint answers the tool demo's prompts against the calculator environment
-(up to 3 model turns: a tool call, the tool's answer rendered by the chat template, the
-answer), with the two local engines. The ranks hold different numbers of trajectories, so
+The shipped checkpoint answers the tool demo's prompts against the feedback environment
+(up to 3 model turns: an answer, "Wrong, try again." rendered by the chat template when it
+is wrong, another answer), with the two local engines; the calculator's tool turns take the
+same path through the engines (``tests/e2e/test_agentic_loop.py`` runs them). The ranks hold different numbers of trajectories, so
 one of them runs out of live trajectories first and keeps step with padding prompts.
 For every trajectory, the routes stitched from each turn's engine pass (``routes_from``:
 the positions no earlier pass covered) are compared with the R2 record, the old-policy
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.parallel
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_tools.yaml"
-PER_RANK = (5, 3)
+PER_RANK = (3, 2)
 NEAR_TIE = 1e-3
 
 
@@ -48,11 +49,15 @@ def _worker() -> dict:
     from megatron_rl.rollout.local.hf_engine import HFEngine
     from megatron_rl.rollout.multiturn import GroupPeers, MultiTurnRollout
     from megatron_rl.train.init_weights import load_initial_weights
-    from megatron_rl.train.prepare import load_run_config, max_prompt_tokens, run_tokenizer
+    from megatron_rl.train.prepare import (
+        load_run_config,
+        max_prompt_tokens,
+        run_tokenizer,
+    )
 
     out = {}
     with cpu_platform():
-        cfg = load_run_config(str(CONFIG), world_size=2)
+        cfg = load_run_config(str(CONFIG), ["rollout.env.name=feedback"], world_size=2)
         with model_parallel(cfg.parallel, cfg.seed) as groups:
             gpt = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True)
             load_initial_weights(gpt, inspect_init_checkpoint(cfg.init_checkpoint), cfg.model, groups)

@@ -146,20 +146,10 @@ def generate(
     starts = check_routes_from(prompts, routes_from)
     device = next(hf_model.parameters()).device
     cached = [None if prefix_cache is None else prefix_cache.lookup(p, return_routes) for p in prompts]
-    done_B = [0 if c is None else len(c.ids) for c in cached]  # positions served from the cache
-    suffixes = [list(p)[n:] for p, n in zip(prompts, done_B)]
-    B, S = len(prompts), max(len(s) for s in suffixes)
-    input_BS, mask_BP, positions_BS = _left_padded(suffixes, torch.tensor([len(s) for s in suffixes], device=device),
-                                                   pad_id)
-    positions_BS = positions_BS + torch.tensor(done_B, device=device)[:, None] * mask_BP
+    cache, input_BS, mask_BP, positions_BS, suffixes = _prefill_inputs(hf_model, prompts, cached, pad_id)
+    B, S = input_BS.shape
     stops = set(params.stop_token_ids)
     responses = _Responses(B)
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_model.config)
-    if any(done_B):
-        _, mask_BC = batch_cache(cache, cached, next(hf_model.parameters()).dtype, device)
-        mask_BP = torch.cat([mask_BC, mask_BP], dim=1)
     with _capture_routes(hf_model, return_routes) as captured:
         out = hf_model(input_ids=input_BS, attention_mask=mask_BP, position_ids=positions_BS, cache=cache,
                        use_cache=True, logits_to_keep=1)
@@ -197,6 +187,26 @@ def generate(
                     responses.routes[i].append(step_routes[r])
     return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
                                  routes_from=starts)
+
+
+def _prefill_inputs(hf_model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                    cached: list[CachedPrefix | None], pad_id: int) -> tuple:
+    """``(cache, input_BS, mask_BP, positions_BS, suffixes)`` of the prefill: each prompt's
+    positions not served from ``cached``, left-padded, after the cached ones (``batch_cache``);
+    with nothing cached, exactly the left-padded prompts over an empty cache."""
+    from transformers import DynamicCache
+
+    device = next(hf_model.parameters()).device
+    done_B = [0 if c is None else len(c.ids) for c in cached]  # positions served from the cache
+    suffixes = [list(p)[n:] for p, n in zip(prompts, done_B)]
+    input_BS, mask_BP, positions_BS = _left_padded(suffixes, torch.tensor([len(s) for s in suffixes], device=device),
+                                                   pad_id)
+    positions_BS = positions_BS + torch.tensor(done_B, device=device)[:, None] * mask_BP
+    cache = DynamicCache(config=hf_model.config)
+    if any(done_B):
+        _, mask_BC = batch_cache(cache, cached, next(hf_model.parameters()).dtype, device)
+        mask_BP = torch.cat([mask_BC, mask_BP], dim=1)
+    return cache, input_BS, mask_BP, positions_BS, suffixes
 
 
 def _keep_finished(prefix_cache: PrefixCache, cache, rows: torch.Tensor, keep: list[int], mask_BP: torch.Tensor,
