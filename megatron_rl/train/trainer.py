@@ -6,7 +6,9 @@ starting or resuming it, one RL step after the rollouts, evaluation, checkpoints
 HF export. The rollouts themselves (data draw, sampling rounds, rewards, dynamic sampling)
 are :mod:`megatron_rl.train.rollouts`; with ``rollout.max_staleness: 1`` the next step's
 first round is generated while a step trains (:mod:`megatron_rl.train.async_rollouts`);
-0 keeps the synchronous loop.
+0 keeps the synchronous loop. With ``rollout.env`` each sample is a multi-turn trajectory
+(:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens the policy
+generated, and the environment's tokens stay in the context only.
 
 The policy starts from ``init_checkpoint`` (an HF directory streamed into this run's
 layout, or a Megatron checkpoint) unless the run directory holds a checkpoint of its own,

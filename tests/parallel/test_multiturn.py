@@ -1,10 +1,12 @@
-"""Routing replay across the turns of multi-turn trajectories, in EP2 on 2 gloo processes.
+"""Multi-turn trajectories in EP2 on 2 gloo processes: routing replay across turns, and one
+RL step of the agentic demo's road.
 
 The shipped checkpoint answers the tool demo's prompts against the feedback environment
 (up to 3 model turns: an answer, "Wrong, try again." rendered by the chat template when it
 is wrong, another answer), with the two local engines; the calculator's tool turns take the
-same path through the engines (``tests/e2e/test_agentic_loop.py`` runs them). The ranks hold different numbers of trajectories, so
-one of them runs out of live trajectories first and keeps step with padding prompts.
+same path through the engines (the RL step below runs them). The ranks hold different
+numbers of trajectories, so one of them runs out of live trajectories first and keeps step
+with padding prompts.
 For every trajectory, the routes stitched from each turn's engine pass (``routes_from``:
 the positions no earlier pass covered) are compared with the R2 record, the old-policy
 pass over the whole trajectory:
@@ -17,8 +19,16 @@ pass over the whole trajectory:
   single-turn samples (``test_hf_engine.py``); a misaligned stitch would fail wholesale.
 
 The rollout log-probs of the generated tokens are compared with the old-policy pass too.
+
+In the same world, the trainer runs one RL step of ``configs/demo_tools.yaml`` (calculator
+tool calls over several turns, hf engine with its prefix cache, R3 replaying the stitched
+routes, RSPO over the generated tokens, multi-turn evaluation before and after), and the
+metrics the issue asks for are logged and finite: turns and tool calls per trajectory, tool
+errors, environment time, the masked token fraction, template mismatches, rollout-route
+agreement per turn, correct tool use, the shares of end reasons.
 """
 
+import math
 from pathlib import Path
 
 import pytest
@@ -32,9 +42,28 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_tools.yaml"
 PER_RANK = (3, 2)
 NEAR_TIE = 1e-3
+ONE_STEP = [
+    "train.steps=1", "train.eval_every=1", "train.save_hf=false", "train.progress=false", "train.mini_batches=1",
+    "rollout.prompts_per_step=4", "rollout.group_size=4", "eval.max_prompts=4", "eval.num_samples=2",
+    "eval.pass_k=[1,2]", "eval.greedy=false", "reward.num_workers=0",
+]
+STEP_KEYS = ["env/turns", "env/tool_calls", "env/tool_errors", "env/time_s", "env/masked_token_frac",
+             "env/template_mismatch_frac", "routing/rollout_agreement/turn1", "routing/replay_agreement",
+             "gamma/mean", "reward/mean", "loss"]
 
 
-def _worker() -> dict:
+def _one_rl_step(run_dir: str) -> list[dict]:
+    """The trainer's metrics of one step of the agentic demo (every rank returns them)."""
+    from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.train.trainer import Trainer
+
+    cfg = load_run_config(str(CONFIG), [*ONE_STEP, f"train.run_dir={run_dir}"], world_size=2)
+    with model_parallel(cfg.parallel, cfg.seed) as groups:
+        return Trainer(cfg, groups).run()
+
+
+def _worker(run_dir: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
@@ -82,12 +111,13 @@ def _worker() -> dict:
                                      for i in range(len(samples))],
                     "cache_hits": getattr(getattr(engine, "prefix_cache", None), "hits", None),
                 }
+        out["history"] = _one_rl_step(run_dir)
     return out
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_world(_worker, 2, timeout_s=900)
+def results(tmp_path_factory):
+    return run_world(_worker, 2, str(tmp_path_factory.mktemp("agentic")), timeout_s=900)
 
 
 def test_trajectories_have_several_turns_and_ranks_differ_in_count(results):
@@ -134,3 +164,17 @@ def test_hf_engine_routes_agree_with_r2_except_near_ties(results):
                 widest = max(widest, float((top3[..., 1] - top3[..., 2])[~same_NL].max()))
     print(f"hf multi-turn routes agree {agree / total:.4f} with R2; widest near-tie gap {widest:.1e}")
     assert agree / total >= 0.99 and widest <= NEAR_TIE
+
+
+def test_one_agentic_rl_step_logs_the_multi_turn_metrics(results):
+    from megatron_rl.rollout.trajectory import END_REASONS
+
+    rows = {row["step"]: row for row in results[0]["history"]}
+    assert sorted(rows) == [0, 1]
+    for key in STEP_KEYS:
+        assert key in rows[1] and math.isfinite(rows[1][key]), key
+    assert 0 < rows[1]["env/masked_token_frac"] < 1 and rows[1]["env/turns"] > 1
+    assert sum(rows[1][f"env/end/{reason}"] for reason in END_REASONS) == pytest.approx(1.0)
+    for step in (0, 1):
+        for key in ("eval/accuracy", "eval/correct_tool_use", "eval/turns"):
+            assert key in rows[step] and 0 <= rows[step][key] <= 3, (step, key)
