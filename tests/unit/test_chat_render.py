@@ -20,7 +20,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rl.data.chat import ChatRenderer, MalformedToolCall, TemplateError, ToolCall
+from megatron_rl.data.chat import (
+    ChatRenderer,
+    MalformedToolCall,
+    TemplateError,
+    ToolCall,
+)
 from megatron_rl.data.config import TokenizerConfig
 from megatron_rl.data.tokenizer import HFPromptTokenizer, load_tokenizer
 from megatron_rl.rollout.engine import RolloutSample

@@ -17,11 +17,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_rl.algos import TokenBatch, build_loss_mask, compute_advantages, get_preset, policy_loss
+from megatron_rl.algos import (
+    TokenBatch,
+    build_loss_mask,
+    compute_advantages,
+    get_preset,
+    policy_loss,
+)
 from megatron_rl.algos.presets import OBJECTIVE_PRESETS
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
 from megatron_rl.rollout.engine import RolloutSample
-from megatron_rl.rollout.trajectory import TrajectoryBuilder, TrajectoryError, turn_of_positions
+from megatron_rl.rollout.trajectory import (
+    TrajectoryBuilder,
+    TrajectoryError,
+    turn_of_positions,
+)
 
 L, K = 3, 2
 
