@@ -36,6 +36,7 @@ from megatron_rl.data.config import DataConfig, TokenizerConfig
 from megatron_rl.fp8 import FP8Config, check_fp8
 from megatron_rl.rewards.config import RewardConfig
 from megatron_rl.rollout.config import RolloutConfig, check_rollout_section
+from megatron_rl.rollout.envs.config import check_env_section
 from megatron_rl.sections import (
     ModelConfig,
     OptimConfig,
@@ -134,6 +135,11 @@ def validate_run(cfg: RunConfig) -> None:
         "R3 replays the rollout engine's routes, but rollout.return_routed_experts is false",
     )
     check_rollout_section(r)
+    check_env_section(r.env, cfg.model.max_position_embeddings, r.max_new_tokens)
+    if r.env.name is not None:
+        require(cfg.data.source == "files" and cfg.tokenizer.chat_template, "rollout.env.name",
+                "multi-turn rollouts render the environment's messages with the tokenizer's chat template: "
+                "they need prompt files (data.source=files) and tokenizer.chat_template=true")
     require(t.steps >= 0, "train.steps", "must be >= 0")
     require(t.mini_batches >= 1, "train.mini_batches", "must be >= 1")
     require(t.epochs >= 1, "train.epochs", "must be >= 1")
@@ -146,8 +152,11 @@ def validate_run(cfg: RunConfig) -> None:
 
 
 def longest_sequence(cfg: RunConfig) -> int:
-    """The most prompt + response tokens one sample can have under this config."""
+    """The most prompt + response tokens one sample can have under this config (a multi-turn
+    trajectory: up to ``rollout.env.max_total_tokens``)."""
     room = cfg.model.max_position_embeddings
+    if cfg.rollout.env.name is not None:
+        return cfg.rollout.env.max_total_tokens or room
     if cfg.data.max_prompt_tokens is None:
         return room
     return min(room, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)

@@ -1,12 +1,17 @@
 """Build the shipped tiny pretrained Qwen3-MoE checkpoint and its arithmetic prompt files.
 
-Owns the recipe behind ``megatron_rl/assets``: the problem split (``arithmetic/*.jsonl``),
-the byte-level BPE tokenizer with a ChatML chat template, and the supervised warm start
-of a small Qwen3-MoE model on the training problems only, stopped while the model is
-still only partially competent so that RL has something visible to improve. It does not
-own how the trainer reads those files, the rewards, or the Megatron model.
+Owns the recipe behind ``megatron_rl/assets``: the problem splits (``arithmetic/*.jsonl``:
+"a + b"; ``arithmetic_tools/*.jsonl``: "a * b + c"), the byte-level BPE tokenizer with a
+ChatML chat template that renders tool calls and tool results as Qwen3 does (and Qwen3's
+response template, so ``tokenizer.parse_response`` finds tool calls), and the supervised
+warm start of a small Qwen3-MoE model on the training problems only: "a + b" answered
+directly, "a * b + c" answered directly or, in a share of the transcripts, through a
+``calculator`` tool call, its result and the answer. It is stopped while the model is still
+only partially competent (and calls the tool only sometimes), so that RL has something
+visible to improve. It does not own how the trainer reads those files, the rewards, the
+environments or the Megatron model.
 
-Run from the repository root (under a minute on 2 CPU cores)::
+Run from the repository root (a few minutes on 2 CPU cores)::
 
     python tools/make_tiny_model.py
 
@@ -29,34 +34,85 @@ import time
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+from megatron_rl.data.chat import ChatRenderer, MalformedToolCall
+from megatron_rl.data.config import TokenizerConfig
+from megatron_rl.data.tokenizer import HFPromptTokenizer
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.envs.builtin import (
+    CalculatorError,
+    evaluate_expression,
+    format_number,
+)
+from megatron_rl.rollout.local.hf_generate import generate
 
 SEED = 1234
 OPERAND_MAX = 49
 """Operands are drawn from 0..OPERAND_MAX, both inclusive."""
 NUM_EVAL = 200
 """Held-out problems; every other problem of the space is a training problem."""
-TOKENIZER_VOCAB = 384
-"""Target BPE vocabulary: 256 byte symbols, 3 special tokens, the rest merges."""
+TOKENIZER_VOCAB = 448
+"""Target BPE vocabulary: 256 byte symbols, 3 special tokens, the rest merges (the 4 tool
+tags are added after training, as Qwen3's are)."""
 MODEL_VOCAB = 512
 """Model vocabulary: >= len(tokenizer) and divisible by 4, so TP up to 4 splits it."""
-STEPS = 300
-"""Supervised steps, calibrated with ``--eval-every 20`` so that held-out sampled accuracy is
-about 0.3 (steps 260 / 280 / 300 / 320 / 340 gave 0.16 / 0.19 / 0.31 / 0.35 / 0.48)."""
+STEPS = 500
+"""Supervised steps, calibrated with ``--eval-every 100`` so that RL has room on both tasks:
+held-out sampled accuracy on "a + b" was 0.03 / 0.09 / 0.32 / 0.46 / 0.55 at steps 200 /
+300 / 400 / 500 / 600, and on "a * b + c" 0.02 / 0.11 / 0.16 / 0.32 / 0.25, calling the
+calculator in 19% / 33% / 24% / 27% / 28% of the answers (greedy decoding never does)."""
 BATCH = 64
 LR = 1e-3
 WARMUP = 50
 MAX_NEW_TOKENS = 16
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+"""Added (not special) tokens, as in Qwen3's tokenizer: they stay in decoded text."""
+FACTOR_RANGE = range(2, 13)
+"""Multi-step problems "a * b + c": a and b from here."""
+ADDEND_RANGE = range(1, 31)
+"""... and c from here."""
+TOOL_SHARE = 0.3
+"""Share of the multi-step training problems whose transcript calls the calculator."""
+TOOL_MAX_NEW_TOKENS = 32
+"""Tokens per model turn when evaluating tool use (a tool call is about 20)."""
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] is defined %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + (fn['arguments'] | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""ChatML as Qwen writes it, without Qwen's default system turn (prompts stay short)."""
+"""ChatML as Qwen writes it, without Qwen's default system turn (prompts stay short), with
+Qwen3's rendering of tool calls and of "tool" messages (a user turn of ``<tool_response>``
+blocks); no tool list: the tiny model learned its one tool in this warm start."""
+
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_start|>assistant\n",
+    "fields": {
+        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True,
+                       "content": "json", "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
+    },
+}
+"""Qwen3's response template (transformers' ``parse_response``) without its reasoning field."""
 
 # Generic text so the BPE learns some ordinary English merges besides the task's words;
 # written for this script.
@@ -81,13 +137,43 @@ def make_problems(seed: int) -> tuple[list[dict], list[dict]]:
     return rows[NUM_EVAL:], rows[:NUM_EVAL]
 
 
+def make_tool_problems(seed: int) -> tuple[list[dict], list[dict]]:
+    """Returns ``(train_rows, eval_rows)``: every ``a * b + c`` in range, split disjointly."""
+    rows = [
+        {"id": f"mul-{a}-{b}-{c}", "prompt": f"What is {a} * {b} + {c}?", "answer": str(a * b + c)}
+        for a in FACTOR_RANGE
+        for b in FACTOR_RANGE
+        for c in ADDEND_RANGE
+    ]
+    random.Random(seed + 1).shuffle(rows)
+    return rows[NUM_EVAL:], rows[:NUM_EVAL]
+
+
 def response_text(answer: str) -> str:
     """The assistant turn the warm start teaches (short: RL generates ~12-16 tokens)."""
     return f"\\boxed{{{answer}}}"
 
 
-def build_tokenizer(train_rows: list[dict]) -> PreTrainedTokenizerFast:
-    """A byte-level BPE with single-digit tokens, wrapped for transformers with the chat template."""
+def tool_call_text(expression: str) -> str:
+    """A calculator call as Qwen3 writes one (what the chat template renders for ``tool_calls``)."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def transcript(row: dict, use_tool: bool) -> list[dict]:
+    """The conversation the warm start teaches for ``row``: a direct answer, or a calculator
+    call on the prompt's expression, its result, and the answer."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    if use_tool:
+        expression = row["prompt"].removeprefix("What is ").removesuffix("?")
+        messages += [{"role": "assistant", "content": tool_call_text(expression)},
+                     {"role": "tool", "content": row["answer"]}]
+    return messages + [{"role": "assistant", "content": response_text(row["answer"])}]
+
+
+def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with single-digit tokens, wrapped for transformers with the chat and
+    response templates; the tool tags are added tokens."""
     bpe = Tokenizer(models.BPE())
     # Digits first so no merge ever spans two digits: the model sees numbers digit by digit.
     bpe.pre_tokenizer = pre_tokenizers.Sequence(
@@ -101,9 +187,9 @@ def build_tokenizer(train_rows: list[dict]) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    turns = [f"user\n{row['prompt']}\nassistant\n{response_text(row['answer'])}\n" for row in train_rows]
-    bpe.train_from_iterator(turns + _GENERIC_TEXT.splitlines(), trainer)
-    return PreTrainedTokenizerFast(
+    bpe.train_from_iterator(texts + _GENERIC_TEXT.splitlines(), trainer)
+    bpe.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=bpe,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -112,6 +198,8 @@ def build_tokenizer(train_rows: list[dict]) -> PreTrainedTokenizerFast:
         model_max_length=128,
         clean_up_tokenization_spaces=False,
     )
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    return tokenizer
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompt: str) -> list[int]:
@@ -152,74 +240,115 @@ def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeForCausalLM:
     return Qwen3MoeForCausalLM(config)
 
 
-def sft_examples(tokenizer: PreTrainedTokenizerFast, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
-    """``(prompt_ids, response_ids)`` per row; the response ends with ``<|im_end|>``."""
-    return [
-        (
-            prompt_ids(tokenizer, row["prompt"]),
-            tokenizer.encode(response_text(row["answer"]), add_special_tokens=False) + [tokenizer.eos_token_id],
-        )
-        for row in rows
-    ]
+def sft_example(tokenizer: PreTrainedTokenizerFast, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """``(ids, labels)`` of a conversation: the template's ids up to the last ``<|im_end|>``,
+    labels on every assistant turn's tokens (its ``<|im_end|>`` included), -100 elsewhere."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    labels = [-100] * len(ids)
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True, tokenize=True,
+                                               return_dict=False)
+        upto = tokenizer.apply_chat_template(messages[: k + 1], tokenize=True, return_dict=False)
+        assert ids[: len(upto)] == upto and upto[: len(before)] == before, "the chat template is not append-only"
+        end = len(upto) - 1 - upto[::-1].index(tokenizer.eos_token_id)  # the turn's <|im_end|>
+        labels[len(before): end + 1] = ids[len(before): end + 1]
+    last = len(ids) - 1 - ids[::-1].index(tokenizer.eos_token_id)
+    return ids[: last + 1], labels[: last + 1]
+
+
+def sft_examples(tokenizer: PreTrainedTokenizerFast, rows: list[dict], tool_rows: list[dict]) -> list:
+    """The warm start's examples: every "a + b" answered directly, every "a * b + c" through the
+    calculator in a ``TOOL_SHARE`` of them (a seeded choice) and directly in the others."""
+    choice = random.Random(SEED + 2)
+    examples = [sft_example(tokenizer, transcript(row, use_tool=False)) for row in rows]
+    examples += [sft_example(tokenizer, transcript(row, use_tool=choice.random() < TOOL_SHARE)) for row in tool_rows]
+    return examples
 
 
 def collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, ...]:
-    """Right-padded ``input_ids_BT``, ``attention_mask_BT`` and ``labels_BT`` (-100 off the response)."""
-    width = max(len(p) + len(r) for p, r in examples)
+    """Right-padded ``input_ids_BT``, ``attention_mask_BT`` and ``labels_BT`` (-100 off the assistant turns)."""
+    width = max(len(ids) for ids, _ in examples)
     input_ids_BT = torch.full((len(examples), width), pad_id)
     attention_mask_BT = torch.zeros((len(examples), width), dtype=torch.long)
     labels_BT = torch.full((len(examples), width), -100)
-    for row, (prompt, response) in enumerate(examples):
-        ids = prompt + response
+    for row, (ids, labels) in enumerate(examples):
         input_ids_BT[row, : len(ids)] = torch.tensor(ids)
         attention_mask_BT[row, : len(ids)] = 1
-        labels_BT[row, len(prompt) : len(ids)] = torch.tensor(response)
+        labels_BT[row, : len(ids)] = torch.tensor(labels)
     return input_ids_BT, attention_mask_BT, labels_BT
 
 
-def boxed_answer(text: str) -> str | None:
+def boxed_answer(text: str | None) -> str | None:
     """The content of the last ``\\boxed{...}``, or None."""
-    found = re.findall(r"\\boxed\{([^{}]*)\}", text)
+    found = re.findall(r"\\boxed\{([^{}]*)\}", text or "")
     return found[-1].strip() if found else None
 
 
+def calculator_message(call, answer: str) -> tuple[dict, bool]:
+    """The tool message answering one call, and whether it returned the reference answer."""
+    expression = call.arguments.get("expression")
+    try:
+        text = format_number(evaluate_expression(expression)) if call.name == "calculator" else "error: unknown tool"
+    except (CalculatorError, AttributeError) as err:
+        text = f"error: {err}"
+    return {"role": "tool", "content": text}, text == answer
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, rows: list[dict], do_sample: bool, seed: int) -> dict[str, float]:
-    """Accuracy and format rate (finished with ``<|im_end|>`` and holding a box) over ``rows``."""
+def evaluate(model, tokenizer, rows: list[dict], temperature: float, seed: int, max_turns: int,
+             max_new_tokens: int) -> dict[str, float]:
+    """Accuracy, format rate and tool use over ``rows``, decoded with the rollout engine's own
+    batched generation and rendered with its chat renderer; up to ``max_turns`` model turns,
+    calls answered by the calculator. ``format``: the answer turn finished with ``<|im_end|>``
+    and holds a box; ``tool_use``: called the tool; ``correct_tool_use``: a call returned the
+    reference answer."""
     model.eval()
-    torch.manual_seed(seed)
-    by_length: dict[int, list[tuple[list[int], str]]] = {}
-    for row in rows:
-        ids = prompt_ids(tokenizer, row["prompt"])
-        by_length.setdefault(len(ids), []).append((ids, row["answer"]))
-    correct = formatted = 0
-    # Prompts of one length batch without padding, so no attention-mask subtleties.
-    for length in sorted(by_length):
-        group = by_length[length]
-        input_ids_BT = torch.tensor([ids for ids, _ in group])
-        output_BT = model.generate(
-            input_ids_BT,
-            attention_mask=torch.ones_like(input_ids_BT),
-            do_sample=do_sample,
-            temperature=1.0 if do_sample else None,
-            top_k=0 if do_sample else None,
-            top_p=1.0 if do_sample else None,
-            max_new_tokens=MAX_NEW_TOKENS,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        for response, (_, answer) in zip(output_BT[:, length:].tolist(), group):
-            finished = tokenizer.eos_token_id in response
-            text = tokenizer.decode(response[: response.index(tokenizer.eos_token_id)] if finished else response)
-            boxed = boxed_answer(text)
-            formatted += finished and boxed is not None
-            correct += finished and boxed == answer
+    renderer = ChatRenderer(HFPromptTokenizer(tokenizer, TokenizerConfig(), (tokenizer.eos_token_id,)))
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens,
+                            stop_token_ids=(tokenizer.eos_token_id,))
+    generator = torch.Generator().manual_seed(seed)
+    conversations = [[{"role": "user", "content": row["prompt"]}] for row in rows]
+    ids = [prompt_ids(tokenizer, row["prompt"]) for row in rows]
+    answers: dict[int, str | None] = {}
+    used, correct_use = set(), set()
+    live = list(range(len(rows)))
+    for _ in range(max_turns):
+        if not live:
+            break
+        outputs = generate(model, [ids[i] for i in live], params, generator=generator, return_routes=False,
+                           max_length=model.config.max_position_embeddings)
+        going = []
+        for i, g in zip(live, outputs):
+            text = renderer.turn_text(g.output_ids)
+            try:
+                calls = renderer.tool_calls(tokenizer.decode(g.output_ids), prefix="") if g.stopped else ()
+            except MalformedToolCall:
+                calls = ()
+            if not g.stopped or not calls:
+                answers[i] = text if g.stopped else None
+                continue
+            used.add(i)
+            conversations[i].append({"role": "assistant", "content": text})
+            replies = [calculator_message(call, rows[i]["answer"]) for call in calls]
+            correct_use.update([i] if any(ok for _, ok in replies) else [])
+            observation = renderer.observation_ids(conversations[i], [m for m, _ in replies])
+            conversations[i] += [m for m, _ in replies]
+            ids[i] = ids[i] + g.output_ids + observation
+            if len(ids[i]) + max_new_tokens <= model.config.max_position_embeddings:
+                going.append(i)
+        live = going
     model.train()
-    return {"accuracy": correct / len(rows), "format": formatted / len(rows)}
+    n = len(rows)
+    correct = sum(boxed_answer(answers.get(i)) == row["answer"] for i, row in enumerate(rows))
+    formatted = sum(boxed_answer(answers.get(i)) is not None for i in range(n))
+    return {"accuracy": correct / n, "format": formatted / n, "tool_use": len(used) / n,
+            "correct_tool_use": len(correct_use) / n}
 
 
 def train(model, examples, pad_id: int, steps: int, eval_every: int, eval_fn) -> None:
-    """AdamW, linear warmup then a constant rate; loss only on response tokens."""
+    """AdamW, linear warmup then a constant rate; loss only on the assistant turns."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.01)
     # No decay: then the model after N steps is the same whatever --steps says, so the
     # --eval-every curve of one long run tells directly where to stop.
@@ -243,7 +372,8 @@ def train(model, examples, pad_id: int, steps: int, eval_every: int, eval_fn) ->
         if step % 50 == 0 or step == steps:
             print(f"step {step:5d}  loss {loss.item():.4f}  {time.time() - start:6.1f}s", flush=True)
         if eval_every and step % eval_every == 0:
-            print(f"    held-out at step {step}: {eval_fn()}", flush=True)
+            print(f"    held-out at step {step}:", flush=True)
+            eval_fn()
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -286,28 +416,28 @@ def main() -> None:
     started = time.time()
 
     train_rows, eval_rows = make_problems(SEED)
+    tool_train, tool_eval = make_tool_problems(SEED)
     write_jsonl(args.out / "arithmetic" / "train.jsonl", train_rows)
     write_jsonl(args.out / "arithmetic" / "eval.jsonl", eval_rows)
-    tokenizer = build_tokenizer(train_rows)
+    write_jsonl(args.out / "arithmetic_tools" / "train.jsonl", tool_train)
+    write_jsonl(args.out / "arithmetic_tools" / "eval.jsonl", tool_eval)
+    texts = [f"user\n{row['prompt']}\nassistant\n{response_text(row['answer'])}\n" for row in train_rows]
+    texts += [m["content"] for row in tool_train[:500] for m in transcript(row, use_tool=True)]
+    tokenizer = build_tokenizer(texts)
     model = build_model(tokenizer)
     print(f"tokenizer: {len(tokenizer)} tokens; model: {sum(p.numel() for p in model.parameters())} parameters")
 
-    train(
-        model,
-        sft_examples(tokenizer, train_rows),
-        tokenizer.pad_token_id,
-        args.steps,
-        args.eval_every,
-        lambda: evaluate(model, tokenizer, eval_rows, do_sample=True, seed=SEED),
-    )
-    save_checkpoint(model, tokenizer, args.out / "tiny_qwen3_moe")
+    def report(tag: str, sample_seed: int = SEED) -> None:
+        for name, rows, turns, new in (("a + b", eval_rows, 1, MAX_NEW_TOKENS),
+                                       ("a * b + c", tool_eval, 3, TOOL_MAX_NEW_TOKENS)):
+            for label, temperature in (("sampled (T=1)", 1.0), ("greedy", 0.0)):
+                got = evaluate(model, tokenizer, rows, temperature, sample_seed, turns, new)
+                print(f"{tag} {name:9s} {label:13s} " + "  ".join(f"{k} {v:.3f}" for k, v in got.items()), flush=True)
 
-    sampled = evaluate(model, tokenizer, eval_rows, do_sample=True, seed=SEED)
-    greedy = evaluate(model, tokenizer, eval_rows, do_sample=False, seed=SEED)
-    print(f"held-out sampled (T=1): accuracy {sampled['accuracy']:.3f}  format {sampled['format']:.3f}")
-    print(f"held-out greedy:        accuracy {greedy['accuracy']:.3f}  format {greedy['format']:.3f}")
-    seen = evaluate(model, tokenizer, train_rows[:NUM_EVAL], do_sample=True, seed=SEED)
-    print(f"train (first {NUM_EVAL}) sampled (T=1): accuracy {seen['accuracy']:.3f}  format {seen['format']:.3f}")
+    train(model, sft_examples(tokenizer, train_rows, tool_train), tokenizer.pad_token_id, args.steps,
+          args.eval_every, lambda: report("    held-out"))
+    save_checkpoint(model, tokenizer, args.out / "tiny_qwen3_moe")
+    report("held-out")
     print(f"done in {time.time() - started:.0f}s")
 
 

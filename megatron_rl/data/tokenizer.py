@@ -90,14 +90,17 @@ class HFPromptTokenizer(PromptTokenizer):
         tokenizer: The loaded ``transformers`` tokenizer.
         cfg: The tokenizer section of the run config.
         stop_token_ids: Resolved stop ids (see :func:`load_tokenizer`).
+        tools: Tool schemas the chat template is given with every prompt (an environment's).
     """
 
-    def __init__(self, tokenizer: Any, cfg: TokenizerConfig, stop_token_ids: tuple[int, ...]):
+    def __init__(self, tokenizer: Any, cfg: TokenizerConfig, stop_token_ids: tuple[int, ...],
+                 tools: Messages | None = None):
         self.hf_tokenizer = tokenizer
         self.use_chat_template = cfg.chat_template
         self.system_prompt = cfg.system_prompt
         self.vocab_size = len(tokenizer)
         self.stop_token_ids = stop_token_ids
+        self.tools = tools
 
     def encode_prompt(self, prompt: str | Messages) -> list[int]:
         """Chat template with the generation prompt, or the tokenizer's default plain encode.
@@ -114,14 +117,23 @@ class HFPromptTokenizer(PromptTokenizer):
             # Default add_special_tokens: a plain prompt starts the way the tokenizer
             # starts any sequence (e.g. with bos).
             return list(self.hf_tokenizer.encode(prompt))
+        encoded = self.hf_tokenizer.apply_chat_template(
+            self.prompt_messages(prompt), tools=self.tools, add_generation_prompt=True, tokenize=True,
+            return_dict=True,
+        )
+        return list(encoded["input_ids"])
+
+    def prompt_messages(self, prompt: str | Messages) -> Messages:
+        """The messages :meth:`encode_prompt` renders with the chat template (the system prompt added).
+
+        Raises:
+            ValueError: as :meth:`encode_prompt`.
+        """
         prompt = normalized_prompt(prompt)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         if self.system_prompt is not None and not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
-        encoded = self.hf_tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-        return list(encoded["input_ids"])
+        return messages
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.hf_tokenizer.encode(text, add_special_tokens=False))
@@ -170,8 +182,9 @@ def char_tokenizer_adapter(tok: CharTokenizer) -> PromptTokenizer:
     return CharPromptTokenizer(tok)
 
 
-def load_tokenizer(cfg: TokenizerConfig, default_path: str | None) -> PromptTokenizer:
-    """Loads the tokenizer of ``cfg.path`` (or ``default_path``) from local files only.
+def load_tokenizer(cfg: TokenizerConfig, default_path: str | None, tools: Messages | None = None) -> PromptTokenizer:
+    """Loads the tokenizer of ``cfg.path`` (or ``default_path``) from local files only;
+    ``tools`` go to the chat template with every prompt.
 
     Stop ids are ``eos_token_id`` of the tokenizer, then the ``eos_token_id`` (an int or a
     list) of ``generation_config.json`` in the same directory, then
@@ -183,7 +196,7 @@ def load_tokenizer(cfg: TokenizerConfig, default_path: str | None) -> PromptToke
     directory = _resolve_dir(cfg, default_path)
     tokenizer = _load_hf(directory)
     _check_template(cfg, tokenizer, directory)
-    return HFPromptTokenizer(tokenizer, cfg, _stop_ids(cfg, tokenizer, directory))
+    return HFPromptTokenizer(tokenizer, cfg, _stop_ids(cfg, tokenizer, directory), tools)
 
 
 def check_tokenizer_config(

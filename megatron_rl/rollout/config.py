@@ -1,4 +1,5 @@
-"""The ``rollout`` section: how responses are sampled each step, and by which engine."""
+"""The ``rollout`` section: how responses are sampled each step, by which engine, and (with
+``rollout.env``) against which environment over several turns."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config_loading import ConfigError, require
+from megatron_rl.rollout.envs.config import EnvConfig
 from megatron_rl.rollout.sglang.config import SGLangConfig, check_sglang_section
 
 MAX_STALENESS = 1
@@ -49,6 +51,8 @@ class RolloutConfig:
     """disaggregated: the rollout servers run on GPUs of their own; colocated: the trainer and
     SGLang take turns on the same GPUs, each moving its state out while the other works (not
     built yet: refused at validation; ``megatron-rl-plan`` already plans it)."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """Multi-turn rollouts against an environment (``env.name``; None: one response per prompt)."""
 
 
 def check_rollout_section(r: RolloutConfig) -> None:

@@ -1,12 +1,18 @@
-"""The rollout-engine interface: what every engine (embedded, SGLang) takes and returns.
+"""The rollout-engine interface: what every engine (embedded, hf, SGLang) takes and returns.
 
 Shape legend: N prompt+response tokens of a sample, L MoE layers, K top-K.
 
 An engine turns prompts into :class:`RolloutSample` values carrying the generated tokens,
 their log-probabilities under the engine's policy, and the experts each forwarded position
 was routed to in SGLang's layout (``[N - 1, L, K]``: every prompt+response position except
-the last, which no engine forwards). R3 replays those routes; train-versus-rollout
+the last, which no engine forwards; with ``routes_from`` only the positions from there on,
+as SGLang's ``routed_experts_start_len``). R3 replays those routes; train-versus-rollout
 diagnostics compare the log-probs.
+
+A multi-turn trajectory (``megatron_rl.rollout.multiturn``) is a :class:`RolloutSample`
+too: its "response" is everything after the first prompt (the model's turns and what the
+environment wrote between them), ``generated_mask`` says which of those tokens the policy
+generated, and a single-turn sample is the special case where all of them were.
 """
 
 from __future__ import annotations
@@ -42,20 +48,36 @@ class RolloutSample:
     output_ids: list[int]
     """Generated token ids (including the stop token, when one was produced)."""
     output_logprobs: torch.Tensor
-    """``[len(output_ids)]`` fp32 log-probs of the generated tokens under the engine's policy."""
+    """``[len(output_ids)]`` fp32 log-probs of the generated tokens under the engine's policy
+    (NaN at tokens an environment wrote: the policy never sampled them)."""
     finish_reason: Literal["stop", "length"]
-    """Why generation ended."""
+    """Why generation ended ("length": cut at a length limit, for the overlong filter)."""
     weight_version: int
     """Version of the weights that generated it."""
     routed_experts: torch.Tensor | None = None
     """``[N - 1, L, K]`` expert ids per forwarded position (compact integer dtype)."""
     meta: dict = field(default_factory=dict)
     """Engine-specific extras."""
+    generated_mask: torch.Tensor | None = None
+    """``[len(output_ids)]`` bool: True where the policy generated the token, False where an
+    environment or tool wrote it; None: every output token was generated (one turn)."""
+    turns: list[tuple[int, int]] | None = None
+    """``(start, end)`` in ``output_ids`` of each model turn's generated tokens (None: one turn)."""
+    turn_rewards: list[float] | None = None
+    """The reward the environment gave after each model turn (None: no environment)."""
+    end_reason: str | None = None
+    """Why a multi-turn trajectory ended (``megatron_rl.rollout.trajectory.END_REASONS``)."""
 
     @property
     def tokens(self) -> torch.Tensor:
         """Prompt + response ids as one int64 tensor."""
         return torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.int64)
+
+    def loss_mask(self) -> torch.Tensor:
+        """``[len(output_ids)]`` bool: the tokens the policy generated (the ones a loss may see)."""
+        if self.generated_mask is None:
+            return torch.ones(len(self.output_ids), dtype=torch.bool)
+        return self.generated_mask
 
 
 class RolloutEngine(Protocol):
@@ -65,7 +87,8 @@ class RolloutEngine(Protocol):
     """Version of the weights the engine currently serves."""
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, return_routed_experts: bool, seed: int
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, return_routed_experts: bool, seed: int,
+        routes_from: Sequence[int] | None = None,
     ) -> list[RolloutSample]:
         """Generate one response per prompt (repeat a prompt for a group).
 
@@ -74,6 +97,10 @@ class RolloutEngine(Protocol):
             params: sampling parameters.
             return_routed_experts: also return SGLang-layout routes ``[N - 1, L, K]`` per sample.
             seed: generator seed; combine the step and round into it for reproducibility.
+            routes_from: per prompt, the first position whose routes come back (SGLang's
+                ``routed_experts_start_len``, in ``[0, len(prompt)]``): the routes are then
+                ``[N - 1 - routes_from, L, K]``. A multi-turn caller asks only for the positions
+                no earlier turn covered. None: 0 for every prompt.
 
         Engines say in their own docstring over which ranks the call is collective.
         """
@@ -86,3 +113,15 @@ class RolloutEngine(Protocol):
     def close(self) -> None:
         """Release connections and transports (collective, like ``update_weights``)."""
         ...
+
+
+def check_routes_from(prompts: Sequence[Sequence[int]], routes_from: Sequence[int] | None) -> list[int]:
+    """``routes_from`` (default 0 each), each in ``[0, len(prompt)]`` as SGLang requires (error names the sample)."""
+    if routes_from is None:
+        return [0] * len(prompts)
+    if len(routes_from) != len(prompts):
+        raise ValueError(f"routes_from has {len(routes_from)} entries for {len(prompts)} prompts")
+    for i, (prompt, start) in enumerate(zip(prompts, routes_from)):
+        if not 0 <= start <= len(prompt):
+            raise ValueError(f"sample {i}: routes_from {start} is outside [0, {len(prompt)}] (the prompt's length)")
+    return list(routes_from)

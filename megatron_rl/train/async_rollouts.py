@@ -33,6 +33,10 @@ Design (one batch in flight, "finish under the old version"):
   broadcast to its peers, the all-gather that finds restarted servers and any weight push
   are collectives, which the main thread alone issues (gloo groups are not safe to use
   from two threads).
+  With ``rollout.env`` the leader's thread runs the whole multi-turn rollout (every turn
+  over HTTP against the one version the servers hold, the environments in its own daemon
+  threads; ``megatron_rl.train.rollouts.Background``) and the join hands its trajectories
+  to the peers; a server found behind there fails the batch instead of being re-pushed.
   A server that dies during background generation costs retries: the thread retries
   within the client's budget; a server that came back behind (its launch weights) is set
   aside, and the samples it still owed are asked for again when the batch is joined,
@@ -111,6 +115,10 @@ class RoundSource(Protocol):
     def start_generate(self, problems: list[PromptRecord], step: int, round_: int,
                        on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration:
         """Round ``round_`` of ``step`` generated in the background."""
+        ...
+
+    def finish_generate(self, pending: PendingGeneration, version: int) -> list[RolloutSample]:
+        """Collective: wait for a round begun by :meth:`start_generate` (``version``: the trainer's now)."""
         ...
 
     def rewards_of(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[RewardResult]:
@@ -208,7 +216,7 @@ class AsyncRollouts:
     def _join(self, batch: NextBatch, state: TrainerState) -> None:
         if batch.samples is not None:
             return
-        batch.samples = self.engine.finish_generate(batch.pending, state.weight_version)
+        batch.samples = self.source.finish_generate(batch.pending, state.weight_version)
         batch.pending, scoring, batch.scoring = None, batch.scoring, None
         if scoring is None:
             return

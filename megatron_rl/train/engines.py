@@ -63,7 +63,8 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
     if cfg.rollout.engine == "hf":
         from megatron_rl.rollout.local.hf_engine import HFEngine
 
-        return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype)
+        return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype,
+                        prefix_cache=cfg.rollout.env.name is not None)
     # Imported here so that runs with a local engine need no HTTP client.
     from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
     from megatron_rl.rollout.sglang.client import SGLangClientConfig

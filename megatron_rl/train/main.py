@@ -64,20 +64,24 @@ def run_rank(cfg_dict: dict) -> list[dict]:
             with Trackers(cfg, enabled=rank0, resumed=trainer.resume_path is not None) as trackers:
                 history = trainer.run(trackers)
                 if rank0:
-                    trackers.log_plots(_report(Path(cfg.train.run_dir)))
+                    trackers.log_plots(_report(Path(cfg.train.run_dir), agentic=cfg.rollout.env.name is not None))
     return history
 
 
-def _report(run_dir: Path) -> list[Path]:
-    """Draws the plots and prints the summary and phase tables; returns the plot files."""
+def _report(run_dir: Path, agentic: bool) -> list[Path]:
+    """Draws the plots and prints the summary and phase tables; returns the plot files.
+    ``agentic``: the run had an environment (turns, tool calls and tool use in the summary)."""
     from megatron_rl.train.metrics import plot_run, read_metrics, summary_table
     from megatron_rl.train.phases import phase_table
 
     plots = plot_run(run_dir)
     rows = read_metrics(run_dir / "metrics.jsonl")
-    print(summary_table(rows, ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
-                               "routing/replay_agreement",
-                               "gamma/mean", "objective/clip/high_token_frac", "time/rollout", "time/update", "time/step"]))
+    columns = ["reward/mean", "rollout/accuracy", "eval/accuracy", "eval/accuracy_greedy",
+               *(["env/turns", "env/tool_calls", "eval/correct_tool_use"] if agentic else []),
+               "routing/replay_agreement", "gamma/mean", "objective/clip/high_token_frac", "time/rollout",
+               "time/update", "time/step"]
+    also = ["eval/accuracy_greedy", "eval/correct_tool_use", "eval/tool_calls"] if agentic else []
+    print(summary_table(rows, columns, also=also))
     print("time and peak memory per phase (mean over the steps; nested phases apart):")
     print(phase_table(rows))
     print("plots: " + ", ".join(str(p) for p in plots))

@@ -353,19 +353,22 @@ def summary_table(
     *,
     max_rows: int = 9,
     accuracy_key: str = "eval/accuracy",
+    also: Sequence[str] = (),
 ) -> str:
     """A fixed-width text table of selected metrics at a few steps.
 
     Shows the first and the last row and evenly spaced rows between them. A value absent
     from a row shows as ``-``, a null (non-finite) one as ``null``. If ``accuracy_key``
     was ever logged, a last line reads ``held-out accuracy (<key>): <first> (step a) ->
-    <last> (step b)`` over all rows, not just the shown ones.
+    <last> (step b)`` over all rows, not just the shown ones; each metric of ``also`` that
+    was logged adds a line ``<key>: <first> (step a) -> <last> (step b)``.
 
     Args:
         rows: Rows as returned by :func:`read_metrics`, in step order.
         keys: Metric names, one column each after ``step``.
         max_rows: Most rows to show; at least 2.
         accuracy_key: The held-out accuracy metric.
+        also: More metrics whose first and last logged values are printed.
     """
     if max_rows < 2:
         raise ValueError(f"max_rows must be >= 2, got {max_rows}")
@@ -385,6 +388,11 @@ def summary_table(
             f"held-out accuracy ({accuracy_key}): {first:.3f} (step {first_step}) -> "
             f"{last:.3f} (step {last_step})"
         )
+    for key in also:
+        logged = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if logged:
+            (first_step, first), (last_step, last) = logged[0], logged[-1]
+            lines.append(f"{key}: {first:.3f} (step {first_step}) -> {last:.3f} (step {last_step})")
     return "\n".join(lines)
 
 

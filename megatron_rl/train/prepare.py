@@ -3,7 +3,8 @@
 Owns: :func:`load_run_config` (YAML preset + overrides; with ``init_checkpoint`` the
 ``model`` section comes from the checkpoint and a contradicting key is an error naming
 both values) and :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat
-template, the prompt files row by row, the reward function's import path and signature).
+template, the prompt files row by row, the reward function's import path and signature, the
+environment's class and arguments).
 Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) calls these first, so a
 bad input costs seconds and one line, never a started world. Imports no Megatron.
 """
@@ -33,6 +34,7 @@ from megatron_rl.data.tokenizer import (
     load_tokenizer,
 )
 from megatron_rl.rewards.core import check_reward_config
+from megatron_rl.rollout.envs.load import check_env_config, env_tools
 
 
 @dataclass(kw_only=True)
@@ -78,19 +80,21 @@ def check_served_architecture(cfg: RunConfig) -> None:
 
 
 def max_prompt_tokens(cfg: RunConfig) -> int:
-    """Longest prompt the run keeps: the configured limit, or what the model's length leaves."""
-    room = cfg.model.max_position_embeddings - cfg.rollout.max_new_tokens
+    """Longest prompt the run keeps: the configured limit, or what the model's length (or a
+    trajectory's, ``rollout.env.max_total_tokens``) leaves."""
+    room = (cfg.rollout.env.max_total_tokens or cfg.model.max_position_embeddings) - cfg.rollout.max_new_tokens
     return room if cfg.data.max_prompt_tokens is None else min(cfg.data.max_prompt_tokens, room)
 
 
 def run_tokenizer(cfg: RunConfig) -> PromptTokenizer:
-    """The run's tokenizer (files: from ``tokenizer.path`` or the starting checkpoint)."""
+    """The run's tokenizer (files: from ``tokenizer.path`` or the starting checkpoint; with an
+    environment that has tools, its prompts list them as the chat template does)."""
     if cfg.data.source == "task":
         from megatron_rl.data.tasks import build_task
         from megatron_rl.data.tokenizer import char_tokenizer_adapter
 
         return char_tokenizer_adapter(build_task(cfg.data.task).tokenizer)
-    return load_tokenizer(cfg.tokenizer, cfg.init_checkpoint)
+    return load_tokenizer(cfg.tokenizer, cfg.init_checkpoint, env_tools(cfg.rollout.env))
 
 
 def check_inputs(cfg: RunConfig) -> InputSummary:
@@ -111,6 +115,7 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
         _check_hf_engine(cfg, init)
     check_data_config(cfg.data)
     check_reward_config(cfg.reward)
+    check_env_config(cfg.rollout.env)
     if cfg.data.source == "files":
         if cfg.tokenizer.path is None and cfg.init_checkpoint is None:
             raise ConfigError("tokenizer.path: prompt files need a tokenizer; set tokenizer.path or init_checkpoint")

@@ -3,10 +3,11 @@
 Owns :class:`RolloutSource`, which turns the training order into this rank's groups of one
 RL step: it draws prompts (each data-parallel rank owns whole groups: prompt j of a round
 goes to rank j mod DP), generates G responses per prompt with seeds fixed by (seed, step,
-round), checks their weight versions, scores them in the reward pool (errors printed and
-counted, never silent), adds overlong shaping, and with dynamic sampling (DAPO) samples
-further rounds until every rank holds enough groups whose rewards differ, topping up with
-uninformative ones. Its public methods are also what the batch generated ahead draws and
+round) (with ``rollout.env``: G multi-turn trajectories, ``megatron_rl.rollout.multiturn``),
+checks their weight versions, scores them in the reward pool (errors printed and counted,
+never silent), adds the environment's rewards and overlong shaping, and with dynamic
+sampling (DAPO) samples further rounds until every rank holds enough groups whose rewards
+differ, topping up with uninformative ones. Its public methods are also what the batch generated ahead draws and
 generates through (:mod:`megatron_rl.train.async_rollouts`).
 
 Does not own the batch in flight (``async_rollouts``), the old-policy pass, advantages or
@@ -17,12 +18,14 @@ updates (:mod:`megatron_rl.train.trainer`), nor how a reward is computed
 from __future__ import annotations
 
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from megatron_rl.algos import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from megatron_rl.parallel import comm
 from megatron_rl.parallel.comm import (
     all_gather_objects,
     all_ranks_agree,
@@ -31,6 +34,8 @@ from megatron_rl.parallel.comm import (
 )
 from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.multiturn import trajectory_stats
+from megatron_rl.rollout.trajectory import ENV_FAULTS
 from megatron_rl.train.phases import phase_timer
 
 if TYPE_CHECKING:
@@ -90,6 +95,77 @@ class _Drawn:
     """``reward/<name>`` -> the reward functions' extra fields, per response that has one."""
     errors: int = 0
     """Responses whose reward function failed."""
+    trajectories: dict[str, list[float]] = field(default_factory=dict)
+    """``env/<name>`` -> one value per multi-turn trajectory that has it (``trajectory_stats``)."""
+
+
+class Background:
+    """Multi-turn rollouts of one sampling round generated in the background (asynchronous
+    rollouts with ``rollout.env``): the model-parallel leader's thread runs the whole
+    multi-turn rollout against the SGLang servers over HTTP only (the engine's
+    ``generate_local``; its environments answer in that thread's own daemon threads), so
+    nothing collective happens off the main thread; :meth:`finish` joins it on every rank,
+    fails every rank if the leader's thread failed, and gives the leader's trajectories to
+    its model-parallel peers. The servers hold one weight version throughout (no push
+    happens while a batch is in flight), which every turn checks."""
+
+    def __init__(self) -> None:
+        self.samples: list[RolloutSample] | None = None
+        self.error: BaseException | None = None
+        self.thread: threading.Thread | None = None
+        self.stats = None
+        """The leader's client counters (``ClientStats``)."""
+
+    @classmethod
+    def start(cls, source: RolloutSource, records: list[PromptRecord], seed: int,
+              on_samples: Callable[[dict[int, RolloutSample]], None]) -> Background:
+        from megatron_rl.rollout.multiturn import LonePeers, MultiTurnRollout
+        from megatron_rl.rollout.sglang.client import ClientStats
+
+        pending, engine = cls(), source.engine
+        if engine.weight_sync is not None and not engine.synced:
+            engine.update_weights(engine.weight_version)  # collective, as the engine's start_generate does
+        if comm.rank(source.groups.mp) != 0:
+            return pending
+        pending.stats = ClientStats()
+        expected = str(engine.weight_version) if engine.synced else None
+        turns = _LeaderTurns(engine, expected, pending.stats)
+        env = source.cfg.rollout.env
+        rollout = MultiTurnRollout(turns, source.tokenizer, env, source.multiturn.make_env, LonePeers(),
+                                   source.cfg.model.max_position_embeddings)
+        params, routes = source.sampling(source.cfg.rollout.temperature), source.cfg.rollout.return_routed_experts
+
+        def run() -> None:
+            try:
+                pending.samples = rollout.run(records, params, seed=seed, return_routes=routes)
+                on_samples(dict(enumerate(pending.samples)))
+            except BaseException as err:  # noqa: BLE001 - raised on every rank at the join
+                pending.error = err
+
+        pending.thread = threading.Thread(target=run, daemon=True, name="megatron-rl-async-trajectories")
+        pending.thread.start()
+        return pending
+
+    def finish(self, source: RolloutSource) -> list[RolloutSample]:
+        """Collective over the world: the leader's trajectories, on every rank of its group."""
+        if self.thread is not None:
+            self.thread.join()
+            source.engine.count_background(self.stats)
+        comm.raise_first_failure(self.error, source.groups.world, "a background multi-turn rollout")
+        if comm.size(source.groups.mp) > 1:
+            return comm.broadcast_object(self.samples, 0, source.groups.mp)
+        return self.samples
+
+
+class _LeaderTurns:
+    """The SGLang engine's ``generate_local`` behind the engine interface ``MultiTurnRollout`` calls."""
+
+    def __init__(self, engine, expected: str | None, stats) -> None:
+        self.engine, self.expected, self.stats = engine, expected, stats
+
+    def generate(self, prompts, params, *, return_routed_experts, seed, routes_from=None) -> list[RolloutSample]:
+        return self.engine.generate_local(prompts, params, return_routed_experts=return_routed_experts, seed=seed,
+                                          routes_from=routes_from, expected=self.expected, stats=self.stats)
 
 
 def check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
@@ -115,6 +191,14 @@ class RolloutSource:
         self.tokenizer, self.train_set, self.scorer = tokenizer, train_set, scorer
         self.groups_per_rank = cfg.rollout.prompts_per_step // groups.dp_size
         """Groups this rank trains per step (the entry points checked the split)."""
+        self.multiturn = None
+        """Multi-turn rollouts against ``rollout.env`` (None: one response per prompt)."""
+        if cfg.rollout.env.name is not None:
+            from megatron_rl.rollout.envs.load import env_factory
+            from megatron_rl.rollout.multiturn import GroupPeers, MultiTurnRollout
+
+            self.multiturn = MultiTurnRollout(engine, tokenizer, cfg.rollout.env, env_factory(cfg.rollout.env),
+                                              GroupPeers(groups), cfg.model.max_position_embeddings)
 
     # ------------------------------------------------------------------ data
 
@@ -151,25 +235,55 @@ class RolloutSource:
     def generate(self, problems: list[PromptRecord], step: int, round_: int) -> list[RolloutSample]:
         """Collective: G responses per prompt of sampling round ``round_`` of ``step``."""
         r = self.cfg.rollout
-        return self.engine.generate([p.prompt_ids for p in self.per_sample(problems)], self.sampling(r.temperature),
-                                    return_routed_experts=r.return_routed_experts,
-                                    seed=self._round_seed(step, round_))
+        return self.respond(self.per_sample(problems), r.temperature, self._round_seed(step, round_),
+                            r.return_routed_experts)
+
+    def respond(self, records: list[PromptRecord], temperature: float, seed: int,
+                return_routes: bool) -> list[RolloutSample]:
+        """Collective: one response (or multi-turn trajectory, with ``rollout.env``) per record."""
+        params = self.sampling(temperature)
+        if self.multiturn is not None:
+            return self.multiturn.run(records, params, seed=seed, return_routes=return_routes)
+        return self.engine.generate([p.prompt_ids for p in records], params, return_routed_experts=return_routes,
+                                    seed=seed)
 
     def start_generate(self, problems: list[PromptRecord], step: int, round_: int,
-                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration:
-        """:meth:`generate` begun in the background (the engine's ``start_generate``), with the
-        same prompts and seeds; ``on_samples`` gets the samples in the generating thread."""
+                       on_samples: Callable[[dict[int, RolloutSample]], None]) -> PendingGeneration | Background:
+        """:meth:`generate` begun in the background (the engine's ``start_generate``; with
+        ``rollout.env``, the whole multi-turn rollout in the model-parallel leader's thread),
+        with the same prompts and seeds; ``on_samples`` gets the samples in the generating thread."""
         r = self.cfg.rollout
+        seed = self._round_seed(step, round_)
+        if self.multiturn is not None:
+            return Background.start(self, self.per_sample(problems), seed, on_samples)
         return self.engine.start_generate([p.prompt_ids for p in self.per_sample(problems)],
                                           self.sampling(r.temperature), return_routed_experts=r.return_routed_experts,
-                                          seed=self._round_seed(step, round_), on_samples=on_samples)
+                                          seed=seed, on_samples=on_samples)
+
+    def finish_generate(self, pending: PendingGeneration | Background, version: int) -> list[RolloutSample]:
+        """Collective: the samples of a batch :meth:`start_generate` began (``version``: the
+        trainer's weight version now, see the engine's ``finish_generate``)."""
+        if isinstance(pending, Background):
+            return pending.finish(self)
+        return self.engine.finish_generate(pending, version)
 
     # ------------------------------------------------------------------ rewards
 
     def _reward_input(self, record: PromptRecord, sample: RolloutSample) -> RewardInput:
+        # A trajectory's answer is its last model turn.
+        ids = sample.output_ids if sample.turns is None else sample.output_ids[sample.turns[-1][0]:]
         return RewardInput(sample_id=record.sample_id, prompt=record.prompt,
-                           response=self.tokenizer.decode_response(sample.output_ids),
+                           response=self.tokenizer.decode_response(ids),
                            ground_truth=record.ground_truth, metadata=record.metadata)
+
+    def total_reward(self, result: RewardResult, sample: RolloutSample) -> float:
+        """A response's reward: the reward function's score, plus the environment's rewards of a
+        trajectory, or ``reward.error_score`` for a trajectory its environment failed."""
+        if sample.turn_rewards is None:
+            return result.score
+        if sample.end_reason in ENV_FAULTS:
+            return self.cfg.reward.error_score
+        return result.score + sum(sample.turn_rewards)
 
     def rewards_of(self, records: list[PromptRecord], samples: list[RolloutSample]) -> list[RewardResult]:
         """Rewards of ``samples[i]`` answering ``records[i]``, from the reward pool, as they come
@@ -194,7 +308,7 @@ class RolloutSource:
 
     def _group_rewards(self, results: list[RewardResult], samples: list[RolloutSample]) -> torch.Tensor:
         """``[G]`` rewards of one group, with overlong shaping."""
-        rewards = torch.tensor([r.score for r in results], dtype=torch.float64)
+        rewards = torch.tensor([self.total_reward(r, s) for r, s in zip(results, samples)], dtype=torch.float64)
         if self.objective.overlong_penalty_max_len is not None:
             lengths = torch.tensor([len(s.output_ids) for s in samples])
             rewards = rewards + soft_overlong_penalty_S(
@@ -241,6 +355,8 @@ class RolloutSource:
             "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn.rewards))),
         }, self.groups.dp))
         metrics.update(self._reward_extras(drawn.extras, drawn.errors))
+        if self.multiturn is not None:
+            metrics.update(self.agreed_means(drawn.trajectories))
         return chosen
 
     def _sort_round(self, drawn: _Drawn, this: Round, results: list[RewardResult]) -> None:
@@ -255,13 +371,29 @@ class RolloutSource:
             group_results = results[g * G : (g + 1) * G]
             rewards = self._group_rewards(group_results, group)
             drawn.rewards.append(rewards)
-            drawn.correct.extend(1.0 if res.score > 0 else 0.0 for res in group_results)
+            drawn.correct.extend(1.0 if self.total_reward(res, s) > 0 else 0.0 for res, s in zip(group_results, group))
             drawn.lengths.extend(len(s.output_ids) for s in group)
+            if self.multiturn is not None:
+                for name, values in trajectory_stats(group).items():
+                    drawn.trajectories.setdefault(name, []).extend(values)
             informative = bool(dynamic_sampling_keep_S(rewards, torch.zeros(G, dtype=torch.int64), 1).any())
             target = drawn.kept if informative or not self.objective.dynamic_sampling else drawn.dropped
             target.problems.append(problem)
             target.samples.append(group)
             target.rewards.append(rewards)
+
+    def agreed_means(self, values: dict[str, list[float]]) -> dict[str, torch.Tensor]:
+        """Collective: each name's mean over every rank's values (a rank may lack a name:
+        the names are agreed on first, so every rank reduces the same tensor)."""
+        names = set(values)
+        if self.groups.dp_size > 1:
+            names = set().union(*all_gather_objects(sorted(names), self.groups.dp))
+        names = sorted(names)
+        totals = torch.tensor([sum(values.get(n, [])) for n in names] + [len(values.get(n, [])) for n in names],
+                              dtype=torch.float64)
+        if self.groups.dp_size > 1:
+            all_reduce(totals, self.groups.dp)
+        return {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
 
     def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
         """Means of the reward functions' extra fields over the global batch, and the error count.

@@ -6,7 +6,9 @@ starting or resuming it, one RL step after the rollouts, evaluation, checkpoints
 HF export. The rollouts themselves (data draw, sampling rounds, rewards, dynamic sampling)
 are :mod:`megatron_rl.train.rollouts`; with ``rollout.max_staleness: 1`` the next step's
 first round is generated while a step trains (:mod:`megatron_rl.train.async_rollouts`);
-0 keeps the synchronous loop.
+0 keeps the synchronous loop. With ``rollout.env`` each sample is a multi-turn trajectory
+(:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens the policy
+generated, and the environment's tokens stay in the context only.
 
 The policy starts from ``init_checkpoint`` (an HF directory streamed into this run's
 layout, or a Megatron checkpoint) unless the run directory holds a checkpoint of its own,
@@ -47,6 +49,8 @@ from megatron_rl.parallel.optim import build_optimizer, optimizer_step
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rewards.pool import RewardScorer
+from megatron_rl.rollout.multiturn import trajectory_stats
+from megatron_rl.rollout.trajectory import turn_of_positions
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import (
@@ -238,11 +242,15 @@ class Trainer:
         packing = self._packing()
         with phase_timer(metrics, "old_logprobs"):
             old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
-        rollout_lp = torch.cat([s.output_logprobs for s in samples])
+        # The loss sees only what the policy generated: a multi-turn trajectory's environment
+        # tokens stay in the context, masked. They have no rollout log-prob; they take the old
+        # policy's, so that every train/rollout correction is neutral there.
+        mask_T = torch.cat([s.loss_mask() for s in samples])
+        rollout_lp = torch.where(mask_T, torch.cat([s.output_logprobs for s in samples]), old.logprobs_T)
         diff = (old.logprobs_T - rollout_lp)
         metrics.update(mean_over({
-            "mismatch/train_rollout_abs_diff": diff.abs().mean(),
-            "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T).mean(),
+            "mismatch/train_rollout_abs_diff": diff.abs()[mask_T].mean(),
+            "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T)[mask_T].mean(),
         }, self.groups.dp))
         ref_lp = None
         if self.reference is not None:
@@ -250,7 +258,6 @@ class Trainer:
                 ref_lp = compute_logprobs(self.reference, self.groups, sequences, prompt_lengths,
                                           **packing).logprobs_T
         seq_ids_T = seq_ids_from_cu_seqlens(old.cu_seqlens_S1)
-        mask_T = torch.ones_like(old.logprobs_T, dtype=torch.bool)
         advantages = compute_advantages(
             self.objective, rewards_S=torch.cat(chosen.rewards).float(),
             group_ids_S=torch.arange(len(chosen.rewards)).repeat_interleave(G),
@@ -258,12 +265,32 @@ class Trainer:
             old_logprobs_T=old.logprobs_T, ref_logprobs_T=ref_lp,
         )
         routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
+        if routes is not None and self.rollouts.multiturn is not None:
+            metrics.update(self._route_agreement_per_turn(samples, old.record))
         return TrainBatch(
             sequences=sequences, prompt_lengths=prompt_lengths, old_logprobs_T=old.logprobs_T,
             advantages_T=advantages.float(), loss_mask_T=mask_T, rollout_logprobs_T=rollout_lp,
             ref_logprobs_T=ref_lp, truncated_S=torch.tensor([s.finish_reason == "length" for s in samples]),
             old_record=old.record, rollout_routes=routes,
         )
+
+    def _route_agreement_per_turn(self, samples, old_record) -> dict[str, torch.Tensor]:
+        """``routing/rollout_agreement/turn<k>``: share of (position, layer) pairs whose rollout
+        routes (what R3 replays) are the experts the old-policy pass chose, among the positions
+        turn k's engine pass computed (``turn_of_positions``), averaged over the DP group."""
+        same, count = {}, {}
+        for i, s in enumerate(samples):
+            rollout_NLK = s.routed_experts.long()
+            old_NLK = old_record.sample(i).expert_ids_TLK[:-1].long()
+            if rollout_NLK.shape[1] != old_NLK.shape[1]:
+                rollout_NLK = rollout_NLK[:, [n - 1 for n in old_record.layer_numbers]]
+            agree_N = (rollout_NLK.sort(-1).values == old_NLK.sort(-1).values).all(-1).double().mean(-1)
+            turn_N = turn_of_positions(len(s.prompt_ids), s.turns or [(0, len(s.output_ids))], agree_N.numel())
+            for k in range(1, int(turn_N.max()) + 1):
+                same[k] = same.get(k, 0.0) + float(agree_N[turn_N == k].sum())
+                count[k] = count.get(k, 0.0) + float((turn_N == k).sum())
+        values = {f"routing/rollout_agreement/turn{k}": [same[k] / max(count[k], 1.0)] for k in same}
+        return self.rollouts.agreed_means(values)
 
     def _update(self, batch: TrainBatch, metrics: dict) -> None:
         """Mini-batch / multi-epoch policy updates."""
@@ -292,23 +319,27 @@ class Trainer:
         records = records[: len(records) - len(records) % self.groups.dp_size]
         mine = self.rollouts.mine(records)
         n = e.num_samples
-        samples = self.engine.generate([r.prompt_ids for r in mine for _ in range(n)],
-                                       self.rollouts.sampling(e.temperature), return_routed_experts=False,
-                                       seed=self.cfg.seed)
+        asked = [r for r in mine for _ in range(n)]
+        samples = self.rollouts.respond(asked, e.temperature, self.cfg.seed, return_routes=False)
         check_versions(samples, self.engine.weight_version)
-        results = self.rollouts.score([r for r in mine for _ in range(n)], samples)
-        correct = [sum(res.score > 0 for res in results[i * n : (i + 1) * n]) for i in range(len(mine))]
+        rewards = [self.rollouts.total_reward(res, s) for res, s in zip(self.rollouts.score(asked, samples), samples)]
+        correct = [sum(reward > 0 for reward in rewards[i * n : (i + 1) * n]) for i in range(len(mine))]
         names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
         sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
         if e.greedy and e.temperature > 0:
-            greedy = self.engine.generate([r.prompt_ids for r in mine], self.rollouts.sampling(0.0),
-                                          return_routed_experts=False, seed=self.cfg.seed)
+            greedy = self.rollouts.respond(mine, 0.0, self.cfg.seed, return_routes=False)
             names.append("eval/accuracy_greedy")
-            sums.append(float(sum(res.score > 0 for res in self.rollouts.score(mine, greedy))))
+            sums.append(float(sum(self.rollouts.total_reward(res, s) > 0
+                                  for res, s in zip(self.rollouts.score(mine, greedy), greedy))))
         totals = torch.tensor([*sums, float(len(mine))], dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
-        return {name: (totals[i] / totals[-1]).float() for i, name in enumerate(names)}
+        out = {name: (totals[i] / totals[-1]).float() for i, name in enumerate(names)}
+        if self.rollouts.multiturn is not None:
+            stats = trajectory_stats(samples)
+            out.update({"eval/" + name.removeprefix("env/"): value
+                        for name, value in self.rollouts.agreed_means(stats).items()})
+        return out
 
     # ------------------------------------------------------------------ start and checkpoints
 

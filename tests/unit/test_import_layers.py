@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.rewards.config": 1,
     "megatron_rl.rollout.config": 1,
     "megatron_rl.rollout.sglang.config": 1,
+    "megatron_rl.rollout.envs.config": 1,
     "megatron_rl.train.config": 1,
     "megatron_rl.train.logging_config": 1,
     "megatron_rl.fp8": 1,

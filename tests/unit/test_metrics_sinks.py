@@ -220,6 +220,10 @@ def test_summary_table_shows_first_middle_last_and_accuracy_change():
     assert body[-1] == ["100", "null", "100", "-"]
     assert len({len(line) for line in lines[:-1]}) == 1
     assert lines[-1] == "held-out accuracy (eval/accuracy): 0.125 (step 1) -> 0.750 (step 99)"
+    rows[9]["eval/correct_tool_use"], rows[89]["eval/correct_tool_use"] = 0.25, 0.5
+    more = summary_table(rows, ["count"], max_rows=5, also=["eval/correct_tool_use", "never/logged"]).splitlines()
+    assert more[-2:] == ["held-out accuracy (eval/accuracy): 0.125 (step 1) -> 0.750 (step 99)",
+                         "eval/correct_tool_use: 0.250 (step 10) -> 0.500 (step 90)"]
 
 
 def test_summary_table_without_accuracy_or_rows():

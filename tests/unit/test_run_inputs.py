@@ -48,6 +48,7 @@ def bad_inputs(tmp_path_factory):
     (root / "my_rewards.py").write_text(
         "def two_args(prompt, response):\n    return 0.0\n"
     )
+    (root / "my_envs.py").write_text("class NoStep:\n    def reset(self, row):\n        return None\n")
     from megatron_rl.config_loading import to_dict
     from megatron_rl.train.prepare import load_run_config
 
@@ -85,6 +86,17 @@ CASES = {
                                        "rollout.sglang.urls=[http://127.0.0.1:9]", "rollout.sglang.weight_sync=none"],
                                       "rollout.max_staleness: 1 with rollout.sglang.weight_sync=none"),
     "staleness deeper than offered": (["rollout.max_staleness=2"], "rollout.max_staleness: 2 is not offered"),
+    "environment does not import": (["rollout.env.name=no_such_module:Env"],
+                                    "rollout.env.name: cannot import 'no_such_module'"),
+    "environment without step": (["rollout.env.name=my_envs:NoStep"], "rollout.env.name: my_envs:NoStep has no step"),
+    "environment arguments": (["rollout.env.name=calculator", "rollout.env.args.digits=3"],
+                              "rollout.env.args: calculator does not accept"),
+    "http environment without url": (["rollout.env.name=http"], "rollout.env.http.url: '' is not an http://"),
+    "no turn allowed": (["rollout.env.name=calculator", "rollout.env.max_turns=0"], "rollout.env.max_turns"),
+    "trajectory longer than the model": (["rollout.env.name=calculator", "rollout.env.max_total_tokens=4096"],
+                                         "rollout.env.max_total_tokens: 4096 exceeds"),
+    "environment without chat template": (["rollout.env.name=calculator", "tokenizer.chat_template=false"],
+                                          "rollout.env.name: multi-turn rollouts render"),
 }
 
 

@@ -2,8 +2,10 @@
 
 Covers ``megatron_rl/assets`` (written by ``tools/make_tiny_model.py``): transformers
 loads model and tokenizer, the chat template and special tokens are what the trainer
-relies on, the checkpoint passes the project's HF inspection, and the prompt files parse
-with unique ids and disjoint train / held-out prompts. Does not check accuracy.
+relies on (tool calls and tool results rendered as Qwen3 renders them, the tool tags single
+added tokens, Qwen3's response template for ``parse_response``), the checkpoint passes the
+project's HF inspection, and both sets of prompt files parse with unique ids and disjoint
+train / held-out prompts. Does not check accuracy.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(MODEL_DIR)
 
 
-def _rows(name: str) -> list[dict]:
-    return [json.loads(line) for line in (ASSETS / "arithmetic" / name).read_text().splitlines()]
+def _rows(name: str, directory: str = "arithmetic") -> list[dict]:
+    return [json.loads(line) for line in (ASSETS / directory / name).read_text().splitlines()]
 
 
 def test_checkpoint_loads_and_runs(tokenizer):
@@ -83,8 +85,9 @@ def test_checkpoint_passes_inspection():
     assert (source.model.num_experts, source.model.moe_router_topk, source.model.vocab_size) == (8, 2, 512)
 
 
-def test_prompt_files_parse_and_are_disjoint():
-    train, held_out = _rows("train.jsonl"), _rows("eval.jsonl")
+@pytest.mark.parametrize("directory", ["arithmetic", "arithmetic_tools"])
+def test_prompt_files_parse_and_are_disjoint(directory):
+    train, held_out = _rows("train.jsonl", directory), _rows("eval.jsonl", directory)
     assert len(held_out) >= 100 and len(train) >= 1000
     for row in train + held_out:
         assert set(row) == {"id", "prompt", "answer"}
@@ -92,3 +95,19 @@ def test_prompt_files_parse_and_are_disjoint():
     ids = [row["id"] for row in train + held_out]
     assert len(set(ids)) == len(ids)
     assert not {row["prompt"] for row in train} & {row["prompt"] for row in held_out}
+
+
+def test_tool_calls_and_results_render_as_qwen3_does(tokenizer):
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "7 * 8 + 15"}}}
+    messages = [{"role": "user", "content": "What is 7 * 8 + 15?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+                {"role": "tool", "content": "71"}, {"role": "tool", "content": "2"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == ('<|im_start|>user\nWhat is 7 * 8 + 15?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n'
+                    '{"name": "calculator", "arguments": {"expression": "7 * 8 + 15"}}\n</tool_call><|im_end|>\n'
+                    '<|im_start|>user\n<tool_response>\n71\n</tool_response>\n<tool_response>\n2\n</tool_response>'
+                    '<|im_end|>\n<|im_start|>assistant\n')
+    for tag in ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert len(tokenizer.encode(tag, add_special_tokens=False)) == 1
+        assert tokenizer.decode(tokenizer.encode(tag, add_special_tokens=False), skip_special_tokens=True) == tag
+    parsed = tokenizer.parse_response(text.split("<|im_start|>assistant\n")[1].split("<|im_start|>")[0], prefix="")
+    assert parsed["tool_calls"] == [call]

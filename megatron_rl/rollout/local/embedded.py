@@ -17,8 +17,8 @@ Decoding recomputes the whole prefix each step (no KV cache). This is
 (rollout log-probs and routes are the trainer's own, bit for bit); the default local
 engine is the KV-cached ``hf_engine``, and GPU runs use SGLang. When generation ends, one more pass over
 the full sequences (the log-prob pass, with routing recorded) yields the response
-log-probs and the routed experts in SGLang's layout, so the trainer treats this engine
-and SGLang alike.
+log-probs and the routed experts in SGLang's layout (from ``routes_from`` on), so the
+trainer treats this engine and SGLang alike.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from megatron_rl.parallel.logprobs import (
 )
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
 from megatron_rl.rollout.sampling import sample_next_tokens
 
 
@@ -73,8 +73,10 @@ class EmbeddedEngine:
         """Nothing to release: the engine is the training model."""
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+                 return_routed_experts: bool = True, seed: int = 0,
+                 routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
         """``RolloutEngine.generate`` for this DP rank (collective over the world)."""
+        starts = check_routes_from(prompts, routes_from)
         gpt = unwrap(self.model)
         longest = max(len(p) for p in prompts) + params.max_new_tokens
         if longest > gpt.max_sequence_length:
@@ -99,7 +101,7 @@ class EmbeddedEngine:
                 if not finished[i]:
                     outputs[i].append(token)
                     finished[i] = token in stops
-        return self._finish(prompts, outputs, finished, return_routed_experts)
+        return self._finish(prompts, outputs, finished, return_routed_experts, starts)
 
     def _any_active(self, finished: list[bool]) -> bool:
         active = torch.tensor([0 if all(finished) else 1], dtype=torch.int64)
@@ -133,7 +135,7 @@ class EmbeddedEngine:
             broadcast(logits_BV, groups.pp_size - 1, groups.pp)
         return logits_BV
 
-    def _finish(self, prompts, outputs, finished, return_routed_experts) -> list[RolloutSample]:
+    def _finish(self, prompts, outputs, finished, return_routed_experts, starts) -> list[RolloutSample]:
         """Log-probs (and routes) of the generated tokens from one pass over full sequences."""
         # A response needs at least one token for the log-prob pass; max_new_tokens >= 1.
         sequences = [torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)]
@@ -145,7 +147,7 @@ class EmbeddedEngine:
         samples = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
             lo, hi = int(result.cu_seqlens_S1[i]), int(result.cu_seqlens_S1[i + 1])
-            routes = result.record.sample(i).expert_ids_TLK[:-1] if result.record is not None else None
+            routes = result.record.sample(i).expert_ids_TLK[starts[i]:-1] if result.record is not None else None
             samples.append(
                 RolloutSample(
                     prompt_ids=list(prompt),

@@ -24,7 +24,13 @@ model-parallel group (TP x PP) share a DP rank's prompts: each generates a conti
 share with its own generator stream (seed, DP rank, MP rank) and the group all-gathers the
 samples, so every rank of the group returns the same samples, and TP/PP ranks add
 generation throughput instead of repeating it. No collective runs inside decoding, so
-ranks finish independently. Does not own sampling math (``sampling``), the HF name table
+ranks finish independently.
+
+Multi-turn rollouts (``prefix_cache=True``): each rank keeps the KV of the responses it
+generated, and a later prompt that extends one (the next turn of a trajectory) prefills
+only its new tokens; routes of the cached positions come from the pass that computed them
+(``hf_prefix_cache``). A prompt another rank of the group generated last turn misses the
+cache and is recomputed whole, which changes speed, never which positions' routes return. Does not own sampling math (``sampling``), the HF name table
 or when pushes happen (the trainer).
 """
 
@@ -37,13 +43,14 @@ import torch
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
-from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
 from megatron_rl.rollout.local.hf_generate import check_lengths, generate
 from megatron_rl.rollout.local.hf_model import (
     HFWeightLoader,
     build_hf_model,
     check_architecture,
 )
+from megatron_rl.rollout.local.hf_prefix_cache import PrefixCache
 from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 from megatron_rl.sections import ModelConfig
 
@@ -60,6 +67,8 @@ class HFEngine:
         model_config: the Megatron model's config.
         device: where the replica lives (default: the current CUDA device, else CPU).
         dtype: the replica's dtype (default: the model's ``params_dtype``).
+        prefix_cache: keep each finished response's KV and serve a prompt that extends it
+            from there (multi-turn rollouts; emptied at every weight push).
     """
 
     def __init__(
@@ -71,6 +80,7 @@ class HFEngine:
         model_config: ModelConfig,
         device: torch.device | str | None = None,
         dtype: str | None = None,
+        prefix_cache: bool = False,
     ) -> None:
         check_architecture(architecture)
         if device is None:
@@ -81,6 +91,7 @@ class HFEngine:
         self.hf_model = build_hf_model(architecture, model_config, device, dtype)
         self._name_map = hf_name_map(ARCHITECTURES.get(architecture), model_config)
         self._loader = HFWeightLoader(self.hf_model, architecture)
+        self.prefix_cache = PrefixCache() if prefix_cache else None
         self.weight_version = -1
         self.update_weights(0)
 
@@ -93,6 +104,8 @@ class HFEngine:
             for hf_name, tensor in self._name_map(name, full):
                 self._loader.load(hf_name, tensor)
         self._loader.finish()
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()  # KV of the old weights must not serve the new ones
         self._check_replicas(version)
         self.weight_version = version
 
@@ -118,9 +131,11 @@ class HFEngine:
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+                 return_routed_experts: bool = True, seed: int = 0,
+                 routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
         """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group)."""
         check_lengths(prompts, params.max_new_tokens, self.max_length)
+        starts = check_routes_from(prompts, routes_from)
         mp = self.groups.mp
         mp_size, mp_rank = comm.size(mp), comm.rank(mp)
         per, extra = divmod(len(prompts), mp_size)
@@ -131,7 +146,8 @@ class HFEngine:
         mine = []
         if len(share):
             mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
-                            return_routes=return_routed_experts, max_length=self.max_length)
+                            return_routes=return_routed_experts, max_length=self.max_length,
+                            routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache)
         if mp_size > 1:
             mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]
         return [

@@ -18,6 +18,11 @@ hooks keyed by layer number: the experts the block actually computed with. In SG
 layout a sample of N tokens has ``[N - 1, L, K]`` routes: the last token is never
 forwarded.
 
+Multi-turn: ``routes_from`` returns routes from a position on (SGLang's
+``routed_experts_start_len``), and with a ``prefix_cache`` a prompt that extends a finished
+response is served from that response's KV, so only the new positions are computed
+(``hf_prefix_cache``).
+
 Does not own the model or its weights (``hf_model``), data-parallel splitting or
 versions (``hf_engine``).
 """
@@ -31,7 +36,13 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.engine import SamplingParams, check_routes_from
+from megatron_rl.rollout.local.hf_prefix_cache import (
+    CachedPrefix,
+    PrefixCache,
+    batch_cache,
+    take_rows,
+)
 from megatron_rl.rollout.sampling import sample_next_tokens
 from moe_routing.types import compact_id_dtype
 
@@ -112,6 +123,8 @@ def generate(
     return_routes: bool,
     max_length: int,
     pad_id: int = 0,
+    routes_from: Sequence[int] | None = None,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -123,34 +136,39 @@ def generate(
         return_routes: also collect SGLang-layout routes per sample.
         max_length: the model's longest sequence; longer requests fail naming the sample.
         pad_id: id written in left-padding positions (masked out of attention).
+        routes_from: per prompt, the first position whose routes are returned (default 0).
+        prefix_cache: serve prompts that extend a finished response from its KV, and keep
+            every finished response's KV in it (``hf_prefix_cache``).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
     check_lengths(prompts, params.max_new_tokens, max_length)
+    starts = check_routes_from(prompts, routes_from)
     device = next(hf_model.parameters()).device
-    B, P = len(prompts), max(len(p) for p in prompts)
-    lengths_B = torch.tensor([len(p) for p in prompts], device=device)
-    input_BP, mask_BP, positions_BP = _left_padded(prompts, lengths_B, pad_id)
+    cached = [None if prefix_cache is None else prefix_cache.lookup(p, return_routes) for p in prompts]
+    cache, input_BS, mask_BP, positions_BS, suffixes = _prefill_inputs(hf_model, prompts, cached, pad_id)
+    B, S = input_BS.shape
     stops = set(params.stop_token_ids)
     responses = _Responses(B)
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=hf_model.config)
     with _capture_routes(hf_model, return_routes) as captured:
-        out = hf_model(input_ids=input_BP, attention_mask=mask_BP, position_ids=positions_BP, cache=cache,
+        out = hf_model(input_ids=input_BS, attention_mask=mask_BP, position_ids=positions_BS, cache=cache,
                        use_cache=True, logits_to_keep=1)
-        step_routes = _pop_step_routes(captured, B, P)
+        step_routes = _pop_step_routes(captured, B, S)
         if step_routes is not None:
-            for i in range(B):
-                responses.routes[i].append(step_routes[i, P - len(prompts[i]):])
+            for i, entry in enumerate(cached):
+                if entry is not None:
+                    responses.routes[i].append(entry.routes_CLK)
+                responses.routes[i].append(step_routes[i, S - len(suffixes[i]):])
         rows = torch.arange(B, device=device)  # sample index of each batch row
-        next_pos_B = lengths_B.clone()
+        next_pos_B = torch.tensor([len(p) for p in prompts], device=device)
         for step in range(params.max_new_tokens):
             logits_BV = out.logits[:, -1].float()
             tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
                                           top_k=params.top_k, generator=generator)
             token_lp_B = logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]
             keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
+            if prefix_cache is not None:
+                _keep_finished(prefix_cache, cache, rows, keep, mask_BP, prompts, responses)
             if not keep:
                 break
             if len(keep) < len(rows):
@@ -167,7 +185,42 @@ def generate(
             if step_routes is not None:
                 for r, i in enumerate(rows.tolist()):
                     responses.routes[i].append(step_routes[r])
-    return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes)
+    return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
+                                 routes_from=starts)
+
+
+def _prefill_inputs(hf_model: torch.nn.Module, prompts: Sequence[Sequence[int]],
+                    cached: list[CachedPrefix | None], pad_id: int) -> tuple:
+    """``(cache, input_BS, mask_BP, positions_BS, suffixes)`` of the prefill: each prompt's
+    positions not served from ``cached``, left-padded, after the cached ones (``batch_cache``);
+    with nothing cached, exactly the left-padded prompts over an empty cache."""
+    from transformers import DynamicCache
+
+    device = next(hf_model.parameters()).device
+    done_B = [0 if c is None else len(c.ids) for c in cached]  # positions served from the cache
+    suffixes = [list(p)[n:] for p, n in zip(prompts, done_B)]
+    input_BS, mask_BP, positions_BS = _left_padded(suffixes, torch.tensor([len(s) for s in suffixes], device=device),
+                                                   pad_id)
+    positions_BS = positions_BS + torch.tensor(done_B, device=device)[:, None] * mask_BP
+    cache = DynamicCache(config=hf_model.config)
+    if any(done_B):
+        _, mask_BC = batch_cache(cache, cached, next(hf_model.parameters()).dtype, device)
+        mask_BP = torch.cat([mask_BC, mask_BP], dim=1)
+    return cache, input_BS, mask_BP, positions_BS, suffixes
+
+
+def _keep_finished(prefix_cache: PrefixCache, cache, rows: torch.Tensor, keep: list[int], mask_BP: torch.Tensor,
+                   prompts: Sequence[Sequence[int]], responses: _Responses) -> None:
+    """Store the KV (and routes) of the rows that just finished, for a continuation of their sample."""
+    kept = set(keep)
+    finished = [r for r in range(len(rows)) if r not in kept]
+    for r, (keys, values) in zip(finished, take_rows(cache, finished, mask_BP)):
+        i = int(rows[r])
+        ids = (*prompts[i], *responses.output_ids[i][:-1])
+        if keys[0].shape[1] != len(ids):
+            raise RuntimeError(f"prefix cache: sample {i} holds {keys[0].shape[1]} cached positions for {len(ids)} ids")
+        routes = torch.cat(responses.routes[i]) if responses.routes[i] else None
+        prefix_cache.store(CachedPrefix(ids, keys, values, routes))
 
 
 def _left_padded(
@@ -206,14 +259,15 @@ class _Responses:
                 keep.append(r)
         return keep
 
-    def generations(self, id_dtype: torch.dtype, *, with_routes: bool) -> list[Generation]:
-        """One :class:`Generation` per sample; routes (when collected) as ``id_dtype``."""
+    def generations(self, id_dtype: torch.dtype, *, with_routes: bool, routes_from: list[int]) -> list[Generation]:
+        """One :class:`Generation` per sample; routes (when collected) from ``routes_from`` on, as ``id_dtype``."""
         return [
             Generation(
                 output_ids=ids, logprobs=torch.stack(logprobs).float().cpu(), stopped=stopped,
-                routes_NLK=torch.cat(routes).to(id_dtype).cpu() if with_routes else None,
+                routes_NLK=torch.cat(routes)[start:].to(id_dtype).cpu() if with_routes else None,
             )
-            for ids, logprobs, routes, stopped in zip(self.output_ids, self.logprobs, self.routes, self.stopped)
+            for ids, logprobs, routes, stopped, start in zip(self.output_ids, self.logprobs, self.routes,
+                                                             self.stopped, routes_from)
         ]
 
 

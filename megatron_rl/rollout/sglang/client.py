@@ -229,6 +229,7 @@ class SGLangClient:
         expected_version: str | None = None,
         seeds: Sequence[int] | None = None,
         resync: bool = False,
+        routes_from: Sequence[int] | None = None,
     ) -> list[GenerateResult]:
         """One result per prompt, in prompt order, each accounted for exactly once.
 
@@ -241,6 +242,8 @@ class SGLangClient:
             resync: the caller can re-push weights: a server behind ``expected_version`` is
                 set aside instead of retried, and :class:`ServersBehindError` is raised when
                 samples are left with no server.
+            routes_from: ``routed_experts_start_len`` per sample (None: 0): routes come back
+                for the positions from there on (multi-turn rollouts ask for the new ones).
 
         Raises:
             RolloutRequestError: a sample failed within its retry budget, or was refused (4xx).
@@ -253,7 +256,8 @@ class SGLangClient:
             await self._find_behind(expected_version)
         tasks = [
             asyncio.create_task(self._sample(ledger, i, prompt, params, return_routed_experts, expected_version,
-                                             None if seeds is None else seeds[i], resync))
+                                             None if seeds is None else seeds[i], resync,
+                                             0 if routes_from is None else routes_from[i]))
             for i, prompt in enumerate(prompts)
         ]
         try:
@@ -282,7 +286,8 @@ class SGLangClient:
             if served is not None and _is_behind(served, expected):
                 self._behind[url] = served
 
-    async def _sample(self, ledger, index, prompt, params, want_routes, expected_version, seed, resync) -> None:
+    async def _sample(self, ledger, index, prompt, params, want_routes, expected_version, seed, resync,
+                      start_len: int = 0) -> None:
         last_error, first_failure, attempt = None, None, 0
         url = None
         while True:
@@ -294,8 +299,10 @@ class SGLangClient:
                         return  # every server is behind: the engine re-pushes weights and asks again
                     rid = f"{ledger.batch}-{index}.a{attempt}"
                     payload = generate_payload(rid=rid, prompt_ids=prompt, params=params,
-                                               return_routed_experts=want_routes, sampling_seed=seed)
-                    result = await self._attempt(url, rid, payload, index, len(prompt), want_routes, expected_version)
+                                               return_routed_experts=want_routes, sampling_seed=seed,
+                                               routes_from=start_len)
+                    result = await self._attempt(url, rid, payload, index, len(prompt), want_routes, expected_version,
+                                                 start_len)
                 result.meta.update(server=url, attempts=attempt + 1)
                 ledger.add(index, result)
                 self.stats.per_server[url] = self.stats.per_server.get(url, 0) + 1
@@ -385,7 +392,8 @@ class SGLangClient:
             return None
         return None if status == 200 else f"server {url} answered /health with HTTP {status} (unhealthy)"
 
-    async def _attempt(self, url, rid, payload, index, prompt_len, want_routes, expected_version) -> GenerateResult:
+    async def _attempt(self, url, rid, payload, index, prompt_len, want_routes, expected_version,
+                       start_len: int = 0) -> GenerateResult:
         source = f"sample {index} (rid {rid}) from {url}"
         self.stats.attempts += 1
         self._in_flight[url] += 1
@@ -413,7 +421,7 @@ class SGLangClient:
             result = decode_generate_response(
                 data, rid=rid, prompt_len=prompt_len, want_routes=want_routes, num_layers=self.routes.num_layers,
                 topk=self.routes.topk, num_experts=self.routes.num_experts, source=source,
-                moe_layers=self.routes.moe_layers,
+                moe_layers=self.routes.moe_layers, start_len=start_len,
             )
         except MissingRoutesError as err:
             raise RolloutRequestError(f"{err} (not retried)") from None

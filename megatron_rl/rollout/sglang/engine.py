@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 import torch
 
 from megatron_rl.parallel import comm
-from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
 from megatron_rl.rollout.sglang.client import (
     ClientStats,
     RolloutRequestError,
@@ -150,20 +150,24 @@ class SGLangEngine:
         return self.groups is not None and (comm.size(self.groups.mp) > 1 or self.weight_sync is not None)
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
-                 return_routed_experts: bool = True, seed: int = 0) -> list[RolloutSample]:
+                 return_routed_experts: bool = True, seed: int = 0,
+                 routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
         """One response per prompt of this DP rank (collective over the model-parallel group,
-        and over the world when ``weight_sync`` is set)."""
+        and over the world when ``weight_sync`` is set); ``routes_from``: each request's
+        ``routed_experts_start_len``."""
+        routes_from = check_routes_from(prompts, routes_from)
         if self.weight_sync is not None and not self.synced:
             self.update_weights(self.weight_version)
         self.stats = ClientStats()
-        return self._complete(prompts, params, return_routed_experts, self._seeds(seed, len(prompts)), None)
+        return self._complete(prompts, params, return_routed_experts, self._seeds(seed, len(prompts)), None,
+                              routes_from=routes_from)
 
     def _seeds(self, seed: int, count: int) -> list[int]:
         dp_rank = 0 if self.groups is None else self.groups.dp_rank
         return [(seed * 1_000_003 + dp_rank * 7_919 + i) % 2**31 for i in range(count)]
 
     def _complete(self, prompts, params, want_routes, seeds, first: tuple | None,
-                  resync_version: int | None = None) -> list[RolloutSample]:
+                  resync_version: int | None = None, routes_from: list[int] | None = None) -> list[RolloutSample]:
         """Rounds until every prompt has its sample; ``first``: the first round's leader outcome,
         already obtained (by :meth:`start_generate`'s thread), else it is asked for now;
         ``resync_version``: the version a re-push tags the weights with (None: ``weight_version``)."""
@@ -175,7 +179,7 @@ class SGLangEngine:
                     first = None
                 else:
                     todo = [i for i in range(len(prompts)) if i not in done]
-                    samples, behind = self._round(prompts, todo, params, want_routes, seeds)
+                    samples, behind = self._round(prompts, todo, params, want_routes, seeds, routes_from)
                 done.update(samples)
                 if not behind:
                     return [done[i] for i in range(len(prompts))]
@@ -241,16 +245,41 @@ class SGLangEngine:
         return self._complete(pending.prompts, pending.params, pending.want_routes, pending.seeds,
                               ("shared", outcome), resync_version=version)
 
-    def _round(self, prompts, todo, params, want_routes, seeds) -> tuple[dict[int, RolloutSample], dict[str, str]]:
+    def generate_local(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       return_routed_experts: bool = True, seed: int = 0, routes_from: Sequence[int] | None = None,
+                       expected: str | None, stats: ClientStats) -> list[RolloutSample]:
+        """:meth:`generate` by this rank alone over HTTP, nothing collective and no engine field
+        read (``expected``: the weight version the servers hold; ``stats`` collects the client's
+        counters): what a background thread's multi-turn rollout calls turn after turn (the
+        asynchronous rollouts of ``megatron_rl.train.async_rollouts``). A server found behind
+        cannot be given the weights from there, so it ends the batch with an error."""
+        routes_from = check_routes_from(prompts, routes_from)
+        todo = list(range(len(prompts)))
+        samples, behind = asyncio.run(self._generate(prompts, todo, params, return_routed_experts,
+                                                     self._seeds(seed, len(prompts)), expected, stats, routes_from))
+        if behind:
+            servers = ", ".join(f"{u} (at {v!r})" for u, v in sorted(behind.items()))
+            raise StaleWeightVersionError(f"servers behind weight version {expected} during a background multi-turn "
+                                          f"rollout: {servers}")
+        return [samples[i] for i in todo]
+
+    def count_background(self, stats: ClientStats) -> None:
+        """Add a background round's client counters to the next :meth:`step_metrics`."""
+        self._totals.add(stats)
+
+    def _round(self, prompts, todo, params, want_routes, seeds,
+               routes_from: list[int] | None = None) -> tuple[dict[int, RolloutSample], dict[str, str]]:
         """Samples for the indices ``todo``, and every server (on any rank) found behind."""
-        outcome = self._leader_outcome(prompts, todo, params, want_routes, seeds) if self._leader() else None
+        outcome = (self._leader_outcome(prompts, todo, params, want_routes, seeds, routes_from=routes_from)
+                   if self._leader() else None)
         return self._share(("shared", outcome))
 
     def _leader_outcome(self, prompts, todo, params, want_routes, seeds, expected: str | None = None,
-                        stats: ClientStats | None = None) -> tuple:
+                        stats: ClientStats | None = None, routes_from: list[int] | None = None) -> tuple:
         """``("ok", samples, behind)`` or ``("error", message)``: the leader's HTTP work of one round."""
         try:
-            return ("ok", *asyncio.run(self._generate(prompts, todo, params, want_routes, seeds, expected, stats)))
+            return ("ok", *asyncio.run(self._generate(prompts, todo, params, want_routes, seeds, expected, stats,
+                                                      routes_from)))
         except Exception as err:  # noqa: BLE001 - peers must learn about any failure
             if not self._shares_outcome():
                 raise
@@ -276,7 +305,8 @@ class SGLangEngine:
         return outcome[1], behind
 
     async def _generate(self, prompts, todo, params, want_routes, seeds, expected: str | None = None,
-                        stats: ClientStats | None = None) -> tuple[dict, dict[str, str]]:
+                        stats: ClientStats | None = None,
+                        routes_from: list[int] | None = None) -> tuple[dict, dict[str, str]]:
         """``stats``/``expected``: given by the background thread, which must not read the
         engine's fields (the main thread owns them); else this call's own."""
         if not todo:
@@ -291,7 +321,9 @@ class SGLangEngine:
                     results = await client.generate([prompts[i] for i in todo], params,
                                                     return_routed_experts=want_routes, expected_version=expected,
                                                     seeds=[seeds[i] for i in todo],
-                                                    resync=self.weight_sync is not None)
+                                                    resync=self.weight_sync is not None,
+                                                    routes_from=None if routes_from is None else
+                                                    [routes_from[i] for i in todo])
                     got, behind = dict(enumerate(results)), {}
                 except ServersBehindError as err:
                     got, behind = err.partial, err.behind

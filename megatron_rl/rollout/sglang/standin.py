@@ -261,19 +261,30 @@ class ProtocolServer:
         rid = str(body.get("rid") or f"req-{self.counters.generate_requests}")
         return rid, prompt, params, bool(body.get("return_routed_experts")), int(sp.get("sampling_seed") or 0)
 
+    @staticmethod
+    def _routes_start(body: dict, prompt: list[int]) -> int:
+        """``routed_experts_start_len``; SGLang refuses one outside [0, prompt tokens] with a 400
+        (``scheduler.py:3300-3318``)."""
+        start = body.get("routed_experts_start_len", 0)
+        if not isinstance(start, int) or isinstance(start, bool) or not 0 <= start <= len(prompt):
+            raise ValueError(f"routed_experts_start_len {start!r} must be in [0, {len(prompt)}] (the prompt tokens)")
+        return start
+
     async def generate(self, request: web.Request) -> web.Response:
         """``POST /generate`` (non-streaming, ``input_ids`` only)."""
         self.counters.generate_requests += 1
         started = time.monotonic()
         try:
-            rid, prompt, params, want_routes, seed = self._parse(await request.json())
+            body = await request.json()
+            rid, prompt, params, want_routes, seed = self._parse(body)
+            start = self._routes_start(body, prompt)
         except ValueError as err:
             return _error(400, str(err))
         try:
             sample = await self.batcher.submit(prompt, params, want_routes, seed)
         except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
             return _error(500, f"{type(err).__name__}: {err}")
-        routes = sample.routed_experts
+        routes = sample.routed_experts if sample.routed_experts is None else sample.routed_experts[start:]
         if routes is not None and self.host.model_cfg.num_dense_layers:
             # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
             full = routes.new_zeros(routes.shape[0], self.host.model_cfg.num_layers, routes.shape[2])

@@ -104,8 +104,10 @@ def generate_payload(
     params: SamplingParams,
     return_routed_experts: bool,
     sampling_seed: int | None = None,
+    routes_from: int = 0,
 ) -> dict:
-    """The JSON body of one non-streaming ``/generate`` request."""
+    """The JSON body of one non-streaming ``/generate`` request (``routes_from``: the
+    ``routed_experts_start_len``, the first position whose routes come back)."""
     payload = {
         "rid": rid,
         "input_ids": [int(t) for t in prompt_ids],
@@ -115,7 +117,7 @@ def generate_payload(
     }
     if return_routed_experts:
         payload["return_routed_experts"] = True
-        payload["routed_experts_start_len"] = 0
+        payload["routed_experts_start_len"] = routes_from
     return payload
 
 
@@ -300,10 +302,12 @@ def decode_generate_response(
     num_experts: int,
     source: str,
     moe_layers: Sequence[int] | None = None,
+    start_len: int = 0,
 ) -> GenerateResult:
     """Check and decode one ``/generate`` response body (already parsed from JSON).
 
-    ``moe_layers``: as for :func:`decode_routed_experts` (the routes keep the MoE layers only).
+    ``moe_layers``: as for :func:`decode_routed_experts` (the routes keep the MoE layers only);
+    ``start_len``: the request's ``routed_experts_start_len``.
 
     Raises:
         WireFormatError: a missing or malformed field, a response for another request,
@@ -336,7 +340,7 @@ def decode_generate_response(
         routes = decode_routed_experts(
             meta["routed_experts"], prompt_len=prompt_len, output_len=len(ids), num_layers=num_layers,
             topk=topk, num_experts=num_experts, source=source, dtype_name=meta.get("routed_experts_dtype"),
-            moe_layers=moe_layers,
+            moe_layers=moe_layers, start_len=start_len,
         )
     version = meta.get("weight_version")
     return GenerateResult(
