@@ -60,6 +60,8 @@ class HFEngine:
         model_config: the Megatron model's config.
         device: where the replica lives (default: the current CUDA device, else CPU).
         dtype: the replica's dtype (default: the model's ``params_dtype``).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default
+            convention, for the CPU SGLang stand-in) instead of the raw one.
     """
 
     def __init__(
@@ -71,8 +73,10 @@ class HFEngine:
         model_config: ModelConfig,
         device: torch.device | str | None = None,
         dtype: str | None = None,
+        logprobs_after_temperature: bool = False,
     ) -> None:
         check_architecture(architecture)
+        self.logprobs_after_temperature = logprobs_after_temperature
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.model, self.groups = model, groups
@@ -131,7 +135,8 @@ class HFEngine:
         mine = []
         if len(share):
             mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
-                            return_routes=return_routed_experts, max_length=self.max_length)
+                            return_routes=return_routed_experts, max_length=self.max_length,
+                            logprobs_after_temperature=self.logprobs_after_temperature)
         if mp_size > 1:
             mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]
         return [

@@ -32,7 +32,7 @@ from typing import Iterator, Sequence
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
 from moe_routing.types import compact_id_dtype
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
@@ -112,6 +112,7 @@ def generate(
     return_routes: bool,
     max_length: int,
     pad_id: int = 0,
+    logprobs_after_temperature: bool = False,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -123,6 +124,8 @@ def generate(
         return_routes: also collect SGLang-layout routes per sample.
         max_length: the model's longest sequence; longer requests fail naming the sample.
         pad_id: id written in left-padding positions (masked out of attention).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` instead of the raw
+            convention (SGLang's default; :func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -149,7 +152,8 @@ def generate(
             logits_BV = out.logits[:, -1].float()
             tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
                                           top_k=params.top_k, generator=generator)
-            token_lp_B = logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]
+            token_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
+                                          after_temperature=logprobs_after_temperature)
             keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
             if not keep:
                 break
