@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def rollout_urls(cfg: RunConfig, group: ProcessGroup) -> list[str]:
-    """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines);
+    """The SGLang servers' URLs, each checked to answer ``/ping`` (none for the local engines);
     collective over ``group`` (every rank: ``ParallelGroups.world``)."""
     if cfg.rollout.engine != "sglang":
         return []

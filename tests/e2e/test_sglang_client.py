@@ -248,7 +248,7 @@ def test_server_killed_mid_batch_and_restarted(server):
     restarter = threading.Thread(target=crash_and_restart)
     restarter.start()
     try:
-        results, stats = _generate([server.url], prompts, max_retries=30, backoff_s=0.5, backoff_max_s=2.0)
+        results, stats = _generate([server.url], prompts, max_retries=200, backoff_s=0.5, backoff_max_s=2.0)
     finally:
         restarter.join()
     _check_exactly_once(prompts, results)

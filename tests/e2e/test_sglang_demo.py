@@ -227,6 +227,9 @@ def test_weight_sync_in_every_layout_serves_the_trainers_model(servers, tmp_path
                 assert r[f"versions@{temperature}"] == [version], r
                 assert r[f"logprob_max_diff@{temperature}"] < 1e-4, r
                 assert r[f"route_agreement@{temperature}"] > 0.97, r
+    print("\nserved vs trainer log-probs, max |diff|: " + "; ".join(
+        f"{r['family']} {r['mode']} {r['layout']}: T=0.7 {r['logprob_max_diff@0.7']:.1e}, "
+        f"T=1 {r['logprob_max_diff@1']:.1e}" for r in per_rank[0]))
     first, distributed, deepseek = per_rank[0][0], per_rank[0][1], per_rank[0][3]
     assert first["stale_begin"] == 200  # and the push after it still landed (versions above)
     message, seconds = distributed["no_session"]
@@ -292,4 +295,6 @@ def test_rl_demo_loop_with_the_sglang_backend(servers, tmp_path):
     for rank in results:
         assert all(rank["same_tokens"]) and rank["logprob_max_diff"] < 1e-4 and not rank["retries"], rank
     assert results[0]["convention_checked"]
+    print("\ndemo_sglang.yaml at T = 0.7: mismatch/train_rollout_abs_diff "
+          + ", ".join(f"step {s} {rows[s]['mismatch/train_rollout_abs_diff']:.1e}" for s in (1, 2)))
     assert request_json("GET", server.url + "/model_info")[1]["weight_version"] == "2"

@@ -264,6 +264,7 @@ def test_a_server_that_hangs_during_a_push_is_named_in_bounded_time(server):
     from megatron_rl.parallel.world import run_world
 
     (result,) = run_world(_push_hang_rank, 1, server.url, server.process.pid, timeout_s=300)
+    print("\nhung server named after " + ", ".join(f"{k} {v:.1f}s" for k, v in result["seconds"].items()))
     for case in ("before_push", "tensor_mid_push", "distributed_mid_push"):
         assert f"SGLang server {server.url} is hung: GET /ping unanswered within 2s" in result["errors"][case], result
         assert result["seconds"][case] < 20, result  # 312 s before (README: under a minute)

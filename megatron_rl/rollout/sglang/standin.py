@@ -395,9 +395,8 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
                          token_latency_s=args.token_latency_s)
     try:
-        print(f"protocol server (SGLang {SGLANG_VERSION} protocol, {architecture}, {host.engine_kind} engine, "
-              f"{'raw' if original else 'temperature-scaled'} log-probs) on http://{args.host}:{args.port}",
-              flush=True)
+        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}: {architecture}, "
+              f"{host.engine_kind} engine, {'raw' if original else 'temperature-scaled'} log-probs", flush=True)
         web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
     finally:
         print(server.closing_line(), flush=True)
