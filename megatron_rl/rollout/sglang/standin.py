@@ -131,8 +131,8 @@ class ProtocolServer:
         """What this server did, for the log when it stops."""
         c = self.counters
         return (f"protocol server stopped: {c.generate_requests} generate requests, {self.batcher.batches} "
-                f"batches, {c.weight_updates} weight updates in {c.sessions} sessions, "
-                f"weight version {self.weight_version}")
+                f"batches, {c.weight_updates} weight updates, weight version {self.weight_version} "
+                f"({c.sessions} weight-update sessions)")
 
     # ------------------------------------------------------------------ generation
 
