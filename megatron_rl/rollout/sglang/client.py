@@ -202,9 +202,9 @@ class SGLangClient:
     async def health(self, url: str, *, generate: bool = False) -> bool:
         """``GET /ping`` is 200 (liveness), or with ``generate`` ``GET /health_generate``
         (a one-token generation, up to SGLang's 20 s)."""
+        path, limit = ("/health_generate", None) if generate else ("/ping", self.cfg.health_timeout_s)
         try:
-            status, _ = await self._get(url, "/health_generate" if generate else "/ping", self.cfg.health_timeout_s
-                                        if not generate else None)
+            status, _ = await self._get(url, path, limit)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return status == 200
@@ -248,7 +248,8 @@ class SGLangClient:
         infos, failures = {}, []
         for url in self.urls:
             try:
-                infos[url] = {**await self.server_info(url), **await self.model_info(url)}
+                model = await self.model_info(url)  # first: the quick one names a hung server soonest
+                infos[url] = {**await self.server_info(url), **model}
             except ServerHungError:
                 raise
             except (RolloutRequestError, aiohttp.ClientError, ValueError) as err:
