@@ -10,7 +10,12 @@ stand-in drops a split pair exactly as SGLang does (and reports it).
 import pytest
 import torch
 
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map, to_hf
+from megatron_rl.checkpoint.mapping import (
+    ARCHITECTURES,
+    all_weights,
+    hf_name_map,
+    to_hf,
+)
 from megatron_rl.rollout.sglang.loader_rules import (
     Bucketer,
     load_group,
