@@ -468,9 +468,13 @@ def colocated_sglang(plan: LaunchPlan, cfg: RunConfig, server_args: str) -> tupl
     url_dir = Path(cfg.train.run_dir) / "sglang_urls" / plan.rdzv_id
     own = ["--url-file", str(url_dir / plan.node_name),
            "--log-file", str(plan.log_file.parent / f"sglang-{plan.node_name}.log")]
-    command = [sys.executable, "-m", "megatron_rl.rollout.sglang.server", *own, *shlex.split(server_args)]
+    words = shlex.split(server_args)
+    command = [sys.executable, "-m", "megatron_rl.rollout.sglang.server", *own, *words]
+    # The push lays its payloads out for the servers' TP size, which they report and it checks.
+    tp_size = words[words.index("--tp-size") + 1] if "--tp-size" in words[:-1] else "1"
     overrides = ["rollout.engine=sglang", "rollout.sglang.urls=[]", f"rollout.sglang.url_dir={url_dir}",
-                 f"rollout.sglang.num_servers={plan.nnodes}", "rollout.sglang.weight_sync=tensor"]
+                 f"rollout.sglang.num_servers={plan.nnodes}", "rollout.sglang.weight_sync=tensor",
+                 f"rollout.sglang.server_tp_size={tp_size}"]
     return command, overrides
 
 

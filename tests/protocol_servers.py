@@ -21,12 +21,20 @@ def protocol_server_command(port: int, *extra: str, config: Path = DEMO_TASK) ->
             "--port", str(port), "--threads", "1", *extra]
 
 
-def running_protocol_server(log_dir: Path, *extra: str) -> Iterator[ManagedServer]:
-    """Yields a healthy server (warnings off, log in ``log_dir``) and stops it afterwards;
-    a module fixture's body: ``yield from running_protocol_server(...)``."""
+def protocol_server(log_dir: Path, *extra: str, config: Path = DEMO_TASK,
+                    env: dict[str, str] | None = None) -> ManagedServer:
+    """A server not yet started (warnings off, log in ``log_dir``); ``env``: more environment
+    (``server.SERVER_ENV`` launches it as the wrapper does: raw log-probs)."""
     port = free_port()
-    srv = ManagedServer(protocol_server_command(port, *extra), f"http://127.0.0.1:{port}",
-                        env={"PYTHONWARNINGS": "ignore"}, log_path=log_dir / "server.log")
+    return ManagedServer(protocol_server_command(port, *extra, config=config), f"http://127.0.0.1:{port}",
+                         env={"PYTHONWARNINGS": "ignore", **(env or {})}, log_path=log_dir / "server.log")
+
+
+def running_protocol_server(log_dir: Path, *extra: str) -> Iterator[ManagedServer]:
+    """Yields a healthy server (warnings off, log in ``log_dir``, SGLang's default temperature-
+    scaled log-probs) and stops it afterwards; a module fixture's body:
+    ``yield from running_protocol_server(...)``."""
+    srv = protocol_server(log_dir, *extra)
     srv.start()
     srv.wait_healthy(timeout_s=180, poll_s=0.2)
     yield srv

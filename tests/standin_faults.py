@@ -10,9 +10,14 @@ endpoints) with two test endpoints:
   ``/generate`` requests fail as K: ``http_500``, ``malformed_json`` (half a body),
   ``delay`` (sleep ``delay_s`` before answering), ``wrong_route_length`` (one position's
   routes missing), ``no_routes`` (as if launched without ``--enable-return-routed-experts``),
-  ``stale_version`` (another weight version reported) or ``abort``. ``times`` 0 disarms.
+  ``stale_version`` (another weight version reported) or ``abort``; or the next ``n`` weight
+  updates that carry tensors as ``stop_on_update`` (the server SIGSTOPs itself on receiving
+  it: a server that hangs mid-push). ``times`` 0 disarms.
 * ``GET /_test/stats``: ``generate_requests`` (received), ``responses`` (answered 200),
-  ``faults_fired`` by kind and the served ``weight_version``.
+  ``faults_fired`` by kind, the served ``weight_version``, ``sessions`` ended and the last
+  session's report (``not_updated``, ``dropped``, ``skipped`` names, ``loaded`` count).
+* ``GET /_test/weights``: the SHA-256 of every served tensor under its HF name, as the
+  stand-in holds it now (pushed weights compared tensor by tensor).
 
 A fault that changes the answer is applied to the body the stand-in wrote, so the stand-in
 itself stays as the product runs it.
@@ -22,15 +27,21 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
+import os
+import signal
 import sys
 
 import numpy as np
+import torch
 from aiohttp import web
 
+from megatron_rl.checkpoint.mapping import split
 from megatron_rl.rollout.sglang.standin import ProtocolServer, argument_parser, serve
 
-FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort")
+FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
+               "stop_on_update")
 """Faults ``POST /_test/fault`` can arm."""
 
 
@@ -49,7 +60,8 @@ class FaultInjectingServer(ProtocolServer):
 
     def app(self) -> web.Application:
         app = super().app()
-        app.add_routes([web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.stats)])
+        app.add_routes([web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.stats),
+                        web.get("/_test/weights", self.weights)])
         return app
 
     async def arm_fault(self, request: web.Request) -> web.Response:
@@ -63,16 +75,45 @@ class FaultInjectingServer(ProtocolServer):
 
     async def stats(self, request: web.Request) -> web.Response:
         """Request, response and fault counters, and the served weight version."""
+        report = self.host.weights.last_session
+        last = None if report is None else {"loaded": len(report.loaded), "not_updated": report.not_updated,
+                                            "dropped": report.dropped, "skipped": report.skipped}
         return web.json_response({"generate_requests": self.requests, "responses": self.responses,
-                                  "faults_fired": self.fired, "weight_version": self.weight_version})
+                                  "faults_fired": self.fired, "weight_version": self.weight_version,
+                                  "sessions": self.counters.sessions, "last_session": last})
 
-    def _take_fault(self) -> str | None:
+    async def weights(self, request: web.Request) -> web.Response:
+        """SHA-256 of each served tensor by HF name (its bytes as the model holds them)."""
+        def digests() -> dict[str, str]:
+            served = self.host.weights
+            out = {}
+            for name, (weight, part) in served.parts.items():
+                tensor = split(weight, served.params[weight.megatron].detach(), served.model_cfg)[part]
+                out[name] = hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            return out
+
+        return web.json_response(await self.host.call(digests))
+
+    def _take_fault(self, kinds=FAULT_KINDS[:-1]) -> str | None:
         for kind, left in self.faults.items():
-            if left > 0:
+            if left > 0 and kind in kinds:
                 self.faults[kind] = left - 1
                 self.fired[kind] = self.fired.get(kind, 0) + 1
                 return kind
         return None
+
+    async def _maybe_stop(self, carries_tensors: bool) -> None:
+        if carries_tensors and self._take_fault(("stop_on_update",)):
+            os.kill(os.getpid(), signal.SIGSTOP)  # resumed by the test's SIGCONT
+
+    async def update_from_tensor(self, request: web.Request) -> web.Response:
+        await self._maybe_stop(True)
+        return await super().update_from_tensor(request)
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        await self._maybe_stop(bool(body.get("names")))
+        return await super().update_from_distributed(request)
 
     async def generate(self, request: web.Request) -> web.Response:
         self.requests += 1

@@ -5,7 +5,8 @@ Shape legend: B sequences, V vocabulary.
 Temperature 0 is greedy. Otherwise logits are divided by the temperature, restricted to
 the top-k tokens (k > 0) and to the smallest set whose probability reaches top-p, then
 sampled with the caller's generator, so that every rank holding the same logits and the
-same generator state draws the same tokens.
+same generator state draws the same tokens. :func:`sampled_logprobs` scores the drawn tokens
+in either convention an engine may report.
 """
 
 from __future__ import annotations
@@ -40,3 +41,15 @@ def sample_next_tokens(
         logits_BV = logits_BV.masked_fill(drop, float("-inf"))
     probs_BV = logits_BV.softmax(dim=-1)
     return torch.multinomial(probs_BV, 1, generator=generator)[:, 0]
+
+
+def sampled_logprobs(logits_BV: torch.Tensor, tokens_B: torch.Tensor, *, temperature: float,
+                     after_temperature: bool = False) -> torch.Tensor:
+    """``[B]`` fp32 log-probs of ``tokens_B``: ``log_softmax(logits)`` over the full vocabulary
+    (the trainer's convention), or with ``after_temperature`` and T > 0 ``log_softmax(logits / T)``,
+    what SGLang returns for sampled requests unless started with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+    (its ``srt/layers/sampler.py:273-317``; greedy requests get the raw ones, ``:208-223``)."""
+    logits_BV = logits_BV.float()
+    if after_temperature and temperature > 0:
+        logits_BV = logits_BV / temperature
+    return logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def rollout_urls(cfg: RunConfig, group: ProcessGroup) -> list[str]:
-    """The SGLang servers' URLs, each checked to answer ``/health`` (none for the local engines);
+    """The SGLang servers' URLs, each checked to answer ``/ping`` (none for the local engines);
     collective over ``group`` (every rank: ``ParallelGroups.world``)."""
     if cfg.rollout.engine != "sglang":
         return []
@@ -66,7 +66,6 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
         return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype,
                         prefix_cache=cfg.rollout.env.name is not None)
     # Imported here so that runs with a local engine need no HTTP client.
-    from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
     from megatron_rl.rollout.sglang.client import SGLangClientConfig
     from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
 
@@ -75,12 +74,13 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
                                 max_concurrency=s.max_concurrency, retry_budget_s=s.retry_budget_s,
                                 max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
                                 backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
-                                health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs)
+                                health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs,
+                                deterministic_inference=s.deterministic_inference)
     sync = None
     if s.weight_sync != "none":
         # A sync waits for a restarting server as long as a sample would.
         sync = WeightSyncConfig(mode=s.weight_sync, bucket_bytes=s.weight_sync_bucket_mb << 20,
                                 server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
-                                master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s)
-    name_map = hf_name_map(ARCHITECTURES.get(s.hf_architecture), cfg.model)
-    return sglang_engine(ddp, groups, client, sync, name_map=name_map)
+                                master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s,
+                                hang_check_after_s=s.hang_check_after_s, health_timeout_s=s.health_timeout_s)
+    return sglang_engine(ddp, groups, client, sync, architecture=architecture, model_config=cfg.model)

@@ -28,6 +28,7 @@ from megatron_rl.rollout.sglang.client import (
     StaleWeightVersionError,
 )
 from megatron_rl.rollout.sglang.control import request_json
+from megatron_rl.rollout.sglang.engine import SGLangEngine
 from megatron_rl.rollout.sglang.server import (
     ManagedServer,
     ServerStartError,
@@ -86,7 +87,7 @@ def test_health_model_info_and_a_batch(server):
             return await client.check_servers(), await client.health(server.url, generate=True)
 
     infos, healthy = asyncio.run(info())
-    assert healthy and infos[server.url]["weight_version"] == "0" and infos[server.url]["num_hidden_layers"] == 4
+    assert healthy and infos[server.url]["weight_version"] == "0" and infos[server.url]["tp_size"] == 1
     prompts = _prompts(12)
     results, stats = _generate([server.url], prompts)
     _check_exactly_once(prompts, results)
@@ -137,6 +138,85 @@ def test_persistent_faults_end_in_clear_errors(server):
         _generate([server.url], too_long)
 
 
+def test_temperature_scaled_logprobs_are_refused_before_any_sample_is_used(server):
+    """Item 5: this server runs without SGLANG_RETURN_ORIGINAL_LOGPROB (SGLang's default, as the
+    module's server is launched), so at T = 0.7 it reports log_softmax(logits / T), which the
+    trainer's mismatch metrics and corrections would read as raw; the engine's probe refuses it
+    before the first such batch (the wrapper-launched servers of test_sglang_demo.py pass)."""
+    engine = SGLangEngine(SGLangClientConfig(urls=[server.url], max_retries=1), ROUTES)
+    assert len(engine.generate(_prompts(2), PARAMS)) == 2  # T = 1: both conventions agree, no probe
+    hot = SamplingParams(temperature=0.7, max_new_tokens=3)
+    with pytest.raises(RolloutRequestError, match=rf"SGLang server {server.url} returns temperature-scaled "
+                                                  r"log-probs.*SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+        engine.generate(_prompts(2), hot)
+    assert not engine.convention_checked
+
+
+def test_seeds_are_honoured_only_with_deterministic_inference(server):
+    """Item 7: SGLang ignores sampling_seed unless launched with --enable-deterministic-inference;
+    so does the stand-in, and a run that asks for seeded sampling refuses such a server."""
+    params = SamplingParams(temperature=1.0, max_new_tokens=8)
+    prompts = _prompts(4)
+
+    async def twice():
+        async with SGLangClient(SGLangClientConfig(urls=[server.url]), ROUTES) as client:
+            kw = dict(return_routed_experts=False, seeds=[5] * len(prompts))
+            return await client.generate(prompts, params, **kw), await client.generate(prompts, params, **kw)
+
+    first, again = asyncio.run(twice())
+    assert [r.output_ids for r in first] != [r.output_ids for r in again]  # the same seeds, other samples
+
+    async def seeded():
+        async with SGLangClient(SGLangClientConfig(urls=[server.url], deterministic_inference=True), ROUTES) as c:
+            return await c.check_servers()
+
+    with pytest.raises(RolloutRequestError, match=rf"{server.url} run without --enable-deterministic-inference"):
+        asyncio.run(seeded())
+    assert "--enable-deterministic-inference" in build_command(SGLangServerConfig(model_path="/m",
+                                                                                   deterministic_inference=True))
+
+
+BUSY_SERVER = r"""
+import asyncio, sys
+from aiohttp import web
+import torch
+from megatron_rl.rollout.sglang.wire import generate_response_payload
+busy = [0]
+async def generate(request):
+    body = await request.json()
+    busy[0] += 1
+    await asyncio.sleep(4.0)  # a long generation: no byte until it is done
+    busy[0] -= 1
+    return web.json_response(generate_response_payload(
+        rid=body["rid"], prompt_len=len(body["input_ids"]), output_ids=[5], output_logprobs=torch.tensor([-0.5]),
+        finish_reason="length", weight_version="0", routed_experts=None))
+async def health(request):
+    if busy[0]:  # SGLang's /health waits for scheduler output, up to 20 s, then 503
+        await asyncio.sleep(30.0)
+        return web.Response(status=503)
+    return web.Response()
+app = web.Application()
+app.add_routes([web.post("/generate", generate), web.get("/health", health),
+                web.get("/ping", lambda r: web.Response()),
+                web.get("/model_info", lambda r: web.json_response({"weight_version": "0"})),
+                web.get("/server_info", lambda r: web.json_response({"tp_size": 1}))])
+web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+"""
+
+
+def test_a_busy_server_is_not_called_hung(tmp_path):
+    """Item 6: SGLang's /health is a one-token generation that a busy or paused scheduler answers
+    only after up to 20 s; the hang detector asks /ping (a flag check), so a request that takes
+    longer than hang_check_after_s + health_timeout_s on a live server is waited for."""
+    port = free_port()
+    script = tmp_path / "busy_sglang.py"
+    script.write_text(BUSY_SERVER)
+    with ManagedServer([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", env=QUIET) as busy:
+        results, stats = _generate([busy.url], _prompts(2), expected=None, routes=False, hang_check_after_s=1.0,
+                                   health_timeout_s=2.0)
+    assert [r.output_ids for r in results] == [[5], [5]] and stats.timeouts == 0 and not stats.retries
+
+
 def test_two_urls_share_the_load_and_a_dead_one_is_avoided(server):
     port = server.url.rsplit(":", 1)[1]
     prompts = _prompts(16)
@@ -168,7 +248,7 @@ def test_server_killed_mid_batch_and_restarted(server):
     restarter = threading.Thread(target=crash_and_restart)
     restarter.start()
     try:
-        results, stats = _generate([server.url], prompts, max_retries=30, backoff_s=0.5, backoff_max_s=2.0)
+        results, stats = _generate([server.url], prompts, max_retries=200, backoff_s=0.5, backoff_max_s=2.0)
     finally:
         restarter.join()
     _check_exactly_once(prompts, results)

@@ -1,17 +1,21 @@
 """A real SGLang server against the Megatron pass (needs CUDA and SGLang; skipped otherwise).
 
 Starts ``sglang.launch_server`` (the protocol of SGLang 0.5.23) through
-:class:`~megatron_rl.rollout.sglang.server.SGLangServer` on a tiny Qwen3-MoE checkpoint
-written by transformers, replaces its weights with a Megatron model's through
-:class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync` (colocated
-``/update_weights_from_tensor``, CUDA IPC handles, HF names from the conversion table),
-samples with the real client, and compares each generated token's served log-prob and each
-position's routed experts with Megatron's own log-prob pass over the same sequences.
+:class:`~megatron_rl.rollout.sglang.server.SGLangServer` (so with
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) on a tiny Qwen3-MoE checkpoint written by transformers,
+replaces its weights with a Megatron model's through
+:class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync` by the same protocol the CPU suite
+holds the stand-in to: ``/server_info``'s ``tp_size`` checked, one weight-update session
+(``/begin_weight_update`` ... ``/end_weight_update``), colocated ``/update_weights_from_tensor``
+with one entry per TP rank of CUDA IPC handles naming the GPU by UUID, HF names from the
+conversion table; then samples with the real client at T = 0.7 (the log-prob convention is
+probed first) and compares each generated token's served log-prob and each position's routed
+experts with Megatron's own log-prob pass over the same sequences.
 
 SGLang may live in its own environment (it pins another torch): point
 ``MEGATRON_RL_SGLANG_PYTHON`` at that interpreter; by default this interpreter is used.
-Stated bounds (BF16 both sides, random init with decisive routers, sampling at T = 1 so
-SGLang's log-probs are the plain ``log_softmax``): mean |served - Megatron| <= 0.05 nats,
+Stated bounds (BF16 both sides, random init with decisive routers; raw ``log_softmax`` on both
+sides at T = 0.7): mean |served - Megatron| <= 0.05 nats,
 max <= 0.5; routed expert sets agree on >= 0.95 of (position, layer) pairs (BF16
 near-ties may flip a few). Run ``pytest -s tests/gpu/test_sglang_real.py`` for the figures.
 """
@@ -54,7 +58,6 @@ def _write_hf_checkpoint(directory) -> None:
 
 
 def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
-    from megatron_rl.checkpoint.mapping import QWEN3_MOE, hf_name_map
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.world import free_port
@@ -78,13 +81,14 @@ def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (16,), generator=gen)]
-    params = SamplingParams(temperature=1.0, max_new_tokens=24)
+    params = SamplingParams(temperature=0.7, max_new_tokens=24)
     with SGLangServer(server_cfg, log_path=tmp_path / "sglang.log") as server:
         engine = sglang_engine(model, groups, SGLangClientConfig(urls=[server.url], max_retries=1),
                                WeightSyncConfig(mode="tensor", bucket_bytes=1 << 20),
-                               name_map=hf_name_map(QWEN3_MOE, TINY))
+                               architecture="qwen3_moe", model_config=TINY)
         engine.update_weights(1)
         samples = engine.generate(prompts, params, return_routed_experts=True, seed=0)
+        assert engine.convention_checked and engine.server_info[server.url]["tp_size"] == 1
     ours = compute_logprobs(model, groups, [s.tokens for s in samples], [len(p) for p in prompts],
                             record_routing=True)
     served = torch.cat([s.output_logprobs for s in samples])

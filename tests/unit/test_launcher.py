@@ -212,7 +212,7 @@ def test_sglang_option_adds_a_server_per_node_and_points_the_trainer_at_it(no_pr
     assert "-m megatron_rl.rollout.sglang.server" in server and f"--url-file {url_dir / 'node0'}" in server
     assert server.rstrip().endswith("--model-path /ckpt/hf --tp-size 2 --mem-fraction-static 0.4")
     for override in ("rollout.engine=sglang", f"rollout.sglang.url_dir={url_dir}", "rollout.sglang.num_servers=1",
-                     "rollout.sglang.weight_sync=tensor"):
+                     "rollout.sglang.weight_sync=tensor", "rollout.sglang.server_tp_size=2"):
         assert override in out
     assert no_processes == []
 

@@ -39,7 +39,7 @@ from megatron_rl.parallel.logprobs import (
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
-from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
 
 
 class EmbeddedEngine:
@@ -50,6 +50,9 @@ class EmbeddedEngine:
         groups: this rank's parallel groups.
         micro_batch_sequences: sequences per forward micro-batch (without a token budget).
         micro_batch_tokens: token budget per forward micro-batch (balanced token-budget packing).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` from the decode steps
+            (SGLang's default convention, for the CPU SGLang stand-in) instead of the raw
+            log-probs of the final pass.
     """
 
     def __init__(
@@ -58,8 +61,10 @@ class EmbeddedEngine:
         groups: ParallelGroups,
         micro_batch_sequences: int = 32,
         micro_batch_tokens: int | None = None,
+        logprobs_after_temperature: bool = False,
     ) -> None:
         self.model = model
+        self.logprobs_after_temperature = logprobs_after_temperature
         self.groups = groups
         self.micro_batch_sequences = micro_batch_sequences
         self.micro_batch_tokens = micro_batch_tokens
@@ -86,6 +91,7 @@ class EmbeddedEngine:
             )
         generator = torch.Generator().manual_seed(seed * 1_000_003 + self.groups.dp_rank)
         outputs: list[list[int]] = [[] for _ in prompts]
+        scaled: list[list[float]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         stops = set(params.stop_token_ids)
         for _ in range(params.max_new_tokens):
@@ -97,11 +103,20 @@ class EmbeddedEngine:
                 logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 generator=generator,
             )
+            if self.logprobs_after_temperature:
+                step_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
+                                             after_temperature=True)
             for i, token in enumerate(tokens_B.tolist()):
                 if not finished[i]:
                     outputs[i].append(token)
+                    if self.logprobs_after_temperature:
+                        scaled[i].append(float(step_lp_B[i]))
                     finished[i] = token in stops
-        return self._finish(prompts, outputs, finished, return_routed_experts, starts)
+        samples = self._finish(prompts, outputs, finished, return_routed_experts, starts)
+        if self.logprobs_after_temperature and params.temperature > 0:
+            for sample, values in zip(samples, scaled):
+                sample.output_logprobs = torch.tensor(values, dtype=torch.float32)
+        return samples
 
     def _any_active(self, finished: list[bool]) -> bool:
         active = torch.tensor([0 if all(finished) else 1], dtype=torch.int64)

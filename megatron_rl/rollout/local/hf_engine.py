@@ -69,6 +69,8 @@ class HFEngine:
         dtype: the replica's dtype (default: the model's ``params_dtype``).
         prefix_cache: keep each finished response's KV and serve a prompt that extends it
             from there (multi-turn rollouts; emptied at every weight push).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default
+            convention, for the CPU SGLang stand-in) instead of the raw one.
     """
 
     def __init__(
@@ -81,8 +83,10 @@ class HFEngine:
         device: torch.device | str | None = None,
         dtype: str | None = None,
         prefix_cache: bool = False,
+        logprobs_after_temperature: bool = False,
     ) -> None:
         check_architecture(architecture)
+        self.logprobs_after_temperature = logprobs_after_temperature
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         self.model, self.groups = model, groups
@@ -147,7 +151,8 @@ class HFEngine:
         if len(share):
             mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
                             return_routes=return_routed_experts, max_length=self.max_length,
-                            routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache)
+                            routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache,
+                            logprobs_after_temperature=self.logprobs_after_temperature)
         if mp_size > 1:
             mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]
         return [

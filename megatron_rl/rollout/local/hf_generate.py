@@ -43,7 +43,7 @@ from megatron_rl.rollout.local.hf_prefix_cache import (
     batch_cache,
     take_rows,
 )
-from megatron_rl.rollout.sampling import sample_next_tokens
+from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
 from moe_routing.types import compact_id_dtype
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
@@ -125,6 +125,7 @@ def generate(
     pad_id: int = 0,
     routes_from: Sequence[int] | None = None,
     prefix_cache: PrefixCache | None = None,
+    logprobs_after_temperature: bool = False,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -139,6 +140,8 @@ def generate(
         routes_from: per prompt, the first position whose routes are returned (default 0).
         prefix_cache: serve prompts that extend a finished response from its KV, and keep
             every finished response's KV in it (``hf_prefix_cache``).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` instead of the raw
+            convention (SGLang's default; :func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -165,7 +168,8 @@ def generate(
             logits_BV = out.logits[:, -1].float()
             tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
                                           top_k=params.top_k, generator=generator)
-            token_lp_B = logits_BV.log_softmax(-1).gather(-1, tokens_B[:, None])[:, 0]
+            token_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
+                                          after_temperature=logprobs_after_temperature)
             keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
             if prefix_cache is not None:
                 _keep_finished(prefix_cache, cache, rows, keep, mask_BP, prompts, responses)

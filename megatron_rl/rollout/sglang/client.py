@@ -1,8 +1,8 @@
 """The SGLang rollout client: async HTTP to SGLang servers.
 
 Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POST
-/generate``, ``GET /health``, ``GET /health_generate``, ``GET /model_info``, ``POST
-/flush_cache`` and ``POST /update_weight_version``; the wire format itself is
+/generate``, ``GET /ping`` (liveness), ``GET /health_generate``, ``GET /model_info``, ``GET
+/server_info`` and ``POST /flush_cache``; the wire format itself is
 :mod:`megatron_rl.rollout.sglang.wire`. Owns request scheduling over one or more servers:
 a bound on requests in flight, per-request timeouts, retries with jittered exponential
 backoff within a time budget, least-loaded server choice with a cool-down for servers that
@@ -31,8 +31,17 @@ than a few attempts. A server that comes back serves its launch weights; with
 there: the server is set aside and, when no other server is left, the call raises
 :class:`ServersBehindError` carrying the results it has, so the engine can re-push the
 weights (a collective) and ask again for the rest. A server that accepts connections but
-never answers (SIGSTOP, a wedged scheduler) is caught by probing ``/health`` once a request
-has waited ``hang_check_after_s``: no 200 within ``health_timeout_s`` ends the call naming it.
+never answers (SIGSTOP, a wedged process) is caught by probing its liveness (``GET /ping``, a
+flag check; SGLang's ``/health`` is a generation that a busy server may take 20 s to answer)
+once a request has waited ``hang_check_after_s``: no answer within ``health_timeout_s`` ends
+the call naming it; the calls before any request (``/model_info``, ``/server_info``) have
+``health_timeout_s`` as their limit, so a hung server is named within ``hang_check_after_s +
+health_timeout_s`` (25 s at the defaults) on every path.
+
+Before the first samples, :meth:`SGLangClient.check_servers` reads each server's
+``/server_info`` (a run that asks for seeded sampling needs ``enable_deterministic_inference``),
+and :meth:`SGLangClient.check_logprob_convention` probes that log-probs are the raw
+``log_softmax(logits)`` the trainer compares with (:mod:`~megatron_rl.rollout.sglang.server_checks`).
 
 Memory: at most ``max_concurrency`` responses are held at a time; each is decoded as soon
 as it arrives and its int32 routes narrowed to the compact dtype, so host memory grows
@@ -59,6 +68,10 @@ from megatron_rl.rollout.sglang.ledger import (
     ServerHungError,
     ServersBehindError,
     StaleWeightVersionError,
+)
+from megatron_rl.rollout.sglang.server_checks import (
+    check_deterministic,
+    probe_logprob_convention,
 )
 from megatron_rl.rollout.sglang.wire import (
     SGLANG_VERSION,
@@ -102,12 +115,16 @@ class SGLangClientConfig:
     while another server is available."""
     hang_check_after_s: float = 15.0
     """A ``/generate`` attempt unanswered for this long (and every such interval after)
-    makes the client probe the server's ``/health``."""
-    health_timeout_s: float = 30.0
-    """A server whose ``/health`` gives no 200 within this is hung, and the call fails naming
-    it; above SGLang's own 20 s health check, so a busy but live server is not mistaken."""
+    makes the client probe the server's liveness (``GET /ping``)."""
+    health_timeout_s: float = 10.0
+    """A server that does not answer ``/ping`` (or ``/model_info``) within this is hung, and
+    the call fails naming it."""
     max_resyncs: int = 2
     """Engine: weight re-pushes per ``generate`` call to servers found behind the version."""
+    deterministic_inference: bool = False
+    """The run asks for seeded sampling: every server must run with
+    ``--enable-deterministic-inference`` (checked in ``/server_info``), else SGLang ignores
+    ``sampling_seed``."""
 
     def __post_init__(self) -> None:
         positive = ("request_timeout_s", "connect_timeout_s", "hang_check_after_s", "health_timeout_s")
@@ -183,18 +200,39 @@ class SGLangClient:
             return resp.status, await resp.read()
 
     async def health(self, url: str, *, generate: bool = False) -> bool:
-        """``GET /health`` (or ``/health_generate``, which runs a one-token generation) is 200."""
+        """``GET /ping`` is 200 (liveness), or with ``generate`` ``GET /health_generate``
+        (a one-token generation, up to SGLang's 20 s)."""
+        path, limit = ("/health_generate", None) if generate else ("/ping", self.cfg.health_timeout_s)
         try:
-            status, _ = await self._get(url, "/health_generate" if generate else "/health")
+            status, _ = await self._get(url, path, limit)
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
         return status == 200
 
-    async def model_info(self, url: str, *, timeout_s: float | None = None) -> dict:
-        """``GET /model_info``: model path, ``weight_version``, architecture."""
-        status, body = await self._get(url, "/model_info", timeout_s)
+    async def model_info(self, url: str) -> dict:
+        """``GET /model_info`` (model path, ``weight_version``), within ``health_timeout_s``.
+
+        Raises:
+            ServerHungError: no answer in time.
+        """
+        try:
+            status, body = await self._get(url, "/model_info", self.cfg.health_timeout_s)
+        except asyncio.TimeoutError:
+            raise ServerHungError(f"server {url} did not answer /model_info within "
+                                  f"{self.cfg.health_timeout_s:g}s (hung?)") from None
         if status != 200:
             raise RolloutRequestError(f"{url}/model_info: HTTP {status}: {body[:200]!r}")
+        return json.loads(body)
+
+    async def server_info(self, url: str) -> dict:
+        """``GET /server_info``: SGLang's resolved launch settings (``tp_size``, flags)."""
+        limit = self.cfg.hang_check_after_s + self.cfg.health_timeout_s
+        try:
+            status, body = await self._get(url, "/server_info", limit)
+        except asyncio.TimeoutError:
+            raise ServerHungError(f"server {url} did not answer /server_info within {limit:g}s (hung?)") from None
+        if status != 200:
+            raise RolloutRequestError(f"{url}/server_info: HTTP {status}: {body[:200]!r}")
         return json.loads(body)
 
     async def flush_cache(self, url: str) -> None:
@@ -204,19 +242,30 @@ class SGLangClient:
                 raise RolloutRequestError(f"{url}/flush_cache: HTTP {resp.status}: {(await resp.read())[:200]!r}")
 
     async def check_servers(self) -> dict[str, dict]:
-        """``/health`` and ``/model_info`` of every server; raises when none answers."""
+        """``/model_info`` and ``/server_info`` of every server (merged, by URL); a server that
+        cannot be reached is set aside for a cool-down, a hung one or one launched without what
+        the run needs ends the call; raises when none answers."""
         infos, failures = {}, []
         for url in self.urls:
             try:
-                if not await self.health(url):
-                    raise RolloutRequestError("GET /health is not 200")
-                infos[url] = await self.model_info(url)
-            except (RolloutRequestError, aiohttp.ClientError, asyncio.TimeoutError, ValueError) as err:
-                failures.append(f"{url}: {err}")
+                model = await self.model_info(url)  # first: the quick one names a hung server soonest
+                infos[url] = {**await self.server_info(url), **model}
+            except ServerHungError:
+                raise
+            except (RolloutRequestError, aiohttp.ClientError, ValueError) as err:
+                failures.append(f"{url}: {type(err).__name__}: {err}")
                 self._down_until[url] = time.monotonic() + self.cfg.server_cooldown_s
         if not infos:
             raise RolloutRequestError("no SGLang server is reachable: " + "; ".join(failures))
+        if self.cfg.deterministic_inference:
+            check_deterministic(infos)
         return infos
+
+    async def check_logprob_convention(self) -> None:
+        """Every server returns raw log-probs at T != 1 (a probe; see :mod:`~megatron_rl.rollout.
+        sglang.server_checks`); raises naming a server that scales them by the temperature."""
+        for url in self.urls:
+            await probe_logprob_convention(self._session, url, self.cfg.request_timeout_s)
 
     # ------------------------------------------------------------------ generation
 
@@ -275,11 +324,14 @@ class SGLangClient:
         return ledger.results()
 
     async def _find_behind(self, expected: str) -> None:
-        """Set aside servers whose ``/model_info`` shows older weights, before any request."""
+        """Set aside servers whose ``/model_info`` shows older weights, before any request
+        (a hung server ends the call here, within ``health_timeout_s``)."""
         async def version(url: str) -> str | None:
             try:
-                return str((await self.model_info(url, timeout_s=self.cfg.health_timeout_s)).get("weight_version"))
-            except (RolloutRequestError, aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return str((await self.model_info(url)).get("weight_version"))
+            except ServerHungError:
+                raise
+            except (RolloutRequestError, aiohttp.ClientError, ValueError):
                 return None  # unreachable now: requests to it will retry within their budget
 
         for url, served in zip(self.urls, await asyncio.gather(*(version(u) for u in self.urls))):
@@ -350,11 +402,10 @@ class SGLangClient:
         return tied[self._turn % len(tied)]
 
     async def _post_watched(self, url: str, payload: dict, source: str) -> tuple[int, bytes]:
-        """``POST /generate``; while it waits, ``/health`` tells a slow server from a hung one.
+        """``POST /generate``; while it waits, ``/ping`` tells a slow server from a hung one.
 
         A non-streaming ``/generate`` sends nothing until the whole response is done, so the
-        silence of a long generation looks like a stopped server; ``/health`` tells them
-        apart.
+        silence of a long generation looks like a stopped server; ``/ping`` tells them apart.
         """
         async def post() -> tuple[int, bytes]:
             async with self._session.post(url + "/generate", json=payload) as resp:
@@ -374,23 +425,23 @@ class SGLangClient:
             request.cancel()
 
     async def _probe(self, url: str) -> str | None:
-        """Why ``url`` looks hung (None: it answered ``/health``, or it is down, which the
+        """Why ``url`` looks hung (None: it answered ``/ping``, or it is down, which the
         request itself will show). One probe per server at a time serves every waiting request."""
         task = self._probes.get(url)
         if task is None or task.done():
-            task = self._probes[url] = asyncio.ensure_future(self._health_problem(url))
+            task = self._probes[url] = asyncio.ensure_future(self._liveness_problem(url))
         return await asyncio.shield(task)
 
-    async def _health_problem(self, url: str) -> str | None:
+    async def _liveness_problem(self, url: str) -> str | None:
         limit = self.cfg.health_timeout_s
         try:
-            async with self._session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+            async with self._session.get(url + "/ping", timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 status = resp.status
         except asyncio.TimeoutError:
-            return f"server {url} did not answer /health within {limit:g}s (hung?)"
+            return f"server {url} did not answer /ping within {limit:g}s (hung?)"
         except aiohttp.ClientError:
             return None
-        return None if status == 200 else f"server {url} answered /health with HTTP {status} (unhealthy)"
+        return None if status == 200 else f"server {url} answered /ping with HTTP {status} (unhealthy)"
 
     async def _attempt(self, url, rid, payload, index, prompt_len, want_routes, expected_version,
                        start_len: int = 0) -> GenerateResult:

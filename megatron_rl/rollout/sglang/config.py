@@ -24,7 +24,8 @@ class SGLangConfig:
     server_wait_s: float = 1800.0
     """With ``url_dir``: how long to wait for the servers to come up."""
     server_tp_size: int = 1
-    """TP size each server was launched with (weight-sync payload layout)."""
+    """TP size each server was launched with (weight-sync payload layout); checked against
+    each server's ``/server_info`` before the first push."""
     request_timeout_s: float = 300.0
     """Limit for one ``/generate`` attempt."""
     max_concurrency: int = 256
@@ -40,10 +41,16 @@ class SGLangConfig:
     retry_backoff_max_s: float = 8.0
     """Longest retry delay."""
     hang_check_after_s: float = 15.0
-    """A ``/generate`` attempt unanswered this long makes the client probe the server's ``/health``."""
-    health_timeout_s: float = 30.0
-    """A server whose ``/health`` gives no 200 within this is hung: the step fails naming it,
-    within ``hang_check_after_s + health_timeout_s`` of the hang. The startup probe uses it too."""
+    """A request or weight-update call unanswered this long makes the client probe the
+    server's liveness (``GET /ping``)."""
+    health_timeout_s: float = 10.0
+    """A server silent on ``/ping`` (or ``/model_info``) this long is hung: the step or the
+    weight push fails naming it, within ``hang_check_after_s + health_timeout_s`` of the hang.
+    The startup probe uses it too."""
+    deterministic_inference: bool = False
+    """Seeded sampling: the servers must run with ``--enable-deterministic-inference``
+    (``python -m megatron_rl.rollout.sglang.server --deterministic-inference``), checked in
+    their ``/server_info`` before the first rollout; without it SGLang ignores the seeds."""
     max_resyncs: int = 2
     """Weight re-pushes per rollout call to servers that came back behind the trainer's version."""
     weight_sync: Literal["tensor", "distributed", "none"] = "tensor"

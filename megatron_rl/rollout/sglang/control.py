@@ -1,63 +1,46 @@
-"""Blocking HTTP control calls to SGLang servers: health probes before a run, JSON requests.
+"""Blocking HTTP control calls to SGLang servers: liveness, server facts, watched JSON requests.
 
-:func:`probe_servers` checks every server answers ``GET /health`` before any heavy work;
-:func:`request_json` is the plain JSON request the weight sync and the launcher's control
-calls use. Owns no ``/generate`` traffic (:mod:`~megatron_rl.rollout.sglang.client`).
+Liveness is ``GET /ping``: a flag check in SGLang's HTTP process, 200 once startup is done
+and until it shuts down, also while it is busy or paused (``srt/entrypoints/http_server.py:
+2190-2199``, ``srt/managers/tokenizer_manager.py:728-730``). ``/health`` is not used for it:
+in 0.5.23 it runs a one-token generation that takes at least a second and answers 503 after
+20 s of a busy scheduler, a long weight update or a pause (``http_server.py:218``,
+``:721-799``). A server that accepts the connection but does not answer ``/ping`` within its
+limit is hung (a stopped process); one that refuses the connection or answers 503 is down or
+starting.
+
+:func:`probe_servers` checks every server is live before heavy work (and waits for a
+restarting one); :func:`watched_request` is a control request that probes the server's
+liveness while it waits, so a server that hangs mid-call is named within a bound instead of
+at the request's timeout; :func:`server_facts` reads ``/server_info``, where SGLang reports
+its launch settings (``tp_size``, ``enable_deterministic_inference``, ...; ``http_server.py:
+863-894``). Owns no ``/generate`` traffic (:mod:`~megatron_rl.rollout.sglang.client`).
 """
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
-from megatron_rl.rollout.sglang.ledger import RolloutRequestError
+from megatron_rl.rollout.sglang.ledger import RolloutRequestError, ServerHungError
 
-
-def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
-                  poll_s: float = 1.0) -> None:
-    """Fail unless every server answers ``GET /health`` with 200 (blocking; cheap).
-
-    Meant for before any heavy work (building the model, the warm start), so a run whose
-    servers are not there fails in seconds instead of after it.
-
-    Args:
-        urls: server base URLs.
-        timeout_s: limit for each probe.
-        wait_s: keep probing the servers that failed for this long (a restart in progress).
-        poll_s: pause between rounds while waiting.
-
-    Raises:
-        RolloutRequestError: one line per server that did not answer 200, naming it.
-    """
-    pending = [u.rstrip("/") for u in urls]
-    deadline = time.monotonic() + wait_s
-    while True:
-        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
-            answers = list(pool.map(lambda u: (u, *request_json("GET", u + "/health", timeout_s=timeout_s)), pending))
-        failed = [(u, status, body) for u, status, body in answers if status != 200]
-        if not failed:
-            return
-        if time.monotonic() + poll_s > deadline:
-            lines = [f"SGLang server {u} is not healthy: "
-                     + (f"GET /health: {body}" if status == 0 else f"GET /health answered HTTP {status}")
-                     for u, status, body in failed]
-            waited = f" (waited {wait_s:g}s)" if wait_s > 0 else ""
-            raise RolloutRequestError(f"{len(failed)} of {len(urls)} SGLang servers unreachable{waited}:\n"
-                                      + "\n".join(lines))
-        pending = [u for u, _, _ in failed]
-        time.sleep(poll_s)
+LIVENESS_PATH = "/ping"
+"""The liveness endpoint (see the module docstring)."""
 
 
 def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float = 60.0) -> tuple[int, Any]:
-    """Blocking JSON request for control calls (weight updates, health polling).
+    """Blocking JSON request for control calls.
 
     Returns:
         ``(status, body)``: body parsed as JSON when it is, else the text; status 0 and the
-        error text when the server could not be reached.
+        error text when the server could not be reached, -1 and the text when it accepted the
+        connection but did not answer within ``timeout_s``.
     """
     data = None if payload is None else json.dumps(payload).encode()
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -66,10 +49,111 @@ def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as err:
         status, raw = err.code, err.read()
+    except (TimeoutError, socket.timeout) as err:
+        return -1, f"no answer within {timeout_s:g}s ({err})"
     except (urllib.error.URLError, OSError) as err:
-        return 0, str(getattr(err, "reason", err))
+        reason = getattr(err, "reason", err)
+        if isinstance(reason, (TimeoutError, socket.timeout)):
+            return -1, f"no answer within {timeout_s:g}s ({reason})"
+        return 0, str(reason)
     text = raw.decode(errors="replace")
     try:
         return status, json.loads(text)
     except ValueError:
         return status, text
+
+
+def hung_problem(url: str, timeout_s: float) -> str | None:
+    """Why ``url`` is hung, or None (it answered ``/ping``, or is down, which callers see anyway)."""
+    status, _ = request_json("GET", url + LIVENESS_PATH, timeout_s=timeout_s)
+    if status == -1:
+        return f"SGLang server {url} is hung: GET {LIVENESS_PATH} unanswered within {timeout_s:g}s"
+    return None
+
+
+def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
+                  poll_s: float = 1.0) -> None:
+    """Fail unless every server answers ``GET /ping`` with 200 (blocking; cheap).
+
+    Meant for before any heavy work (building the model, a weight push), so a run whose
+    servers are not there fails in seconds instead of after it.
+
+    Args:
+        urls: server base URLs.
+        timeout_s: limit for each probe; a server that accepts the connection and stays
+            silent this long is hung, and fails the probe at once, waiting or not.
+        wait_s: keep probing servers that are down or starting for this long (a restart).
+        poll_s: pause between rounds while waiting.
+
+    Raises:
+        ServerHungError: a server is hung (named).
+        RolloutRequestError: one line per server that did not answer 200, naming it.
+    """
+    pending = [u.rstrip("/") for u in urls]
+    deadline = time.monotonic() + wait_s
+    while True:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
+            answers = list(pool.map(lambda u: (u, *request_json("GET", u + LIVENESS_PATH, timeout_s=timeout_s)),
+                                    pending))
+        hung = [u for u, status, _ in answers if status == -1]
+        if hung:
+            raise ServerHungError("; ".join(f"SGLang server {u} is hung: GET {LIVENESS_PATH} unanswered within "
+                                            f"{timeout_s:g}s" for u in hung))
+        failed = [(u, status, body) for u, status, body in answers if status != 200]
+        if not failed:
+            return
+        if time.monotonic() + poll_s > deadline:
+            lines = [f"SGLang server {u} is not live: " + (f"GET {LIVENESS_PATH}: {body}" if status == 0
+                                                           else f"GET {LIVENESS_PATH} answered HTTP {status}")
+                     for u, status, body in failed]
+            waited = f" (waited {wait_s:g}s)" if wait_s > 0 else ""
+            raise RolloutRequestError(f"{len(failed)} of {len(urls)} SGLang servers unreachable{waited}:\n"
+                                      + "\n".join(lines))
+        pending = [u for u, _, _ in failed]
+        time.sleep(poll_s)
+
+
+def watched_request(method: str, url: str, path: str, payload: Any = None, *, timeout_s: float,
+                    hang_check_after_s: float, liveness_timeout_s: float) -> tuple[int, Any]:
+    """:func:`request_json` to ``url + path`` that probes ``/ping`` every ``hang_check_after_s``
+    while it waits; a server that stays silent there too is reported hung.
+
+    Raises:
+        ServerHungError: naming the server and the call, within ``hang_check_after_s +
+            liveness_timeout_s`` of the hang (the request itself may still be pending).
+    """
+    box: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        box["answer"] = request_json(method, url + path, payload, timeout_s=timeout_s)
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name=f"sglang-control{path}").start()
+    waited = 0.0
+    while not done.wait(hang_check_after_s):
+        waited += hang_check_after_s
+        problem = hung_problem(url, liveness_timeout_s)
+        if problem is not None:
+            raise ServerHungError(f"{problem}, while {method} {path} was unanswered for {waited:g}s")
+    return box["answer"]
+
+
+def server_facts(urls: Sequence[str], *, timeout_s: float, hang_check_after_s: float) -> dict[str, dict]:
+    """``GET /server_info`` of every server (SGLang's resolved launch settings), by URL.
+
+    Raises:
+        RolloutRequestError: a server answered anything but a JSON object (named).
+        ServerHungError: a server hung.
+    """
+    def one(url: str) -> tuple[str, int, Any]:
+        return url, *watched_request("GET", url, "/server_info", timeout_s=max(timeout_s, 60.0),
+                                     hang_check_after_s=hang_check_after_s, liveness_timeout_s=timeout_s)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(urls), 32))) as pool:
+        answers = list(pool.map(one, urls))
+    bad = [f"{u}/server_info: HTTP {status}: {str(body)[:200]}" for u, status, body in answers
+           if status != 200 or not isinstance(body, dict)]
+    if bad:
+        raise RolloutRequestError("; ".join(bad))
+    return {u: body for u, _, body in answers}

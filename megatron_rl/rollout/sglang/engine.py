@@ -125,6 +125,8 @@ class SGLangEngine:
         """Counters of the last ``generate`` call."""
         self._totals = ClientStats()
         self.server_info: dict[str, dict] = {}
+        self.convention_checked = False
+        """The servers' log-probs were probed to be raw (before the first request at T not 0 or 1)."""
 
     def update_weights(self, version: int) -> None:
         """Push the trainer's weights tagged ``version`` (collective when ``weight_sync`` is set)."""
@@ -317,6 +319,9 @@ class SGLangEngine:
             try:
                 if not self.server_info:
                     self.server_info = await client.check_servers()
+                if params.temperature not in (0.0, 1.0) and not self.convention_checked:
+                    await client.check_logprob_convention()
+                    self.convention_checked = True
                 try:
                     results = await client.generate([prompts[i] for i in todo], params,
                                                     return_routed_experts=want_routes, expected_version=expected,

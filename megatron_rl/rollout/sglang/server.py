@@ -1,19 +1,23 @@
 """Start, watch and stop a real SGLang server (``python -m sglang.launch_server``) on a GPU node.
 
     python -m megatron_rl.rollout.sglang.server --model-path /ckpt/hf --port 30000 --tp-size 4 \\
-        [--mem-fraction-static 0.7] [--fp8] [--fp8-kv-cache] [--url-file runs/x/sglang/$(hostname)] \\
-        [-- extra sglang args]
+        [--mem-fraction-static 0.7] [--fp8] [--fp8-kv-cache] [--deterministic-inference] \\
+        [--url-file runs/x/sglang/$(hostname)] [-- extra sglang args]
     python -m megatron_rl.rollout.sglang.server --stand-in configs/demo_cpu.yaml --port 30000 \
         --url-file runs/x/sglang/$(hostname)        # CPU dry run: the protocol server instead
 
 Owns: the command line from a typed :class:`SGLangServerConfig` (routed experts on, no
 tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
 ``--quantization fp8`` and KV cache ``--kv-cache-dtype fp8_e4m3``, initial
-``--weight-version``); starting it in its own process group (so a stop reaches every
+``--weight-version``, ``--enable-deterministic-inference`` for seeded sampling), in an
+environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (:data:`SERVER_ENV`: log-probs of the raw
+logits at every temperature, the trainer's convention; SGLang reads it once at start,
+``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
 worker it forks, and dying with this process if it is killed outright); refusing to start
 on a port something already answers on (its health would be mistaken for ours); waiting
 until ``GET /health`` answers 200 (failing early, with the log tail, when the process exits
-first); stopping with SIGTERM, then SIGKILL after a grace period. :class:`ManagedServer`
+first; SGLang's ``/health`` is a one-token generation that answers within its 20 s check, so
+each probe waits that long); stopping with SIGTERM, then SIGKILL after a grace period. :class:`ManagedServer`
 does this for any command with a health URL, which is how the tests exercise it against
 the protocol server. Run as a module, SIGTERM/SIGINT stop the server at any point, startup
 included, and the wrapper exits with ``128 + signal``.
@@ -76,6 +80,9 @@ class SGLangServerConfig:
     """First GPU index this server uses (``--base-gpu-id``)."""
     random_seed: int | None = None
     """``--random-seed``."""
+    deterministic_inference: bool = False
+    """``--enable-deterministic-inference``: each request's ``sampling_seed`` decides its
+    sample (SGLang ignores the seed otherwise); costs throughput."""
     extra_args: list[str] = field(default_factory=list)
     """Further ``sglang.launch_server`` flags, appended verbatim."""
     python: str = sys.executable
@@ -104,7 +111,19 @@ def build_command(cfg: SGLangServerConfig) -> list[str]:
         cmd += ["--quantization", cfg.quantization]
     if cfg.random_seed is not None:
         cmd += ["--random-seed", str(cfg.random_seed)]
+    if cfg.deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
     return cmd + list(cfg.extra_args)
+
+
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
+"""The environment every server is launched with: SGLang returns ``log_softmax`` of the raw
+logits instead of ``log_softmax(logits / T)`` (``srt/layers/sampler.py:82``, ``:231-237``,
+``:319-323``), which is what the trainer compares rollout log-probs with."""
+
+HEALTH_PROBE_S = 25.0
+"""Limit of one ``GET /health`` while waiting for a server: SGLang's answers within its
+``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s, ``srt/entrypoints/http_server.py:218``), at least 1 s."""
 
 
 def health_status(url: str, timeout_s: float = 2.0) -> int:
@@ -212,7 +231,7 @@ class ManagedServer:
             if code is not None:
                 raise ServerStartError(f"server for {self.url} exited with code {code} before it was healthy"
                                        + self._log_tail())
-            if health_status(self.url, timeout_s=max(poll_s, 1.0)) == 200:
+            if health_status(self.url, timeout_s=max(1.0, min(HEALTH_PROBE_S, deadline - time.monotonic()))) == 200:
                 return
             if time.monotonic() > deadline:
                 self.stop()
@@ -275,7 +294,7 @@ class SGLangServer(ManagedServer):
 
     def __init__(self, cfg: SGLangServerConfig, *, env: Mapping[str, str] | None = None,
                  log_path: str | Path | None = None) -> None:
-        super().__init__(build_command(cfg), cfg.url, env=env, log_path=log_path)
+        super().__init__(build_command(cfg), cfg.url, env={**SERVER_ENV, **(env or {})}, log_path=log_path)
         self.cfg = cfg
 
 
@@ -340,6 +359,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
     parser.add_argument("--fp8", action="store_true", help="--quantization fp8")
     parser.add_argument("--fp8-kv-cache", action="store_true", help="--kv-cache-dtype fp8_e4m3")
     parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--deterministic-inference", action="store_true",
+                        help="--enable-deterministic-inference: sampling_seed decides each sample")
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed")
     parser.add_argument("--log-file", default=None)
@@ -355,6 +376,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
         mem_fraction_static=args.mem_fraction_static, quantization="fp8" if args.fp8 else None,
         kv_cache_dtype="fp8_e4m3" if args.fp8_kv_cache else "auto", weight_version=args.weight_version,
         base_gpu_id=args.base_gpu_id, python=args.python, extra_args=list(args.extra),
+        deterministic_inference=args.deterministic_inference,
     )
     return args, cfg
 
@@ -363,7 +385,8 @@ def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
     """The protocol server's command line for ``--stand-in`` (``model_path`` is the run config)."""
     return [cfg.python, "-m", "megatron_rl.rollout.sglang.standin", "--config", cfg.model_path,
             "--host", cfg.host, "--port", str(cfg.port), "--weight-version", cfg.weight_version,
-            *cfg.extra_args]
+            "--tp-size", str(cfg.tp_size),
+            *(["--enable-deterministic-inference"] if cfg.deterministic_inference else []), *cfg.extra_args]
 
 
 class _Stopped(BaseException):
@@ -380,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_command:
         print(" ".join(command))
         return 0
-    server = ManagedServer(command, cfg.url, log_path=args.log_file)
+    server = ManagedServer(command, cfg.url, env=SERVER_ENV, log_path=args.log_file)
 
     def stop_now(signum: int, _frame: object) -> None:
         # Raised, not flagged: the startup wait (up to --startup-timeout) must end too.

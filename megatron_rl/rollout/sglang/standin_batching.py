@@ -2,9 +2,10 @@
 
 Concurrent requests with equal sampling parameters (and the same wish for routes) that
 arrive within a short window are answered by one engine call, as SGLang batches requests
-continuously; the first request of a batch seeds it. ``max_batch 1`` answers each request
-alone, so a sample depends on its own seed and the weights only (reproducible runs, as
-SGLang's deterministic inference). ``token_latency_s`` models a GPU's decode time without
+continuously; the first request of a batch seeds it. ``alone`` answers each request by its
+own engine call, so a sample depends on its own seed and the weights only (SGLang's
+deterministic inference). ``last_answer`` is when the engine last answered anything (the
+stand-in's ``/health`` waits for it, as SGLang's does for any scheduler output). ``token_latency_s`` models a GPU's decode time without
 its compute: after a batch is computed its answers wait that long per token of its longest
 response, beside the batches after it (benchmarks on CPU, ``tools/bench_async.py``).
 
@@ -51,12 +52,15 @@ class ContinuousBatcher:
         max_batch: most sequences per engine call.
         token_latency_s: after computing a batch, its answers wait this long per token of
             its longest response (a modelled GPU decode; 0: answered at once).
+        alone: every request is its own engine call.
     """
 
     def __init__(self, generate: GenerateFn, *, window_s: float = 0.01, max_batch: int = 256,
-                 token_latency_s: float = 0.0) -> None:
+                 token_latency_s: float = 0.0, alone: bool = False) -> None:
         self.generate, self.window_s, self.max_batch = generate, window_s, max_batch
-        self.token_latency_s = token_latency_s
+        self.token_latency_s, self.alone = token_latency_s, alone
+        self.last_answer = 0.0
+        """``time.monotonic()`` when the engine last answered (or failed) a batch."""
         self.batches = 0
         """Engine calls made."""
         self.decoding: set[asyncio.Task] = set()
@@ -91,7 +95,8 @@ class ContinuousBatcher:
                     break
             groups: dict[tuple, list[_Pending]] = {}
             for pending in batch:
-                groups.setdefault((repr(pending.params), pending.want_routes), []).append(pending)
+                key = id(pending) if self.alone else (repr(pending.params), pending.want_routes)
+                groups.setdefault(key, []).append(pending)
             for members in groups.values():
                 await self._run(members)
 
@@ -101,6 +106,7 @@ class ContinuousBatcher:
         try:
             samples = await self.generate([m.prompt for m in members], first.params, first.want_routes, first.seed)
         except Exception as err:  # noqa: BLE001 - each waiting request gets the error
+            self.last_answer = time.monotonic()
             for m in members:
                 if not m.future.done():
                     m.future.set_exception(err)
@@ -114,15 +120,14 @@ class ContinuousBatcher:
             self.decoding.add(task)
             task.add_done_callback(self.decoding.discard)
         else:
-            _answer(members, samples)
+            self._answer(members, samples)
 
-    @staticmethod
-    async def _answer_after(delay_s: float, members: list[_Pending], samples: list[RolloutSample]) -> None:
+    async def _answer_after(self, delay_s: float, members: list[_Pending], samples: list[RolloutSample]) -> None:
         await asyncio.sleep(delay_s)
-        _answer(members, samples)
+        self._answer(members, samples)
 
-
-def _answer(members: list[_Pending], samples: list[RolloutSample]) -> None:
-    for m, sample in zip(members, samples):
-        if not m.future.done():
-            m.future.set_result(sample)
+    def _answer(self, members: list[_Pending], samples: list[RolloutSample]) -> None:
+        self.last_answer = time.monotonic()
+        for m, sample in zip(members, samples):
+            if not m.future.done():
+                m.future.set_result(sample)

@@ -1,62 +1,70 @@
 """Weight sync from the Megatron trainer to SGLang servers, tagged with a weight version.
 
-Owns, for one ``sync(version)`` (collective over the trainer's world):
+Owns, for one ``sync(version)`` (collective over the trainer's world), the stages of a
+push, each its own step so it can be timed alone:
 
-1. gathering: every parameter is rebuilt whole from its shards (all-gather over its TP
-   group, or the expert-TP group for experts, along Megatron's ``partition_dim``, undoing
-   the ``partition_stride`` interleave of gated fc1 weights) and renamed to its
-   layout-free name (global layer and expert numbers, so ``decoder.layers.7.mlp.experts.
-   local_experts.5...`` means layer 7, expert 5 whatever the TP/EP/PP layout). Each name
-   has one owner (the lowest rank holding it) that sends it to global rank 0, the only
-   rank that talks to the servers;
-2. naming: rank 0 turns each ``(megatron_name, tensor)`` into the server's names with an
-   injected ``name_map`` (the HF table of ``megatron_rl.checkpoint.mapping`` for a real
-   SGLang server; :func:`megatron_names` keeps Megatron names, which is what the CPU
-   protocol server loads);
-3. bucketing by bytes, and transport of each bucket by ``/update_weights_from_tensor``
-   (colocated: CUDA tensors travel as IPC handles, CPU tensors by value) or by
-   ``/init_weights_update_group`` once plus ``/update_weights_from_distributed`` with a
-   broadcast of the bucket over that group (disaggregated; NCCL on GPUs, gloo on CPU);
-4. the version: only the last bucket carries ``weight_version`` (and flushes the cache),
-   so a server reports the new version only once every bucket has landed; afterwards
-   rank 0 reads ``/model_info`` of every server and fails unless each reports it.
+1. **plan**: every rank lists the parameters it holds (name, shape, dtype); rank 0 then knows
+   the whole push before any tensor moves: the servers' names and shapes (the HF table of
+   ``megatron_rl.checkpoint.mapping`` applied to shape-only tensors), which it checks against
+   what the served architecture loads (every name known, each once: SGLang would skip an
+   unknown one without a word, :mod:`~megatron_rl.rollout.sglang.loader_rules`), the
+   payload's dtypes (:mod:`~megatron_rl.rollout.sglang.weight_payload`), and the buckets;
+2. **servers**: every server answers ``/ping`` (a restarting one is waited for
+   ``server_wait_s``, a hung one fails at once); before the first push and after a
+   reconnect, ``/server_info`` must show ``tp_size == server_tp_size`` and ``dp_size == 1``;
+   then a weight-update session opens on every server (:class:`~megatron_rl.rollout.sglang.
+   weight_transport.Sessions`);
+3. **gather**: each parameter is rebuilt whole from its shards (all-gather over its TP group,
+   or the expert-TP group for experts, along Megatron's ``partition_dim``, undoing the
+   ``partition_stride`` interleave of gated fc1 weights) under its layout-free name (global
+   layer and expert numbers); its owner (the lowest rank holding it) sends it to global rank
+   0, the only rank that talks to the servers;
+4. **rename** to the servers' HF names, and **bucket** by bytes without splitting a group
+   SGLang loads together (:class:`~megatron_rl.rollout.sglang.loader_rules.Bucketer`);
+5. **serialize and send** each bucket (tensor or distributed transport), the **load** being the
+   server's answer; only the last bucket carries ``weight_version`` and flushes the cache;
+6. the session closes (the server re-packs and re-quantizes), and rank 0 reads ``/model_info``
+   of every server and fails unless each reports the version.
 
-A sync first waits (``server_wait_s``) for every server to answer ``/health``, so a server
-being restarted delays the push instead of failing it; ``sync(..., reconnect=True)`` (the
-engine's re-push to a restarted server) also rebuilds the broadcast group, whose server
-side died with the old process.
-
-:func:`sglang_engine` wires this into the SGLang rollout engine for a trainer. Does not
-own the HF name table (``megatron_rl.checkpoint.mapping``), the rollout client, or when
-syncs happen (the engine and the trainer). Everything funnels through rank 0: right for
-any layout, but its links bound the throughput of large syncs.
+``sync(..., reconnect=True)`` (the engine's re-push to a restarted server) also rebuilds the
+broadcast group, whose server side died with the old process. :func:`sglang_engine` wires
+this into the SGLang rollout engine for a trainer. Does not own the HF name table, the
+rollout client, or when syncs happen (the engine and the trainer). Everything funnels
+through rank 0: right for any layout, but its links bound the throughput of large syncs.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Callable, Iterator, Literal, Sequence
+from typing import Iterator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
 
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map, hf_tensor_shapes
 from megatron_rl.checkpoint.megatron_io import global_parameter_names
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.schedule import unwrap
-from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.sglang.client import SGLangClientConfig
-from megatron_rl.rollout.sglang.control import probe_servers, request_json
+from megatron_rl.rollout.sglang.control import (
+    probe_servers,
+    server_facts,
+    watched_request,
+)
 from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
-from megatron_rl.rollout.sglang.wire import serialize_named_tensors
+from megatron_rl.rollout.sglang.loader_rules import Bucketer, load_group, loader_rules
+from megatron_rl.rollout.sglang.weight_payload import check_by_value_dtype
+from megatron_rl.rollout.sglang.weight_transport import (
+    DistributedTransport,
+    Limits,
+    Sessions,
+    TensorTransport,
+    WeightSyncError,
+)
+from megatron_rl.sections import ModelConfig
 
-NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
-"""``(megatron_name, full_tensor) -> [(server_name, tensor), ...]``."""
+__all__ = ["WeightSyncConfig", "WeightSync", "WeightSyncError", "gather_full_params", "plan_gather", "sglang_engine"]
 
 
 @dataclass(kw_only=True)
@@ -66,9 +74,10 @@ class WeightSyncConfig:
     mode: Literal["tensor", "distributed"] = "tensor"
     """tensor: ``/update_weights_from_tensor`` (colocated); distributed: a broadcast group."""
     bucket_bytes: int = 512 << 20
-    """Largest bucket; a single tensor larger than this travels alone."""
+    """Largest bucket; a single tensor (or load group) larger than this travels alone."""
     server_tp_size: int = 1
-    """TP size of each server (tensor mode: payload entries; distributed mode: group ranks)."""
+    """TP size each server must report in ``/server_info`` (tensor mode: payload entries;
+    distributed mode: group ranks)."""
     by_reference: bool | None = None
     """Tensor mode: send CUDA IPC handles instead of bytes; None means when tensors are on CUDA."""
     backend: Literal["nccl", "gloo"] = "nccl"
@@ -82,17 +91,12 @@ class WeightSyncConfig:
     timeout_s: float = 600.0
     """Limit for one update request and for forming the group."""
     server_wait_s: float = 300.0
-    """How long a sync waits for servers that do not answer ``/health`` (restarting) before
-    it fails naming them."""
-
-
-class WeightSyncError(RuntimeError):
-    """A server refused or failed a weight update; the message names the server."""
-
-
-def megatron_names(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """The identity :data:`NameMap`: layout-free Megatron names (the protocol server's)."""
-    return [(name, tensor)]
+    """How long a push waits for servers that are down or starting (restarting) before it
+    fails naming them."""
+    hang_check_after_s: float = 15.0
+    """A control call unanswered this long probes the server's ``/ping``."""
+    health_timeout_s: float = 10.0
+    """A server silent on ``/ping`` this long is hung: the push fails naming it."""
 
 
 # --------------------------------------------------------------------------- gathering
@@ -179,8 +183,41 @@ def _natural_key(name: str) -> tuple:
     return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split("."))
 
 
+
+
+@dataclass
+class GatherPlan:
+    """What a gather will yield, known on every rank before any tensor moves."""
+
+    shards: dict[str, _Shard]
+    """This rank's pieces, by layout-free name."""
+    order: list[str]
+    """Every name of the model, in the order the gather yields them."""
+    meta: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    """Whole shape and dtype of each name."""
+    owner: dict[str, int]
+    """The global rank that gathers each name (the lowest holding it)."""
+    device: torch.device
+    """Where the whole tensors are built."""
+
+
+def plan_gather(model: torch.nn.Module, groups: ParallelGroups) -> GatherPlan:
+    """Every rank's listing of what it holds, exchanged (a collective over the world)."""
+    shards = _local_shards(model, groups)
+    listing = [(n, s.full_shape, str(s.param.dtype)) for n, s in shards.items()]
+    holders: dict[str, list[int]] = {}
+    meta: dict[str, tuple] = {}
+    for r, entries in enumerate(comm.all_gather_objects(listing, groups.world)):
+        for name, shape, dtype in entries:
+            holders.setdefault(name, []).append(r)
+            meta[name] = (tuple(shape), getattr(torch, dtype.removeprefix("torch.")))
+    device = next(iter(shards.values())).param.device if shards else torch.device("cpu")
+    return GatherPlan(shards=shards, order=sorted(holders, key=_natural_key), meta=meta,
+                      owner={n: min(r) for n, r in holders.items()}, device=device)
+
+
 def gather_full_params(
-    model: torch.nn.Module, groups: ParallelGroups, *, everywhere: bool = False
+    model: torch.nn.Module, groups: ParallelGroups, *, everywhere: bool = False, plan: GatherPlan | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter, whole and under its layout-free name, yielded on global rank 0.
 
@@ -193,23 +230,13 @@ def gather_full_params(
         everywhere: yield on every rank instead (the owner broadcasts each whole tensor
             over the world): each rank then holds one whole tensor at a time (the HF engine's
             per-rank replicas).
+        plan: :func:`plan_gather` of this model, when the caller made it already.
     """
-    shards = _local_shards(model, groups)
+    plan = plan_gather(model, groups) if plan is None else plan
     world = groups.world
     rank = comm.rank(world)
-    listing = [(n, s.full_shape, str(s.param.dtype)) for n, s in shards.items()]
-    everyone = comm.all_gather_objects(listing, world)
-    holders: dict[str, list[int]] = {}
-    meta: dict[str, tuple] = {}
-    for r, entries in enumerate(everyone):
-        for name, shape, dtype in entries:
-            holders.setdefault(name, []).append(r)
-            meta[name] = (shape, dtype)
-    device = next(iter(shards.values())).param.device if shards else torch.device("cpu")
-    for name in sorted(holders, key=_natural_key):
-        owner = min(holders[name])
-        mine = shards.get(name)
-        full = None
+    for name in plan.order:
+        owner, mine, full = plan.owner[name], plan.shards.get(name), None
         # The owner's whole TP group gathers; everyone else holding the name skips it.
         group = mine.group if mine is not None else None
         in_owner_group = group is not None and owner in comm.global_ranks(group)
@@ -217,8 +244,7 @@ def gather_full_params(
             full = _gather(mine)
         if everywhere:
             if full is None:
-                shape, dtype = meta[name]
-                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+                full = torch.empty(plan.meta[name][0], dtype=plan.meta[name][1], device=plan.device)
             comm.broadcast(full, owner, world)
             yield name, full
             continue
@@ -226,168 +252,23 @@ def gather_full_params(
             if rank == owner:
                 comm.send(full, 0, world)
             elif rank == 0:
-                shape, dtype = meta[name]
-                full = torch.empty(shape, dtype=getattr(torch, dtype.removeprefix("torch.")), device=device)
+                full = torch.empty(plan.meta[name][0], dtype=plan.meta[name][1], device=plan.device)
                 comm.recv(full, owner, world)
         if rank == 0:
             yield name, full
 
 
-# --------------------------------------------------------------------------- transport
+# --------------------------------------------------------------------------- the push
 
 
-def _post_all(urls: Sequence[str], path: str, payload: dict, timeout_s: float) -> None:
-    """POST ``payload`` to every server at once; raise naming each server that failed."""
-    with ThreadPoolExecutor(max_workers=len(urls)) as pool:
-        answers = list(pool.map(lambda u: (u, *request_json("POST", u + path, payload, timeout_s=timeout_s)), urls))
-    _check(answers, path)
+@dataclass
+class PushPlan:
+    """Rank 0's view of one push before any tensor moves."""
 
-
-def _background(fn, *args, **kwargs) -> dict:
-    """Start ``fn`` on a daemon thread; the returned dict gets "result" or "error" when it ends."""
-    box: dict = {}
-
-    def run() -> None:
-        try:
-            box["result"] = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - handed to the waiting caller
-            box["error"] = err
-
-    threading.Thread(target=run, daemon=True).start()
-    return box
-
-
-def _check(answers, path: str) -> None:
-    failures = [f"{url}{path}: HTTP {status}: {str(body)[:300]}" for url, status, body in answers
-                if status != 200 or (isinstance(body, dict) and body.get("success") is False)]
-    if failures:
-        raise WeightSyncError("weight update failed: " + "; ".join(failures))
-
-
-def init_custom_group(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
-                      timeout: timedelta) -> dist.ProcessGroup:
-    """A process group outside the default world (both sides of a weight-update group).
-
-    The same construction as SGLang's ``init_custom_process_group``: a TCP rendezvous at
-    ``address:port`` (rank 0 hosts it), a store prefixed by ``group_name``, and torch's
-    process-group factory, so the key layout matches what a SGLang server builds.
-    """
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
-
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
-                                         group_name=group_name, timeout=timeout)
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-class TensorTransport:
-    """Buckets through ``/update_weights_from_tensor``."""
-
-    def __init__(self, urls: Sequence[str], cfg: WeightSyncConfig) -> None:
-        self.urls, self.cfg = list(urls), cfg
-
-    def send(self, bucket: list[tuple[str, torch.Tensor]], *, version: str | None) -> None:
-        """Send one bucket; ``version`` (last bucket only) also sets the servers' version."""
-        by_reference = self.cfg.by_reference
-        if by_reference is None:
-            by_reference = bucket[0][1].is_cuda
-        entry = serialize_named_tensors(bucket, by_reference=by_reference)
-        payload = {"serialized_named_tensors": [entry] * self.cfg.server_tp_size, "load_format": None,
-                   "flush_cache": version is not None, "abort_all_requests": False, "weight_version": version}
-        _post_all(self.urls, "/update_weights_from_tensor", payload, self.cfg.timeout_s)
-
-    def reset(self) -> None:
-        """Nothing to rebuild: every request stands alone."""
-
-    def close(self) -> None:
-        """Nothing to release."""
-
-
-class DistributedTransport:
-    """Buckets broadcast over a group of rank 0 and every server rank."""
-
-    def __init__(self, urls: Sequence[str], cfg: WeightSyncConfig) -> None:
-        self.urls, self.cfg = list(urls), cfg
-        self.group: dist.ProcessGroup | None = None
-
-    def _open(self) -> None:
-        """Form the group: rank 0 hosts the rendezvous while every server is asked to join.
-
-        Both sides block until everyone has joined, so each runs on a daemon thread and a
-        refusal from any server (or a failure here) is raised at once instead of after the
-        rendezvous timeout.
-        """
-        cfg, path = self.cfg, "/init_weights_update_group"
-        address = cfg.master_address or socket.gethostname()
-        port = cfg.master_port or free_port()
-        world_size = 1 + len(self.urls) * cfg.server_tp_size
-        joins = [_background(request_json, "POST", url + path, {
-            "master_address": address, "master_port": port, "rank_offset": 1 + i * cfg.server_tp_size,
-            "world_size": world_size, "group_name": cfg.group_name, "backend": cfg.backend,
-        }, timeout_s=cfg.timeout_s) for i, url in enumerate(self.urls)]
-        forming = _background(init_custom_group, cfg.backend, address, port, world_size, 0, cfg.group_name,
-                              timedelta(seconds=cfg.timeout_s))
-        deadline = time.monotonic() + cfg.timeout_s
-        while True:
-            answers = [(url, *box["result"]) for url, box in zip(self.urls, joins) if "result" in box]
-            _check(answers, path)
-            if "error" in forming:
-                raise WeightSyncError(f"rank 0 could not form the weight-update group: {forming['error']}")
-            if "result" in forming and len(answers) == len(self.urls):
-                self.group = forming["result"]
-                return
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"the weight-update group did not form within {cfg.timeout_s:g}s")
-            time.sleep(0.05)
-
-    def send(self, bucket: list[tuple[str, torch.Tensor]], *, version: str | None) -> None:
-        """Announce one bucket to every server, then broadcast its tensors in order."""
-        if self.group is None:
-            self._open()
-        payload = {"names": [n for n, _ in bucket], "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-                   "shapes": [list(t.shape) for _, t in bucket], "group_name": self.cfg.group_name,
-                   "flush_cache": version is not None, "abort_all_requests": False, "weight_version": version}
-        def announce(url: str):
-            return url, *request_json("POST", url + "/update_weights_from_distributed", payload,
-                                      timeout_s=self.cfg.timeout_s)
-
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            futures = [pool.submit(announce, url) for url in self.urls]
-            for _, tensor in bucket:
-                comm.broadcast(tensor.contiguous(), 0, self.group)
-            answers = [f.result() for f in futures]
-        _check(answers, "/update_weights_from_distributed")
-
-    def reset(self) -> None:
-        """Drop the group so the next send forms a new one with every server.
-
-        A restarted server lost its side, and the others must leave theirs before they can
-        join a group of the same name; a refusal (a server without the group) is expected.
-        """
-        if self.group is None:
-            return
-        payload = {"group_name": self.cfg.group_name}
-        with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-            list(pool.map(lambda u: request_json("POST", u + "/destroy_weights_update_group", payload,
-                                                 timeout_s=self.cfg.timeout_s), self.urls))
-        dist.destroy_process_group(self.group)
-        self.group = None
-
-    def close(self) -> None:
-        """Leave the group on both sides."""
-        if self.group is None:
-            return
-        _post_all(self.urls, "/destroy_weights_update_group", {"group_name": self.cfg.group_name}, self.cfg.timeout_s)
-        dist.destroy_process_group(self.group)
-        self.group = None
+    buckets: int
+    """Buckets the push sends (the last carries the version)."""
+    group_sizes: dict[str, int]
+    """Members of each load group."""
 
 
 class WeightSync:
@@ -398,62 +279,141 @@ class WeightSync:
         groups: this rank's parallel groups.
         urls: server base URLs.
         cfg: transport settings.
-        name_map: Megatron name and whole tensor to the servers' names and tensors.
+        architecture: HF ``model_type`` the servers serve: its table names the tensors, its
+            loader rules group them.
+        model_config: the trained model's config (the table's shapes).
     """
 
     def __init__(self, model: torch.nn.Module, groups: ParallelGroups, urls: Sequence[str], cfg: WeightSyncConfig,
-                 *, name_map: NameMap = megatron_names) -> None:
-        self.model, self.groups, self.cfg, self.name_map = model, groups, cfg, name_map
+                 *, architecture: str, model_config: ModelConfig) -> None:
+        self.model, self.groups, self.cfg, self.model_config = model, groups, cfg, model_config
         self.urls = [u.rstrip("/") for u in urls]
-        self.transport = None
+        table = ARCHITECTURES.get(architecture)
+        self.name_map = hf_name_map(table, model_config)
+        self.served = hf_tensor_shapes(table, model_config)
+        self.rules = loader_rules(architecture)
+        self.limits = Limits(cfg.timeout_s, cfg.hang_check_after_s, cfg.health_timeout_s)
+        self.servers_checked = False
+        self.transport = self.sessions = None
         if comm.rank(groups.world) == 0:
-            self.transport = (TensorTransport if cfg.mode == "tensor" else DistributedTransport)(self.urls, cfg)
+            self.sessions = Sessions(self.urls, self.limits)
+            if cfg.mode == "tensor":
+                self.transport = TensorTransport(self.urls, cfg.server_tp_size, cfg.by_reference, self.limits)
+            else:
+                self.transport = DistributedTransport(self.urls, cfg.server_tp_size, cfg.backend, cfg.master_address,
+                                                      cfg.master_port, cfg.group_name, self.limits)
+
+    def _group(self, name: str) -> str | None:
+        return load_group(self.rules, self.model_config, name)
+
+    def plan(self, gather: GatherPlan) -> PushPlan:
+        """Rank 0: the servers' tensors of the whole push, checked, and its bucket count.
+
+        Raises:
+            WeightSyncError: a name the served architecture does not load, one sent twice or
+                not at all, a shape the server does not have, or a dtype the payload cannot carry.
+        """
+        named = [pair for name in gather.order for pair in
+                 self.name_map(name, torch.empty(gather.meta[name][0], dtype=gather.meta[name][1], device="meta"))]
+        counts: dict[str, int] = {}
+        for name, _ in named:
+            counts[name] = counts.get(name, 0) + 1
+        problems = [f"{n}: not loaded by an SGLang {self.rules.architecture} server (it would skip it silently)"
+                    for n in counts if n not in self.served]
+        problems += [f"{n}: sent {c} times" for n, c in counts.items() if c > 1]
+        problems += [f"{n}: never sent (the server would keep its old value)" for n in self.served if n not in counts]
+        problems += [f"{n}: shape {tuple(t.shape)}, the server's is {self.served[n]}" for n, t in named
+                     if n in self.served and tuple(t.shape) != self.served[n]]
+        if problems:
+            raise WeightSyncError(f"weight sync: {len(problems)} tensors do not match the served architecture "
+                                  f"{self.rules.architecture!r}: " + "; ".join(problems[:5]))
+        by_reference = self.cfg.by_reference if self.cfg.by_reference is not None else gather.device.type == "cuda"
+        if self.cfg.mode == "tensor" and not by_reference:
+            for name, tensor in named:
+                check_by_value_dtype(name, tensor.dtype)
+        group_sizes: dict[str, int] = {}
+        for name, _ in named:
+            if (group := self._group(name)) is not None:
+                group_sizes[group] = group_sizes.get(group, 0) + 1
+        bucketer = Bucketer(self.cfg.bucket_bytes, self._group, group_sizes)
+        buckets = sum(len(bucketer.add(n, t)) for n, t in named) + len(bucketer.finish())
+        return PushPlan(buckets=buckets, group_sizes=group_sizes)
+
+    def _open(self, reconnect: bool) -> None:
+        """Rank 0: the servers are live (and right), a session is open on each."""
+        cfg = self.cfg
+        probe_servers(self.urls, timeout_s=cfg.health_timeout_s, wait_s=cfg.server_wait_s)
+        if reconnect or not self.servers_checked:
+            self._check_servers()
+            self.servers_checked = True
+        if reconnect:
+            self.transport.reset()
+        self.sessions.begin()
+        self.transport.start()
+
+    def _check_servers(self) -> None:
+        """``/server_info``: the TP size payloads and groups are built for, and no data parallelism
+        (SGLang's weight updates assert ``dp_size == 1``, tokenizer_control_mixin.py:451, :509, :569)."""
+        facts = server_facts(self.urls, timeout_s=self.cfg.health_timeout_s,
+                             hang_check_after_s=self.cfg.hang_check_after_s)
+        for url, info in facts.items():
+            if info.get("tp_size") != self.cfg.server_tp_size:
+                raise WeightSyncError(f"rollout.sglang.server_tp_size is {self.cfg.server_tp_size}, but SGLang server "
+                                      f"{url} runs with tp_size {info.get('tp_size')!r} (its /server_info)")
+            if info.get("dp_size", 1) != 1:
+                raise WeightSyncError(f"SGLang server {url} runs with dp_size {info['dp_size']}: SGLang's weight "
+                                      "updates need dp_size 1 (one server per data-parallel replica)")
 
     def sync(self, version: int, *, reconnect: bool = False) -> None:
-        """Wait for the servers, gather, send and verify; a collective that raises on every
-        rank if rank 0 failed (rank 0 its own error, the others
-        :class:`~megatron_rl.parallel.comm.RankFailed`).
+        """Plan, open, gather, send and verify; a collective that raises on every rank if rank 0
+        failed (rank 0 its own error, the others :class:`~megatron_rl.parallel.comm.RankFailed`).
 
-        Every rank runs the gather to its end even after rank 0 failed to send, so that no
-        rank is left waiting in a collective; the failure is then agreed on.
+        Every rank runs the gather to its end even after rank 0 failed, so that no rank is left
+        waiting in a collective; the failure is then agreed on.
 
         Args:
             version: the version the servers report once every bucket has landed.
-            reconnect: servers restarted since the last sync: rebuild the transport first.
+            reconnect: servers restarted since the last sync: check them and rebuild the transport.
         """
-        error, bucket, size = None, [], 0
+        error, push, bucketer, sent = None, None, None, 0
+        gather = plan_gather(self.model, self.groups)
         if self.transport is not None:
             try:
-                probe_servers(self.urls, timeout_s=10.0, wait_s=self.cfg.server_wait_s)
-                if reconnect:
-                    self.transport.reset()
+                push = self.plan(gather)
+                bucketer = Bucketer(self.cfg.bucket_bytes, self._group, push.group_sizes)
+                self._open(reconnect)
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 error = err
         with torch.no_grad():
-            for name, tensor in gather_full_params(self.model, self.groups):
+            for name, tensor in gather_full_params(self.model, self.groups, plan=gather):
                 if self.transport is None or error is not None:
                     continue
                 try:
                     for server_name, server_tensor in self.name_map(name, tensor):
-                        nbytes = server_tensor.numel() * server_tensor.element_size()
-                        if bucket and size + nbytes > self.cfg.bucket_bytes:
-                            self.transport.send(bucket, version=None)
-                            bucket, size = [], 0
-                        bucket.append((server_name, server_tensor))
-                        size += nbytes
+                        for bucket in bucketer.add(server_name, server_tensor):
+                            sent = self._send(bucket, sent, push.buckets, version)
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
                     error = err
             if self.transport is not None and error is None:
                 try:
-                    self.transport.send(bucket, version=str(version))
+                    for bucket in bucketer.finish():
+                        sent = self._send(bucket, sent, push.buckets, version)
+                    self.sessions.end()
                     self._verify(str(version))
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
                     error = err
         comm.raise_first_failure(error, self.groups.world, f"weight sync to version {version}")
 
+    def _send(self, bucket: list, sent: int, total: int, version: int) -> int:
+        """Send bucket number ``sent`` (of ``total``); the last one carries the version."""
+        self.transport.send(bucket, version=str(version) if sent == total - 1 else None)
+        return sent + 1
+
     def _verify(self, version: str) -> None:
         for url in self.urls:
-            status, info = request_json("GET", url + "/model_info", timeout_s=self.cfg.timeout_s)
+            status, info = watched_request("GET", url, "/model_info", timeout_s=self.cfg.timeout_s,
+                                           hang_check_after_s=self.cfg.hang_check_after_s,
+                                           liveness_timeout_s=self.cfg.health_timeout_s)
             served = info.get("weight_version") if isinstance(info, dict) else None
             if status != 200 or served != version:
                 raise WeightSyncError(f"{url} serves weight version {served!r} after the sync, expected {version!r}")
@@ -465,7 +425,7 @@ class WeightSync:
 
 
 def sglang_engine(model: torch.nn.Module, groups: ParallelGroups, client: SGLangClientConfig,
-                  sync: WeightSyncConfig | None, *, name_map: NameMap = megatron_names) -> SGLangEngine:
+                  sync: WeightSyncConfig | None, *, architecture: str, model_config: ModelConfig) -> SGLangEngine:
     """The SGLang rollout engine for a trainer's model, with weight sync when ``sync`` is set.
 
     Call on every rank (parallel state initialized); ``sync=None`` leaves the servers'
@@ -473,5 +433,6 @@ def sglang_engine(model: torch.nn.Module, groups: ParallelGroups, client: SGLang
     """
     weight_sync = None
     if sync is not None:
-        weight_sync = WeightSync(model, groups, client.urls, sync, name_map=name_map)
+        weight_sync = WeightSync(model, groups, client.urls, sync, architecture=architecture,
+                                 model_config=model_config)
     return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync)

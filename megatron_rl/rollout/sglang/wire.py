@@ -9,9 +9,9 @@ Owns the JSON of ``POST /generate`` (request fields ``rid``, ``input_ids``,
 ``routed_experts_start_len``; response ``output_ids`` and ``meta_info`` with ``id``,
 ``finish_reason``, ``weight_version``, ``output_token_logprobs`` as
 ``[logprob, token_id, text_or_null]`` triples, and ``routed_experts``: base64 of the raw
-bytes of a C-order int32 array ``[N, L, K]``), plus the byte encoding of the named tensors
-in ``/update_weights_from_tensor``. Both sides live here so that the client and the test
-server cannot drift apart. Does not own HTTP, retries or weight gathering.
+bytes of a C-order int32 array ``[N, L, K]``). Both sides live here so that the client and
+the stand-in cannot drift apart. Does not own HTTP, retries or weight updates
+(:mod:`~megatron_rl.rollout.sglang.weight_payload`).
 
 Routes are validated (length, id range, repeated experts) and narrowed to the compact id
 dtype (uint8 for E <= 256) as soon as they are decoded, so int32 payloads never pile up in
@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import math
-import pickle
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -361,72 +359,3 @@ def _finish_reason(value: Any, source: str) -> Literal["stop", "length"]:
     if kind not in ("stop", "length"):
         raise WireFormatError(f"{source}: finish_reason {value!r} is not a stop/length/abort object")
     return kind
-
-
-# --------------------------------------------------------------------------- weights
-
-
-def _tensor_from_bytes(raw: bytes, dtype_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    dtype = getattr(torch, dtype_name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise pickle.UnpicklingError(f"unknown tensor dtype {dtype_name!r}")
-    if len(raw) == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape)
-
-
-class _ByValuePickler(pickle.Pickler):
-    """Pickles CPU tensors as their raw bytes, dtype and shape (nothing else is rebuilt)."""
-
-    def reducer_override(self, obj):
-        if isinstance(obj, torch.Tensor):
-            flat = obj.detach().cpu().contiguous().reshape(-1)
-            raw = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-            return _tensor_from_bytes, (raw, str(obj.dtype).removeprefix("torch."), tuple(obj.shape))
-        return NotImplemented
-
-
-class _ByValueUnpickler(pickle.Unpickler):
-    """Rebuilds only what :class:`_ByValuePickler` writes; any other global is refused."""
-
-    def find_class(self, module: str, name: str):
-        if module == __name__ and name == "_tensor_from_bytes":
-            return _tensor_from_bytes
-        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} from a weight payload")
-
-
-def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]], *, by_reference: bool) -> str:
-    """One ``serialized_named_tensors`` entry: base64 of a pickled ``[(name, tensor), ...]``.
-
-    Args:
-        named: the bucket.
-        by_reference: pickle with torch's multiprocessing reductions (SGLang's
-            ``MultiprocessingSerializer``: CUDA tensors travel as IPC handles, which only a
-            colocated SGLang process on the same node can open); otherwise tensors travel
-            by value, which :func:`deserialize_named_tensors` reads back.
-    """
-    buffer = io.BytesIO()
-    if by_reference:
-        from multiprocessing.reduction import ForkingPickler
-
-        import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions
-
-        ForkingPickler(buffer).dump(list(named))
-    else:
-        _ByValuePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump([(str(n), t) for n, t in named])
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
-    """Read a by-value ``serialized_named_tensors`` entry back (refuses anything else)."""
-    try:
-        raw = base64.b64decode(payload, validate=True)
-        named = _ByValueUnpickler(io.BytesIO(raw)).load()
-    except (binascii.Error, ValueError, pickle.UnpicklingError, EOFError) as err:
-        raise WireFormatError(f"serialized_named_tensors entry is not a by-value tensor list ({err})") from None
-    if not isinstance(named, list) or not all(
-        isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], torch.Tensor)
-        for item in named
-    ):
-        raise WireFormatError("serialized_named_tensors entry must hold a list of (name, tensor) pairs")
-    return named

@@ -1,0 +1,102 @@
+"""The CPU stand-in's engine: a Megatron model in a world of one, its generator, its served weights.
+
+Builds the config's model on one dedicated thread (the CPU platform and the parallel state
+live there; every Megatron call runs on it), a generator over it (the HF engine, a
+transformers replica with its own numerics, refreshed when a weight-update session ends;
+or the Megatron model itself, exact), and :class:`~megatron_rl.rollout.sglang.
+standin_weights.ServedWeights`, which writes pushed HF tensors into the model by SGLang's
+loader rules. Joins weight-update groups (gloo) and receives their broadcasts. Does not own
+HTTP or SGLang's request rules (:mod:`~megatron_rl.rollout.sglang.standin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.parallel.comm import broadcast
+from megatron_rl.rollout.sglang.standin_weights import ServedWeights
+from megatron_rl.sections import ModelConfig, ParallelConfig
+
+
+class EngineHost:
+    """A local engine over a Megatron model in a world of one, driven from one dedicated thread.
+
+    Args:
+        model_cfg: architecture to build.
+        architecture: HF ``model_type`` served (names of pushed tensors, loader rules).
+        seed: initial weights.
+        micro_batch_sequences: sequences per forward micro-batch (megatron engine).
+        engine: hf (a transformers replica generates; Qwen3-MoE, Mixtral), megatron (the model
+            itself), or auto (hf when it can serve the architecture).
+        logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, architecture: str, seed: int, micro_batch_sequences: int = 64,
+                 engine: Literal["auto", "hf", "megatron"] = "auto", logprobs_after_temperature: bool = False) -> None:
+        from megatron_rl.rollout.local.hf_model import EXPERT_LAYOUTS
+
+        if engine not in ("auto", "hf", "megatron"):
+            raise ValueError(f"engine must be auto, hf or megatron, got {engine!r}")
+        self.model_cfg, self.architecture = model_cfg, architecture
+        self.engine_kind = engine if engine != "auto" else ("hf" if architecture in EXPERT_LAYOUTS else "megatron")
+        self.logprobs_after_temperature = logprobs_after_temperature
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._stack = contextlib.ExitStack()
+        self._executor.submit(self._start, seed, micro_batch_sequences).result()
+        self.update_groups: dict[str, dist.ProcessGroup] = {}
+
+    def _start(self, seed: int, micro_batch_sequences: int) -> None:
+        from megatron_rl.checkpoint.megatron_io import named_weights
+        from megatron_rl.parallel.cpu_platform import cpu_platform
+        from megatron_rl.parallel.groups import model_parallel
+        from megatron_rl.parallel.model import build_model
+        from megatron_rl.parallel.world import world_of_one
+        from megatron_rl.rollout.local.embedded import EmbeddedEngine
+
+        # The CPU platform's device rewriting is a thread-local torch mode: it must be
+        # entered on the thread that runs every forward.
+        self._stack.enter_context(world_of_one())
+        self._stack.enter_context(cpu_platform())
+        groups = self._stack.enter_context(model_parallel(ParallelConfig(), seed))
+        self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
+        self.model.eval()
+        self.weights = ServedWeights(named_weights(self.model), self.model_cfg, self.architecture)
+        if self.engine_kind == "hf":
+            from megatron_rl.rollout.local.hf_engine import HFEngine
+
+            self.engine = HFEngine(self.model, groups, architecture=self.architecture, model_config=self.model_cfg,
+                                   logprobs_after_temperature=self.logprobs_after_temperature)
+        else:
+            self.engine = EmbeddedEngine(self.model, groups, micro_batch_sequences,
+                                         logprobs_after_temperature=self.logprobs_after_temperature)
+
+    async def call(self, fn, *args):
+        """Run ``fn(*args)`` on the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def refresh(self) -> None:
+        """After a weight-update session: the HF replica follows the model (SGLang post-processes
+        its weights at ``end_weight_update`` too)."""
+        if self.engine_kind == "hf":
+            self.engine.update_weights(self.engine.weight_version + 1)
+
+    def receive(self, group: dist.ProcessGroup, names: list[str], dtypes: list[str],
+                shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
+        """Receive a bucket broadcast by the trainer's rank 0, one tensor at a time in order."""
+        named = []
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            broadcast(tensor, 0, group)
+            named.append((name, tensor))
+        return named
+
+    def close(self) -> None:
+        """Leave the world and stop the thread."""
+        self._executor.submit(self._stack.close).result()
+        self._executor.shutdown()

@@ -1,0 +1,138 @@
+"""SGLang 0.5.23's own code as a judge of what we send it, run in a process of its own.
+
+    python tests/sglang_oracle.py < jobs.pickle > answers.pickle
+
+Each job is a tuple; each answer ``("ok", value)`` or ``("error", "Type: message")``:
+
+* ``("decode", entry)``: one ``serialized_named_tensors`` entry as SGLang's scheduler reads it:
+  ``normalize_serialized_named_tensor_payloads`` (``srt/utils/common.py:3109-3132``, the tokenizer
+  side), ``monkey_patch_torch_reductions`` and ``MultiprocessingSerializer.deserialize`` under its
+  ``SafeUnpickler`` (``srt/managers/tp_worker.py:194-201``).
+* ``("validate", struct, body)``: the request body as FastAPI validates it into the
+  ``srt/managers/io_struct.py`` definition named ``struct``; the value is the declared field names
+  and the parsed values.
+* ``("contract", body)``: the ``/generate`` JSON contract gate (``srt/entrypoints/api_contract.py``):
+  None or its error text.
+* ``("allowed_globals",)``: ``SafeUnpickler.ALLOWED_GLOBALS``.
+
+Only SGLang's pure modules are imported, from the package installed by ``pip install --no-deps
+-r tests/requirements-sglang.txt``: its ``__init__`` (transformers patches, the frontend) is
+skipped by registering a bare package; ``triton``, imported at the top of ``srt/utils/common.py``
+but only used inside functions (``:91``), is a placeholder unless installed; ``io_struct``'s one
+heavy import, ``schedule_batch`` (which reaches the GPU runtime), is replaced by the five names
+``io_struct.py:58-64`` takes from it, the two used in request fields copied exactly
+(``schedule_batch.py:179-180``). Its own process, because SGLang's torch patches and these
+placeholders must not leak into the test process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.machinery
+import importlib.util
+import pickle
+import sys
+import types
+from typing import Literal, Union
+
+
+def bootstrap() -> None:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        raise SystemExit("sglang is not installed: pip install --no-deps -r tests/requirements-sglang.txt")
+    package = types.ModuleType("sglang")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__spec__ = spec
+    sys.modules["sglang"] = package
+    if importlib.util.find_spec("triton") is None:
+        class Placeholder(types.ModuleType):
+            def __getattr__(self, name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                value = Placeholder(f"{self.__name__}.{name}")
+                setattr(self, name, value)
+                return value
+
+            def __call__(self, *args, **kwargs):  # @triton.jit, @triton.autotune(...)
+                return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
+
+        triton = Placeholder("triton")
+        triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
+        triton.__path__ = []
+        sys.modules["triton"] = triton
+
+
+def io_struct():
+    import msgspec
+    from sglang.srt.multimodal.modality import Modality
+
+    stand_in = types.ModuleType("sglang.srt.managers.schedule_batch")
+    stand_in.Modality = Modality
+
+    class MultimodalProcessorOutput(msgspec.Struct, kw_only=True, dict=True, array_like=True):
+        input_ids: object = None  # multimodal requests are out of scope
+
+    def get_return_hidden_states_mode(value):
+        raise NotImplementedError("schedule_batch stand-in")
+
+    stand_in.MultimodalProcessorOutput = MultimodalProcessorOutput
+    stand_in.ReturnHiddenStatesMode = Union[bool, Literal["last"]]  # schedule_batch.py:179
+    stand_in.SamplingLogprobsMode = Literal["selected", "support"]  # schedule_batch.py:180
+    stand_in.get_return_hidden_states_mode = get_return_hidden_states_mode
+    sys.modules[stand_in.__name__] = stand_in
+    from sglang.srt.managers import io_struct as module
+
+    return module
+
+
+def decode(entry):
+    from sglang.srt.utils import MultiprocessingSerializer
+    from sglang.srt.utils.common import normalize_serialized_named_tensor_payloads
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    raw = normalize_serialized_named_tensor_payloads([entry])[0]
+    monkey_patch_torch_reductions()
+    return MultiprocessingSerializer.deserialize(raw)
+
+
+def validate(struct: str, body):
+    import msgspec
+    import pydantic
+
+    cls = getattr(io_struct(), struct)
+    parsed = pydantic.TypeAdapter(cls).validate_python(body)
+    if dataclasses.is_dataclass(cls):
+        names = [f.name for f in dataclasses.fields(cls)]
+    else:
+        names = [f.name for f in msgspec.structs.fields(cls)]
+    return {"fields": names, "values": {n: getattr(parsed, n) for n in names}}
+
+
+def contract(body):
+    from sglang.srt.entrypoints.api_contract import generate_contract_error
+
+    return generate_contract_error(body)
+
+
+def allowed_globals():
+    from sglang.srt.utils.common import SafeUnpickler
+
+    return sorted(SafeUnpickler.ALLOWED_GLOBALS)
+
+
+def main() -> int:
+    bootstrap()
+    jobs = pickle.load(sys.stdin.buffer)
+    handlers = {"decode": decode, "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
+    answers = []
+    for kind, *args in jobs:
+        try:
+            answers.append(("ok", handlers[kind](*args)))
+        except Exception as err:  # noqa: BLE001 - the verdict is the answer
+            answers.append(("error", f"{type(err).__name__}: {err}"))
+    sys.stdout.buffer.write(pickle.dumps(answers))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

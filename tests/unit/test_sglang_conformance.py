@@ -1,0 +1,209 @@
+"""What we send SGLang 0.5.23, judged by SGLang's own code, and the stand-in's rules by SGLang's source.
+
+SGLang's pure modules are installed by the README's test command (``pip install --no-deps -r
+tests/requirements-sglang.txt``, CPU torch kept) and run in their own process
+(``tests/sglang_oracle.py``): every weight payload form we produce is decoded by its
+``MultiprocessingSerializer`` under its ``SafeUnpickler``; every request body is validated by
+its ``io_struct`` definitions (and ``/generate``'s by its JSON contract gate), and may hold no
+field SGLang would silently ignore. The stand-in's texts and rules are compared with SGLang's
+source, read here from the installed package. Not skipped in CI (``CI`` set): a missing
+install fails there.
+"""
+
+import ast
+import base64
+import importlib.util
+import os
+import pickle
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang import standin_weights
+from megatron_rl.rollout.sglang.server import (
+    SERVER_ENV,
+    SGLangServerConfig,
+    build_command,
+)
+from megatron_rl.rollout.sglang.standin_weights import SchedulerCrash, decode_entries
+from megatron_rl.rollout.sglang.weight_payload import (
+    WeightPayloadError,
+    begin_weight_update_body,
+    destroy_group_body,
+    distributed_update_body,
+    end_weight_update_body,
+    init_group_body,
+    tensor_update_body,
+)
+from megatron_rl.rollout.sglang.weight_transport import Limits, TensorTransport
+from megatron_rl.rollout.sglang.wire import generate_payload
+
+ORACLE = Path(__file__).resolve().parents[1] / "sglang_oracle.py"
+SPEC = importlib.util.find_spec("sglang")
+if SPEC is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("sglang is not installed: the README's test command installs tests/requirements-sglang.txt")
+    pytest.skip("sglang is not installed (pip install --no-deps -r tests/requirements-sglang.txt)",
+                allow_module_level=True)
+SRT = Path(SPEC.submodule_search_locations[0]) / "srt"
+LIMITS = Limits(request_s=10.0, hang_check_after_s=10.0, liveness_s=10.0)
+
+
+def ask(jobs: list) -> list:
+    """SGLang's verdicts on ``jobs`` (see tests/sglang_oracle.py)."""
+    done = subprocess.run([sys.executable, str(ORACLE)], input=pickle.dumps(jobs), capture_output=True,
+                          timeout=300, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return pickle.loads(done.stdout)
+
+
+def corpus() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    big = torch.randn(64, 64, generator=gen)
+    return [
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(6, 4, generator=gen).to(torch.bfloat16)),
+        ("model.layers.0.mlp.experts.3.down_proj.weight", torch.randn(4, 6, generator=gen)),
+        ("model.norm.weight", torch.ones(4, dtype=torch.float16)),
+        ("model.layers.0.mlp.gate.e_score_correction_bias", torch.randn(8, generator=gen, dtype=torch.float64)),
+        ("ids", torch.arange(5)), ("flags", torch.tensor([True, False])), ("scalar", torch.tensor(2.5)),
+        ("empty", torch.empty(0, 3)), ("view", torch.arange(20.0).reshape(4, 5)[1:3, ::2]),
+        ("slice_of_a_big_storage", big[:2]), ("grad", torch.ones(3, requires_grad=True)),
+    ]
+
+
+@pytest.fixture(scope="module")
+def verdicts():
+    """One oracle run for the whole module: payloads, bodies, the allow-list."""
+    named = corpus()
+    entries = TensorTransport(["http://x"], 2, False, LIMITS).entries(named)
+    fp8 = base64.b64encode(pickle.dumps([("w", torch.zeros(3, dtype=torch.float8_e4m3fn))])).decode()
+    hostile = base64.b64encode(pickle.dumps([("w", print)])).decode()
+    generate = generate_payload(rid="b-0.a0", prompt_ids=[1, 2, 3], return_routed_experts=True, sampling_seed=5,
+                                params=SamplingParams(temperature=0.7, top_p=0.9, top_k=4, max_new_tokens=8,
+                                                      stop_token_ids=(2,)))
+    bodies = {
+        "BeginWeightUpdateReqInput": begin_weight_update_body(),
+        "EndWeightUpdateReqInput": end_weight_update_body(),
+        "UpdateWeightsFromTensorReqInput": tensor_update_body(entries, version="7"),
+        "UpdateWeightsFromDistributedReqInput": distributed_update_body(named[:3], group_name="g", version=None),
+        "InitWeightsUpdateGroupReqInput": init_group_body(address="h", port=1, rank_offset=1, world_size=3,
+                                                          group_name="g", backend="nccl"),
+        "DestroyWeightsUpdateGroupReqInput": destroy_group_body("g"),
+        "GenerateReqInput": generate,
+    }
+    jobs = [("decode", e) for e in entries] + [("decode", fp8), ("decode", hostile), ("allowed_globals",),
+                                                 ("contract", generate)]
+    jobs += [("validate", struct, body) for struct, body in bodies.items()]
+    answers = ask(jobs)
+    return {"named": named, "entries": entries, "decoded": answers[:len(entries)], "fp8": fp8, "hostile": hostile,
+            "fp8_verdict": answers[len(entries)], "hostile_verdict": answers[len(entries) + 1],
+            "allowed": {tuple(g) for g in answers[len(entries) + 2][1]}, "contract": answers[len(entries) + 3],
+            "bodies": bodies, "validated": dict(zip(bodies, answers[len(entries) + 4:]))}
+
+
+def test_sglang_decodes_every_tensor_payload_bit_exactly(verdicts):
+    """Item 3: our by-value payload is read by SGLang's own serializer (main's custom reducer is
+    "Blocked unsafe global"), one entry per server TP rank, bit for bit, as the stand-in reads it."""
+    named = verdicts["named"]
+    assert len(verdicts["entries"]) == 2
+    for status, value in verdicts["decoded"]:
+        assert status == "ok", value
+        assert [n for n, _ in value] == [n for n, _ in named]
+        for (_, sent), (_, got) in zip(named, value):
+            assert got.dtype == sent.dtype and got.shape == sent.shape and torch.equal(got, sent.detach())
+    ours = decode_entries(verdicts["entries"], tp_size=2)
+    assert all(torch.equal(a, b.detach()) for (_, a), (_, b) in zip(ours, named))
+
+
+def test_dtypes_sglang_cannot_read_are_refused_up_front(verdicts):
+    """Item 3: float8 and friends would reach SGLang's scheduler as a torch.load failure (which kills
+    the server); we refuse them before sending, naming the modes that carry them."""
+    status, message = verdicts["fp8_verdict"]
+    assert status == "error" and message.startswith("AttributeError"), message
+    with pytest.raises(SchedulerCrash, match="AttributeError"):
+        decode_entries([verdicts["fp8"]], tp_size=1)
+    with pytest.raises(WeightPayloadError, match="float8_e4m3fn.*weight_sync=distributed"):
+        TensorTransport(["http://x"], 1, False, LIMITS).entries([("w", torch.zeros(3, dtype=torch.float8_e4m3fn))])
+
+
+def test_the_stand_ins_unpickler_refuses_what_sglang_refuses(verdicts):
+    assert standin_weights.ALLOWED_GLOBALS <= verdicts["allowed"]
+    status, message = verdicts["hostile_verdict"]
+    assert status == "error" and "Blocked unsafe global (builtins.print)" in message
+    with pytest.raises(SchedulerCrash, match=re.escape("Blocked unsafe global (builtins.print)")):
+        decode_entries([verdicts["hostile"]], tp_size=1)
+    with pytest.raises(SchedulerCrash, match="IndexError: 1 serialized_named_tensors entries for tp_size 2"):
+        decode_entries(verdicts["entries"][:1], tp_size=2)
+
+
+def test_request_bodies_are_valid_sglang_requests_with_no_ignored_field(verdicts):
+    for struct, body in verdicts["bodies"].items():
+        status, value = verdicts["validated"][struct]
+        assert status == "ok", (struct, value)
+        unknown = set(body) - set(value["fields"])
+        assert not unknown, f"{struct}: SGLang would ignore {unknown}"
+    tensor = verdicts["validated"]["UpdateWeightsFromTensorReqInput"][1]["values"]
+    assert tensor["weight_version"] == "7" and tensor["flush_cache"] is True and tensor["load_format"] is None
+    assert all(isinstance(e, bytes) for e in tensor["serialized_named_tensors"])  # base64 decoded
+    generate = verdicts["validated"]["GenerateReqInput"][1]["values"]
+    assert generate["return_routed_experts"] and generate["sampling_params"]["sampling_seed"] == 5
+    assert verdicts["contract"] == ("ok", None)
+
+
+def _source(relative: str) -> str:
+    return (SRT / relative).read_text()
+
+
+def _function(relative: str, name: str) -> ast.FunctionDef:
+    for node in ast.walk(ast.parse(_source(relative))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+    raise AssertionError(f"{relative}: no function {name}")
+
+
+def _messages(node: ast.AST) -> set[str]:
+    return {kw.value.value for n in ast.walk(node) if isinstance(n, ast.Call) for kw in n.keywords
+            if kw.arg == "message" and isinstance(kw.value, ast.Constant)}
+
+
+def test_the_stand_ins_session_rules_are_sglangs():
+    """Item 1: the refusals the stand-in answers are SGLang's, word for word."""
+    updater = "managers/scheduler_components/weight_updater.py"
+    for call in ("update_weights_from_tensor", "update_weights_from_distributed"):
+        assert standin_weights.NO_SESSION.format(call=call) in _messages(_function(updater, call))
+    assert standin_weights.SESSION_OPEN in _messages(_function(updater, "begin_weight_update"))
+    assert standin_weights.NOTHING_TO_END in _messages(_function(updater, "end_weight_update"))
+
+
+def test_the_load_group_is_the_deepseek_loaders_pair():
+    """Item 2: the pair is cached in a dict local to one do_load_weights call, by these two names."""
+    loader = _function("models/deepseek_common/deepseek_weight_loader.py", "do_load_weights")
+    text = ast.unparse(loader)
+    assert "cached_a_proj = {} if fuse_qkv_a_proj else None" in text
+    assert "'q_a_proj' in name or 'kv_a_proj_with_mqa' in name" in text
+    assert "q_lora_rank" in text
+    from megatron_rl.rollout.sglang.loader_rules import RULES
+
+    assert RULES["deepseek_v3"].paired == ("q_a_proj", "kv_a_proj_with_mqa")
+
+
+def test_launch_settings_and_probes_exist_in_sglang():
+    """Items 4-8: what the wrapper, client and stand-in rely on is there, under these names."""
+    sampler = _source("layers/sampler.py")
+    (variable,) = SERVER_ENV
+    assert f'{variable} = get_bool_env_var("{variable}")' in sampler
+    http = _source("entrypoints/http_server.py")
+    assert 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))' in http
+    assert '@app.get("/health")\n@app.get("/health_generate")' in http and '@app.get("/ping")' in http
+    assert '@app.get("/server_info")' in http
+    assert re.search(r"^    tp_size: A\[", _source("arg_groups/fields/parallel.py"), re.M)
+    assert re.search(r"^    enable_deterministic_inference: A\[", _source("arg_groups/fields/exec_.py"), re.M)
+    assert "--enable-deterministic-inference" in build_command(SGLangServerConfig(model_path="m",
+                                                                                   deterministic_inference=True))
+    batch_info = ast.unparse(_function("sampling/sampling_batch_info.py", "from_schedule_batch"))
+    assert "if enable_deterministic else None" in batch_info  # seeds are ignored without the flag
