@@ -36,7 +36,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import MegatronModule
 from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.parallel.mcore_compat import AttnMaskType
+from megatron_rl.parallel.mcore_compat import AttnMaskType, core_attention_cp_group
 from megatron_rl.parallel.packing import cp_partition_indices
 
 MASK_ELEMENTS = 1 << 22
@@ -69,9 +69,9 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError(f"PackedCoreAttention computes causal attention, not {attn_mask_type}")
         self.cp_group = None
         if config.context_parallel_size > 1:
-            if pg_collection is None or getattr(pg_collection, "cp", None) is None:
+            self.cp_group = core_attention_cp_group(pg_collection)
+            if self.cp_group is None:
                 raise ValueError("PackedCoreAttention: context parallelism needs the CP group (pg_collection.cp)")
-            self.cp_group = pg_collection.cp
         if getattr(config, "window_size", None) is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError("PackedCoreAttention: sliding windows and softmax offsets are not supported")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout

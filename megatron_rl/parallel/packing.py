@@ -57,7 +57,7 @@ def cp_partition_indices(cu_padded: torch.Tensor, total: int, cp_size: int, cp_r
     The pure-torch twin of Transformer Engine's ``thd_get_partitioned_indices`` (what
     Megatron-Core's ``get_thd_batch_on_this_cp_rank`` slices a THD batch with): segment after
     segment, chunk ``cp_rank`` then chunk ``2 x cp_size - 1 - cp_rank`` of the segment's
-    2 x cp_size equal chunks.
+    2 x cp_size equal chunks (``mcore_compat.THD_CONTEXT_PARALLEL``).
 
     Args:
         cu_padded: ``[n + 1]`` boundaries of the row's n segments (slots and padding tail).

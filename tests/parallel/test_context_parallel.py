@@ -120,6 +120,47 @@ def _isolation(model, groups, mine) -> dict:
     }
 
 
+def _attention_against_dense(groups) -> dict:
+    """The CP core attention of this world's CP group, in blocks of one or two queries
+    (``MASK_ELEMENTS`` lowered), against dense float64 block-causal attention: outputs and the
+    gradients of the rank's queries, keys and values (those summed back from every rank)."""
+    from types import SimpleNamespace
+
+    from megatron_rl.parallel import packed_attention
+    from megatron_rl.parallel.mcore_compat import AttnMaskType, PackedSeqParams
+    from megatron_rl.parallel.packing import cp_partition_indices
+
+    heads, kv_groups, dim, cp = 4, 2, 8, groups.cp_size
+    cu = torch.tensor([0, 8, 32, 48, 56]) * cp // 4  # slots of 8, 24, 16 and 8 tokens under CP4
+    total = int(cu[-1])
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(total, h, dim, generator=gen, dtype=torch.float64) for h in (heads, kv_groups, kv_groups))
+    upstream = torch.randn(total, heads * dim, generator=gen, dtype=torch.float64)
+    config = SimpleNamespace(context_parallel_size=cp, attention_dropout=0.0, kv_channels=dim, window_size=None,
+                             softmax_type="vanilla")
+    attention = packed_attention.PackedCoreAttention(config, 1, AttnMaskType.causal, "self",
+                                                     pg_collection=SimpleNamespace(cp=groups.cp))
+    rows = cp_partition_indices(cu, total, cp, groups.cp_rank)
+    mine = [t[rows].clone().requires_grad_() for t in (q, k, v)]
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu,
+                             cu_seqlens_kv_padded=cu, max_seqlen_q=24, max_seqlen_kv=24)
+    saved, packed_attention.MASK_ELEMENTS = packed_attention.MASK_ELEMENTS, 40
+    try:
+        out = attention(*mine, None, packed_seq_params=params)
+    finally:
+        packed_attention.MASK_ELEMENTS = saved
+    out.backward(upstream[rows])
+    dense = [t.clone().requires_grad_() for t in (q, k, v)]
+    segment = torch.bucketize(torch.arange(total), cu[1:], right=True)
+    allowed = (segment[:, None] == segment[None, :]) & torch.ones(total, total, dtype=torch.bool).tril()
+    keys, values = (t.repeat_interleave(heads // kv_groups, dim=1) for t in dense[1:])
+    scores = torch.einsum("thd,uhd->htu", dense[0], keys) / dim ** 0.5
+    expected = torch.einsum("htu,uhd->thd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), values)
+    expected.reshape(total, -1).backward(upstream)
+    return {"out": float((out - expected.reshape(total, -1)[rows]).abs().max()),
+            "grads": [float((m.grad - d.grad[rows]).abs().max()) for m, d in zip(mine, dense)]}
+
+
 def _dp_balance(groups) -> dict:
     """Rebalance this DP rank's samples by tokens: CP peers must end with the same samples."""
     from megatron_rl.train.dp_balance import rebalance_over_dp
@@ -150,6 +191,7 @@ def _layout(name: str, groups, checkpoint: str) -> dict:
            "replica": comm.global_ranks(groups.mp)}
     if name == "CP4":
         out["isolation"] = _isolation(model, groups, mine)
+        out["attention"] = _attention_against_dense(groups)
     if name == "CP2":
         out["balance"] = _dp_balance(groups)
     _perturb_routers(model)
@@ -234,6 +276,12 @@ def test_training_step_matches_the_single_process(name, mode, layouts, reference
     assert set(grads) == set(ref["grads"])
     for key, grad in ref["grads"].items():
         assert relative_error(grads[key], grad) <= 1e-5, (name, mode, key)
+
+
+def test_cp_attention_in_blocks_matches_dense_attention(layouts):
+    for rank in layouts:
+        errors = rank["CP4"]["attention"]
+        assert errors["out"] <= 1e-12 and max(errors["grads"]) <= 1e-12, errors
 
 
 def test_perturbing_one_sample_moves_no_other_sample_under_cp(layouts):
