@@ -78,7 +78,11 @@ def _steps(model, ddp, groups, mine, old) -> dict:
     """One R2 and one R3 RSPO forward-backward from the same weights: loss and gradients."""
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.parallel.smoke_worker import _gathered_grads
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
 
     out = {}
     for mode in PLANS:
