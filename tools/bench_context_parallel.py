@@ -12,10 +12,15 @@ MoE model made narrow and long-context: hidden 64, 2 layers of 8 experts (top-2,
 layers and two heads keep the 32K CP1 step to minutes on two cores; memory per token and its
 division by CP do not depend on the depth).
 
-Memory per rank, method: the process's resident set measured by Linux. Before each
-measured pass every rank collects garbage, returns freed heap to the kernel
-(``malloc_trim``), reads its RSS (``VmRSS``) and resets its peak RSS (writing 5 to
-``/proc/self/clear_refs``); after the pass it reads the peak (``VmHWM``). ``pass MiB`` is
+Memory per rank, method: the process's resident set measured by Linux. The ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536``: glibc then maps every allocation above 64 KiB (every tensor
+that matters) on its own and unmaps it when freed, so RSS follows the live tensors; with
+glibc's default (a threshold that grows to 32 MiB as blocks are freed) freed tensors stay in
+the heap and the peak RSS measures the allocator's cache as much as the pass (CP1 -> CP2 at
+32K looked like 1.3x that way; the tensors' own peak halves). Before each measured pass every
+rank collects garbage, returns freed heap to the kernel (``malloc_trim``), reads its RSS
+(``VmRSS``) and resets its peak RSS (writing 5 to ``/proc/self/clear_refs``); after the pass
+it reads the peak (``VmHWM``). ``pass MiB`` is
 peak - RSS before: what the pass itself held at its peak (activations, autograd state,
 gathered keys and values, logits), the part that grows with T and that CP divides. ``peak
 MiB`` is the whole process at that peak (interpreter, torch, Megatron and the weights add a
@@ -41,6 +46,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -98,7 +104,11 @@ def cp_worker(cp: int, lengths: list[int]) -> dict:
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.schedule import wrap_for_training
-    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.parallel.train_step import (
+        RoutingPlan,
+        TrainBatch,
+        forward_backward,
+    )
     from megatron_rl.sections import ParallelConfig
 
     parallel = ParallelConfig(context_parallel_size=cp)
@@ -140,6 +150,8 @@ def main() -> int:
 
     from megatron_rl.parallel.world import run_world
 
+    # Read by glibc when each rank's process starts (the ranks are spawned): see the docstring.
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
     results = {}
     for cp in args.cp:
         print(f"CP{cp}: a world of {cp} process(es) ...", flush=True)

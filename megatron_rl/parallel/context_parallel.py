@@ -16,7 +16,8 @@ the objective, routing records) is defined on the whole row, in sample order. Tw
   keys and values to their owners, and DDP sums the parameter gradients over the dp x cp
   group. The objective's code is the one of a single process.
 - :func:`whole_row`: values of a rank's ``T_cp`` rows (routing records, no gradient)
-  all-gathered over CP and put in row order.
+  all-gathered over CP and put in row order; :func:`values_at_rows` the same for a few rows
+  (the last position of each sequence, which the embedded engine samples from).
 
 Does not own the partition (``packing``) or the attention (``packed_attention``).
 """
@@ -58,6 +59,20 @@ def whole_row(local_TX: torch.Tensor, mb: PackedMicroBatch, group: dist.ProcessG
     if mb.cp_size == 1:
         return local_TX
     return all_gather_cat(local_TX, group)[mb.cp_row_order.to(local_TX.device)]
+
+
+def values_at_rows(
+    values_1TX: torch.Tensor, mb: PackedMicroBatch, rows_R: torch.Tensor, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``[R, ...]``: this rank's model output ``[1, T_cp, ...]`` at row positions ``rows_R`` of the
+    whole row, on every CP rank (no gradient): each row comes from the rank that holds it."""
+    if mb.cp_size == 1:
+        return values_1TX[0, rows_R.to(values_1TX.device)]
+    local_R = mb.local_position_of_row[rows_R.cpu()]
+    owned = torch.nonzero(local_R >= 0)[:, 0]
+    out = values_1TX.new_zeros(rows_R.numel(), *values_1TX.shape[2:])
+    out[owned.to(out.device)] = values_1TX[0, local_R[owned].to(out.device)]
+    return all_reduce(out, group)  # one owner per row, zeros elsewhere: an exact sum
 
 
 def response_logprobs_entropy(

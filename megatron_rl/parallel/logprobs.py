@@ -12,7 +12,10 @@ every rank of the model-parallel group returns the same tensors. With
 router and the result carries one :class:`~moe_routing.types.RouterRecord` over all
 prompt+response positions.
 
-Data parallelism is the caller's: each DP rank passes its own samples. All DP ranks run
+Data parallelism is the caller's: each DP rank passes its own samples. Under context
+parallelism every CP rank of a replica passes the same samples, runs its share of each row,
+and gets every result whole (log-probs and entropies summed over CP, records gathered over
+CP), so every rank of the replica returns the same tensors. All DP ranks run
 the same number of micro-batches (expert dispatch is a collective across them): they agree
 on the count and a rank short of samples runs padding-only rows. With a token budget
 (``micro_batch_tokens``) samples are packed into as few balanced micro-batches as fit, in

@@ -39,8 +39,9 @@ from torch.utils.checkpoint import checkpoint
 from megatron_rl.parallel.mcore_compat import AttnMaskType, core_attention_cp_group
 from megatron_rl.parallel.packing import cp_partition_indices
 
-MASK_ELEMENTS = 1 << 22
-"""Most causal-mask entries (segments x queries x keys) one CP attention block builds."""
+MASK_ELEMENTS = 1 << 20
+"""Most causal-mask entries (segments x queries x keys) one CP attention block builds (4 MiB in
+fp32: small next to a long row's activations; CPU SDPA is no slower per query in small blocks)."""
 
 
 class PackedCoreAttention(MegatronModule):
@@ -185,10 +186,9 @@ class PackedCoreAttention(MegatronModule):
                 for offset in range(0, chunk, block):
                     width = min(block, chunk - offset)
                     rows_NB = (first_local_N[:, None] + offset + torch.arange(width)).to(query.device)
-                    positions = first_position + offset + torch.arange(width)
                     out_NBHD = checkpoint(
-                        _attend_to_prefix, query, key_T, value_T, rows_NB, seg_starts.to(query.device),
-                        positions.to(query.device), self.softmax_scale, use_reentrant=False,
+                        _attend_to_prefix, query, key_T, value_T, rows_NB, tuple(seg_starts.tolist()),
+                        first_position + offset, self.softmax_scale, use_reentrant=False,
                     )
                     out_THD[rows_NB.reshape(-1)] = out_NBHD.reshape(-1, *out_THD.shape[1:])
         return out_THD.reshape(local, -1)
@@ -196,29 +196,33 @@ class PackedCoreAttention(MegatronModule):
 
 def _attend_to_prefix(
     query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor, rows_NB: torch.Tensor,
-    seg_starts_N: torch.Tensor, positions_B: torch.Tensor, scale: float,
+    seg_starts: tuple[int, ...], first_position: int, scale: float,
 ) -> torch.Tensor:
-    """``[N, B, H, Dv]``: local queries ``rows_NB`` (at ``positions_B`` of their segment) over the
-    keys of their segment (starting at row ``seg_starts_N``) up to their own position.
+    """``[N, B, H, Dv]``: local queries ``rows_NB`` (at positions ``first_position ...`` of their
+    segment) over the keys of their segment (starting at row ``seg_starts[n]``) up to their own
+    position.
 
-    Gathers from the shared ``[T_cp]`` queries and ``[T]`` keys and values here, so that the
-    checkpoint around it keeps no per-block copy alive.
+    Reads the shared ``[T_cp]`` queries and ``[T]`` keys and values here (a slice, no copy, for
+    one segment), so that the checkpoint around it keeps no per-block copy alive.
     """
-    visible = int(positions_B[-1]) + 1
-    keys_NL = seg_starts_N[:, None] + torch.arange(visible, device=seg_starts_N.device)
+    device = query_THD.device
+    visible = first_position + rows_NB.shape[1]
+    positions_B = torch.arange(first_position, visible, device=device)
     # An additive mask in the query dtype keeps SDPA on its flash kernel (a bool mask is
     # converted on every call, ~3x slower on CPU); 0 and -inf mask exactly as a bool mask.
-    hidden_BL = torch.arange(visible, device=positions_B.device)[None, :] > positions_B[:, None]
-    mask_BL = torch.zeros(hidden_BL.shape, dtype=query_THD.dtype, device=query_THD.device).masked_fill_(
-        hidden_BL, float("-inf"))
+    hidden_BL = torch.arange(visible, device=device)[None, :] > positions_B[:, None]
+    mask_BL = torch.zeros(hidden_BL.shape, dtype=query_THD.dtype, device=device).masked_fill_(hidden_BL, float("-inf"))
+    if len(seg_starts) == 1:
+        k_NLGD = key_TGD[seg_starts[0] : seg_starts[0] + visible][None]
+        v_NLGD = value_TGD[seg_starts[0] : seg_starts[0] + visible][None]
+    else:
+        keys_NL = torch.tensor(seg_starts, device=device)[:, None] + torch.arange(visible, device=device)
+        k_NLGD, v_NLGD = key_TGD[keys_NL], value_TGD[keys_NL]
     q_NHBD = query_THD[rows_NB].transpose(1, 2)
-    k_NGLD = key_TGD[keys_NL].transpose(1, 2)
-    v_NGLD = value_TGD[keys_NL].transpose(1, 2)
-    heads, groups = q_NHBD.shape[1], k_NGLD.shape[1]
-    if heads != groups:
-        k_NGLD = k_NGLD.repeat_interleave(heads // groups, dim=1)
-        v_NGLD = v_NGLD.repeat_interleave(heads // groups, dim=1)
-    out_NHBD = F.scaled_dot_product_attention(q_NHBD, k_NGLD, v_NGLD, attn_mask=mask_BL, scale=scale)
+    out_NHBD = F.scaled_dot_product_attention(
+        q_NHBD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2), attn_mask=mask_BL, scale=scale,
+        enable_gqa=q_NHBD.shape[1] != k_NLGD.shape[2],  # grouped keys without a per-head copy
+    )
     return out_NHBD.transpose(1, 2)
 
 

@@ -5,7 +5,8 @@ and driving ``get_forward_backward_func()`` with packed micro-batches, so every 
 (TP+SP, EP, PP and combinations) runs through Megatron's own schedule code. The loss is a
 per-token sum with the token count reported to Megatron (``calculate_per_token_loss``), so
 gradients equal the gradient of the global token mean whatever the micro-batching, data
-parallelism or pipeline split. Does not own the loss math: callers pass ``loss_fn``.
+parallelism or pipeline split. Under context parallelism each rank feeds the model its share
+of every row (``PackedMicroBatch.model_inputs``) with the whole row's ``PackedSeqParams``. Does not own the loss math: callers pass ``loss_fn``.
 """
 
 from __future__ import annotations

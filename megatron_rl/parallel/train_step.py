@@ -24,7 +24,12 @@ and advantages for STAPO), 4 bytes each in float32.
 
 Losses are normalized by the global kept-token (or sequence) count of the whole mini-batch
 across data-parallel ranks, and Megatron's DDP sums gradients over DP, so micro-batching
-and the layout do not change the gradient. The probe costs one extra forward; it runs
+and the layout do not change the gradient. Under context parallelism the CP ranks of a
+replica hold the same samples: each gets the whole micro-batch's log-probs
+(``context_parallel.response_logprobs_entropy``) and computes the same objective, whose
+backward reaches only its own rows; DDP sums the parameter gradients over DP x CP, while the
+counts, the filters' inputs and the step's loss are reduced over DP only, so nothing is
+counted once per CP rank. The probe costs one extra forward; it runs
 only when RSPO, routing diagnostics or the 80/20 / STAPO filters ask for it.
 """
 

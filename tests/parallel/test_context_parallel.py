@@ -165,6 +165,17 @@ def _attention_against_dense(groups) -> dict:
             "grads": [float((m.grad - d.grad[rows]).abs().max()) for m, d in zip(mine, dense)]}
 
 
+def _greedy_generation(model, groups) -> dict:
+    """The embedded (Megatron) rollout engine, greedy: its tokens and log-probs."""
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model, groups, micro_batch_sequences=2)
+    prompts = [SEQUENCES[0][:5].tolist(), SEQUENCES[3][:9].tolist()]  # run where DP = 1
+    samples = engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=3), return_routed_experts=False)
+    return {"outputs": [s.output_ids for s in samples], "logprobs": [s.output_logprobs for s in samples]}
+
+
 def _dp_balance(groups) -> dict:
     """Rebalance this DP rank's samples by tokens: CP peers must end with the same samples."""
     from megatron_rl.train.dp_balance import rebalance_over_dp
@@ -198,6 +209,8 @@ def _layout(name: str, groups, checkpoint: str) -> dict:
         out["attention"] = _attention_against_dense(groups)
     if name == "CP2":
         out["balance"] = _dp_balance(groups)
+    if name in ("reference", "CP2 x TP2+SP"):
+        out["generation"] = _greedy_generation(model, groups)
     _perturb_routers(model)
     out.update(_steps(model, ddp, groups, mine, old))
     return out
@@ -280,6 +293,15 @@ def test_training_step_matches_the_single_process(name, mode, layouts, reference
     assert set(grads) == set(ref["grads"])
     for key, grad in ref["grads"].items():
         assert relative_error(grads[key], grad) <= 1e-5, (name, mode, key)
+
+
+def test_embedded_engine_generates_the_same_tokens_under_cp(layouts, reference):
+    ref = reference["generation"]
+    for rank in layouts:
+        got = rank["CP2 x TP2+SP"]["generation"]
+        assert got["outputs"] == ref["outputs"]
+        for a, b in zip(got["logprobs"], ref["logprobs"]):
+            assert (a - b).abs().max() <= 1e-5
 
 
 def test_cp_attention_in_blocks_matches_dense_attention(layouts):
