@@ -2,8 +2,8 @@
 
 Shape legend: T tokens of this data-parallel rank's samples (sample order: sample 0's
 tokens, then sample 1's, whatever micro-batch each sample was packed into),
-T_pad padded tokens of one micro-batch row, N = T_pad / TP tokens one router call sees
-under sequence parallelism, L MoE layers (L_local on this pipeline stage), K top-K.
+T_pad padded tokens of one micro-batch row, N = T_pad / (CP x TP) tokens one router call
+sees (TP under sequence parallelism), L MoE layers (L_local on this pipeline stage), K top-K.
 
 Under context parallelism each CP rank runs its zig-zag share of the row (T_cp = T_pad / CP
 positions, ``PackedMicroBatch.local_rows``); Megatron shards that share along the sequence

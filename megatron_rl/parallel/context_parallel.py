@@ -96,13 +96,14 @@ def response_logprobs_entropy(
         None when not computed.
     """
     device = logits_1TV.device
-    rows_R, targets_R = response_targets(mb, prompt_lengths, device)
     if mb.cp_size == 1:
+        rows_R, targets_R = response_targets(mb, prompt_lengths, device)
         return vocab_parallel_logprobs_entropy(logits_1TV[0, rows_R], targets_R, groups.tp, **vocab_parallel_kwargs)
-    local_R = mb.local_position_of_row[rows_R.cpu()]
+    rows_R, targets_R = response_targets(mb, prompt_lengths, torch.device("cpu"))  # index math on the host
+    local_R = mb.local_position_of_row[rows_R]
     owned = torch.nonzero(local_R >= 0)[:, 0]
     logprobs_O, entropy_O = vocab_parallel_logprobs_entropy(
-        logits_1TV[0, local_R[owned].to(device)], targets_R[owned.to(device)], groups.tp, **vocab_parallel_kwargs
+        logits_1TV[0, local_R[owned].to(device)], targets_R[owned].to(device), groups.tp, **vocab_parallel_kwargs
     )
     values_KO = torch.stack([logprobs_O] if entropy_O is None else [logprobs_O, entropy_O])
     values_KR = values_KO.new_zeros(values_KO.shape[0], rows_R.numel()).index_copy(1, owned.to(device), values_KO)
