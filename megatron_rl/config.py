@@ -41,6 +41,8 @@ from megatron_rl.sections import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    thd_row_multiple,
+    thd_slot_multiple,
     validate_layout,
     validate_model,
 )
@@ -163,16 +165,29 @@ def longest_sequence(cfg: RunConfig) -> int:
 
 
 def check_micro_batch_tokens(cfg: RunConfig) -> None:
-    """A token budget must hold the longest possible sample and split evenly over TP under SP."""
+    """A token budget must hold the longest possible sample and split evenly over TP under SP.
+
+    Under context parallelism the budget is per CP rank: a row holds ``budget x CP`` tokens,
+    each sequence in a slot padded to 2 x CP, and each CP rank's share splits over TP under SP.
+    """
     budget, p = cfg.train.micro_batch_tokens, cfg.parallel
+    cp, tp = p.context_parallel_size, p.tensor_model_parallel_size
     longest = longest_sequence(cfg)
-    require(budget >= longest, "train.micro_batch_tokens",
-             f"{budget} is smaller than the longest possible sample, {longest} tokens (data.max_prompt_tokens + "
-             "rollout.max_new_tokens, at most model.max_position_embeddings)")
-    tp = p.tensor_model_parallel_size
-    require(not p.sequence_parallel_enabled() or budget % tp == 0, "train.micro_batch_tokens",
-             f"{budget} is not a multiple of parallel.tensor_model_parallel_size ({tp}): sequence parallelism "
-             "splits every micro-batch row over the TP ranks")
+    slot = -(-longest // thd_slot_multiple(cp)) * thd_slot_multiple(cp)
+    per_rank = f" per CP rank x parallel.context_parallel_size ({cp})" if cp > 1 else ""
+    require(budget * cp >= slot, "train.micro_batch_tokens",
+             f"{budget}{per_rank} is smaller than the longest possible sample, {longest} tokens"
+             f"{f' ({slot} in its CP slot)' if cp > 1 else ''} (data.max_prompt_tokens + rollout.max_new_tokens, "
+             "at most model.max_position_embeddings)")
+    multiple = thd_row_multiple(tp if p.sequence_parallel_enabled() else 1, cp) // cp
+    if cp == 1:
+        rule = (f"parallel.tensor_model_parallel_size ({tp}): sequence parallelism splits every micro-batch row "
+                "over the TP ranks")
+    else:
+        rule = (f"{multiple}: context parallelism cuts every sequence into 2 x parallel.context_parallel_size "
+                f"({cp}) chunks and, under sequence parallelism, each CP rank's share over "
+                f"parallel.tensor_model_parallel_size ({tp}) ranks")
+    require(budget % multiple == 0, "train.micro_batch_tokens", f"{budget}{per_rank} is not a multiple of {rule}")
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

@@ -12,7 +12,8 @@ Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, se
    allocation), else single-node defaults;
 2. validation of the run config against that plan before any worker exists
    (:func:`validate_launch`): world size = nodes x processes per node must fit the
-   TP/PP/EP layout and ``parallel.world_size``, the node count must divide the
+   TP/CP/PP/EP layout (a multiple of TP x CP x PP and of ETP x EP x PP; the rest is data
+   parallelism) and ``parallel.world_size``, the node count must divide the
    processes, TP groups must stay inside a node, a node cannot run more processes than
    it has GPUs, and FP8 must be runnable here (Transformer Engine, CUDA, GPU generation);
    on a GPU machine (or with ``--gpu-memory``) the memory planner (``megatron_rl.plan``)

@@ -2,15 +2,17 @@
 
 Shape legend: T tokens of this data-parallel rank's samples (sample order: sample 0's
 tokens, then sample 1's, whatever micro-batch each sample was packed into),
-T_pad padded tokens of one micro-batch row, N = T_pad / TP tokens one router call sees
-under sequence parallelism, L MoE layers (L_local on this pipeline stage), K top-K.
+T_pad padded tokens of one micro-batch row, N = T_pad / (CP x TP) tokens one router call
+sees (TP under sequence parallelism), L MoE layers (L_local on this pipeline stage), K top-K.
 
-Megatron shards a micro-batch row along the sequence over the TP group (contiguous
-chunks, rank order) when sequence parallelism is on, and pipeline stages hold contiguous
-blocks of layers. ``assemble_record`` reverses both for what a :class:`RouterRecorder`
-saw; ``local_ids_per_call`` cuts a global ``[T, L, K]`` id tensor into exactly what each
-router call of this rank sees. Groups are passed in; this is the only routing module that
-runs collectives.
+Under context parallelism each CP rank runs its zig-zag share of the row (T_cp = T_pad / CP
+positions, ``PackedMicroBatch.local_rows``); Megatron shards that share along the sequence
+over the TP group (contiguous chunks, rank order) when sequence parallelism is on, and
+pipeline stages hold contiguous blocks of layers. ``assemble_record`` reverses all three for
+what a :class:`RouterRecorder` saw; ``local_ids_per_call`` cuts a global ``[T, L, K]`` id
+tensor into exactly what each router call of this rank sees (the same cuts, in the same
+order, as the tokens). Groups are passed in; this is the only routing module that runs
+collectives.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Sequence
 import torch
 
 from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen
+from megatron_rl.parallel.context_parallel import whole_row
 from moe_routing.record import LayerCall, RouterRecorder
 from moe_routing.types import RouterRecord
 
@@ -77,8 +80,8 @@ def gather_call_field(
 ) -> torch.Tensor:
     """One per-call field of every local layer as ``[T, L, ...]`` over this DP rank's tokens.
 
-    Tokens are gathered over the sequence-parallel shards (TP) and padding is dropped;
-    layers are gathered over pipeline stages, in stage order.
+    Tokens are gathered over the sequence-parallel shards (TP), then over the CP ranks (back
+    in row order), and padding is dropped; layers are gathered over pipeline stages, in stage order.
     """
     calls = _call_per_micro_batch(recorder, len(micro_batches))
     numbers = recorder.layer_numbers
@@ -91,7 +94,8 @@ def gather_call_field(
             raise RuntimeError(f"router calls of micro-batch {m} did not record {field}")
         # Records live in host memory: move each call's rows off the accelerator once.
         local_NL = torch.stack(values, dim=1).cpu()
-        real = _gather_tokens(local_NL, groups.tp, tp_size)[: mb.num_tokens]  # padding dropped
+        row = whole_row(_gather_tokens(local_NL, groups.tp, tp_size), mb, groups.cp)
+        real = row[mb.real_rows]  # padding dropped
         if out is None:
             out = real.new_empty(int(cu_S1[-1]), *real.shape[1:])
         out[packed_rows(mb, cu_S1)] = real
@@ -168,8 +172,10 @@ def local_ids_per_call(
     for mb in micro_batches:
         rows_TLK = expert_ids_TLK[packed_rows(mb, cu_S1)].to(torch.int64)
         padded_TLK = pad_ids_K.to(torch.int64).expand(mb.padded_length, len(layer_numbers), k).clone()
-        padded_TLK[: mb.num_tokens] = rows_TLK
-        shard = mb.padded_length // tp_size
+        padded_TLK[mb.real_rows] = rows_TLK
+        if mb.cp_size > 1:
+            padded_TLK = padded_TLK[mb.local_rows]
+        shard = padded_TLK.shape[0] // tp_size
         start = (groups.tp_rank if tp_size > 1 else 0) * shard
         for number in local_layer_numbers:
             out[number].append(padded_TLK[start : start + shard, column[number]])

@@ -1,7 +1,7 @@
 """Record each MoE router's decisions during a forward pass (hooks on Megatron's routers).
 
-Shape legend: N tokens seen by one router call (this rank's sequence-parallel shard of one
-micro-batch), E experts, K experts per token, L MoE layers on this rank.
+Shape legend: N tokens seen by one router call (this rank's sequence-parallel shard of its
+context-parallel share of one micro-batch), E experts, K experts per token, L MoE layers on this rank.
 
 ``RouterRecorder`` wraps ``TopKRouter.routing`` of every router in the given model chunks,
 keyed by the router's global ``layer_number`` (never by construction order). Each call of

@@ -1,7 +1,7 @@
 """Routing replay (R2 / R3) on top of Megatron-Core's ``RouterReplay``, scoped per pass.
 
-Shape legend: N tokens one router call sees (this rank's sequence-parallel shard of one
-micro-batch), K experts per token.
+Shape legend: N tokens one router call sees (this rank's sequence-parallel shard of its
+context-parallel share of one micro-batch), K experts per token.
 
 Megatron-Core (0.16.1 to 0.19.x) gives each ``TopKRouter`` a ``RouterReplay`` when the model is built
 with ``moe_enable_routing_replay=True``. In replay mode the router dispatches the target

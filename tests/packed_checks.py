@@ -90,8 +90,9 @@ def chat_samples(count: int = SAMPLES) -> list[torch.Tensor]:
     return [torch.tensor(tokenizer.encode(t, add_special_tokens=False).ids) for t in texts]
 
 
-def build_pretrained(use_te: bool, dtype: str, groups):
-    """The shipped checkpoint in this rank's layout (TE or local spec), and its DDP wrapper."""
+def build_pretrained(use_te: bool, dtype: str, groups, parallel=None):
+    """The shipped checkpoint in this rank's layout (TE or local spec; ``parallel`` defaults to
+    the one-process layout), and its DDP wrapper."""
     from megatron_rl.checkpoint.hf_config import model_config_from_hf, read_config
     from megatron_rl.checkpoint.hf_io import HFCheckpoint
     from megatron_rl.checkpoint.mapping import ARCHITECTURES
@@ -101,7 +102,7 @@ def build_pretrained(use_te: bool, dtype: str, groups):
     from megatron_rl.sections import ParallelConfig
 
     cfg = model_config_from_hf(read_config(CHECKPOINT), dtype)
-    model = build_model(cfg, ParallelConfig(), use_te=use_te, moe_enable_routing_replay=True)
+    model = build_model(cfg, parallel or ParallelConfig(), use_te=use_te, moe_enable_routing_replay=True)
     if torch.cuda.is_available():
         model = model.cuda()
     fill_from_hf(model, ARCHITECTURES.get("qwen3_moe"), cfg, HFCheckpoint(CHECKPOINT), groups.tp_rank,

@@ -3,7 +3,8 @@
 Pure functions on lengths (no collectives, no tensors of the model). Two uses:
 
 - :func:`plan_micro_batches` cuts one rank's samples into micro-batches of at most
-  ``max_tokens`` tokens each, as few as fit and with their token counts as equal as the
+  ``max_tokens`` tokens each (under context parallelism the caller passes each sample's
+  slot length and a row's capacity, the budget per CP rank x CP), as few as fit and with their token counts as equal as the
   Karmarkar-Karp differencing heuristic makes them (equal micro-batches keep every pipeline
   stage and every expert-parallel peer busy for the same time).
 - :func:`balanced_partition` splits items (samples or whole groups) over data-parallel

@@ -12,7 +12,10 @@ every rank of the model-parallel group returns the same tensors. With
 router and the result carries one :class:`~moe_routing.types.RouterRecord` over all
 prompt+response positions.
 
-Data parallelism is the caller's: each DP rank passes its own samples. All DP ranks run
+Data parallelism is the caller's: each DP rank passes its own samples. Under context
+parallelism every CP rank of a replica passes the same samples, runs its share of each row,
+and gets every result whole (log-probs and entropies summed over CP, records gathered over
+CP), so every rank of the replica returns the same tensors. All DP ranks run
 the same number of micro-batches (expert dispatch is a collective across them): they agree
 on the count and a rank short of samples runs padding-only rows. With a token budget
 (``micro_batch_tokens``) samples are packed into as few balanced micro-batches as fit, in
@@ -30,15 +33,16 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.balance import plan_micro_batches
 from megatron_rl.parallel.comm import all_reduce, broadcast
+from megatron_rl.parallel.context_parallel import response_logprobs_entropy
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.packing import (
     PackedMicroBatch,
     pack_sequences,
     padded_row_length,
-    response_targets,
+    slot_lengths,
 )
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
+from megatron_rl.sections.parallel import thd_row_multiple
 from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
 from moe_routing.record import RouterRecorder
 from moe_routing.replay import RoutingReplay, replay_ids_per_call
@@ -124,39 +128,54 @@ def pack_for_rank(
         sequences: this DP rank's samples.
         groups: parallel groups.
         per_micro_batch: consecutive samples per micro-batch (when ``max_tokens`` is None).
-        max_tokens: token budget per micro-batch: samples are planned into as few
-            micro-batches of at most this many tokens as fit, with balanced token counts
-            (``megatron_rl.parallel.balance.plan_micro_batches``), in any order.
+        max_tokens: token budget of a micro-batch *per context-parallel rank*: samples are
+            planned into as few rows of at most ``max_tokens x CP`` tokens (slots included) as
+            fit, with balanced token counts (``megatron_rl.parallel.balance.plan_micro_batches``),
+            in any order.
         common_length: pad every row to the longest row of any DP rank (see
             :func:`needs_common_length`).
 
     Ranks with fewer micro-batches than the most loaded DP rank get balanced extra ones or,
     when they run out of samples, padding-only rows: expert dispatch is a collective, so
-    every DP rank must enter the same number of forwards.
+    every DP rank must enter the same number of forwards. The CP ranks of a replica hold
+    the same samples, so they plan the same rows and each feeds its own share of them.
     """
-    pad_multiple = groups.tp_size if groups.sequence_parallel else 1
-    lengths = [int(s.numel()) for s in sequences]
+    split = groups.tp_size if groups.sequence_parallel else 1
+    multiple = thd_row_multiple(split, groups.cp_size)
+    slots = slot_lengths([int(s.numel()) for s in sequences], groups.cp_size)
     if max_tokens is None:
         chunks = [list(range(i, min(i + per_micro_batch, len(sequences)))) for i in range(0, len(sequences), per_micro_batch)]
     else:
-        if max_tokens % pad_multiple:
-            raise ValueError(f"micro-batch token budget {max_tokens} is not a multiple of the TP size {pad_multiple} (SP)")
-        chunks = plan_micro_batches(lengths, max_tokens)
-    longest = max((padded_row_length(sum(lengths[j] for j in c), pad_multiple) for c in chunks), default=pad_multiple)
+        capacity = max_tokens * groups.cp_size
+        if capacity % multiple:
+            raise ValueError(
+                f"micro-batch token budget {max_tokens} per CP rank (x CP {groups.cp_size}) is not a multiple of "
+                f"{multiple}, what every row is padded to (CP slots of 2 x CP, TP shards under SP)"
+            )
+        for i, slot in enumerate(slots):
+            if slot > capacity:
+                raise ValueError(
+                    f"sample {i} takes {slot} tokens of a row (its CP slot), more than a micro-batch row holds: "
+                    f"{max_tokens} tokens per CP rank x CP {groups.cp_size}"
+                )
+        chunks = plan_micro_batches(slots, capacity)
+    longest = max((padded_row_length(sum(slots[j] for j in c), multiple) for c in chunks), default=multiple)
     stats = torch.tensor([longest, len(chunks)], dtype=torch.int64)
     if groups.dp_size > 1:
         all_reduce(stats, groups.dp, op=dist.ReduceOp.MAX)
     count = int(stats[1])
     if len(chunks) < count:
         if max_tokens is not None:
-            chunks = plan_micro_batches(lengths, max_tokens, num_micro_batches=count)
+            chunks = plan_micro_batches(slots, max_tokens * groups.cp_size, num_micro_batches=count)
         chunks = chunks + [[] for _ in range(count - len(chunks))]
     return [
         pack_sequences(
             [sequences[j] for j in chunk],
             sample_ids=chunk,
-            pad_multiple=pad_multiple,
+            pad_multiple=split,
             pad_to=int(stats[0]) if common_length else None,
+            cp_size=groups.cp_size,
+            cp_rank=groups.cp_rank,
         )
         for chunk in chunks
     ]
@@ -262,12 +281,11 @@ def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int],
     """The schedule's loss function: each micro-batch's response log-probs and entropies (no loss)."""
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
-        logprobs, entropy = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens, vocab_size=vocab
+        logprobs, entropy = response_logprobs_entropy(
+            mb, logits_1TV, prompt_lengths, groups, chunk_tokens=chunk_tokens, vocab_size=vocab
         )
         zero = logits_1TV.new_zeros(())
-        return zero, torch.tensor(rows.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
+        return zero, torch.tensor(logprobs.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
 
     return loss_fn
 

@@ -315,6 +315,29 @@ def replay_hazards(config: Mapping[str, Any] | Any) -> list[str]:
     return found
 
 
+# ------------------------------------------------------------------------ context parallelism
+
+
+def core_attention_cp_group(pg_collection: Any) -> Any:
+    """The context-parallel group Megatron hands a core-attention module, or None.
+
+    ``Attention.__init__`` builds ``core_attention(..., cp_comm_type=..., pg_collection=
+    self.pg_collection)``; the collection's ``cp`` field is the CP group (0.16.1-0.19.2).
+    """
+    return getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+
+THD_CONTEXT_PARALLEL = (
+    "THD rows under CP: each sequence's padded length a multiple of 2 x CP, cut into 2 x CP chunks, "
+    "CP rank r holding chunks r and 2 x CP - 1 - r, sequence after sequence (TE thd_get_partitioned_indices, "
+    "used by megatron.core.utils.get_thd_batch_on_this_cp_rank); Attention hands RoPE cu_seqlens_q_padded "
+    "(else cu_seqlens_q) and the unfused THD RoPE rebuilds every rank's positions from them and the CP group"
+)
+"""The layout ``packing.cp_partition_indices`` produces because Megatron-Core's THD path (RoPE,
+and Transformer Engine's attention on a GPU) assumes it; ``test_mcore_contract`` runs
+Megatron's RoPE on each rank's share to hold us to it (0.16.1-0.19.2)."""
+
+
 # ------------------------------------------------------------------------ layer specs
 
 

@@ -141,6 +141,10 @@ def build_transformer_config(
         expert_model_parallel_size=parallel.expert_model_parallel_size,
         expert_tensor_parallel_size=parallel.expert_tensor_parallel_size,
         context_parallel_size=parallel.context_parallel_size,
+        # Transformer Engine's CP flavour for THD rows: p2p takes them (its all_gather and a2a+p2p
+        # flavours refuse THD: TE's attention/dot_product_attention/context_parallel.py); the
+        # local spec's core attention (packed_attention) all-gathers keys and values regardless.
+        cp_comm_type="p2p" if parallel.context_parallel_size > 1 else None,
         sequence_parallel=parallel.sequence_parallel_enabled(),
         # Micro-batches of a packed batch differ in length; p2p must exchange shapes.
         variable_seq_lengths=parallel.pipeline_model_parallel_size > 1,

@@ -12,6 +12,18 @@ the same constructor and forward arguments, and attends inside each segment of
 segment lengths and memory to the largest batch of segments, never to ``T^2``. A segment's
 output is a function of that segment's queries, keys and values alone: changing another
 sequence of the row cannot change it.
+
+Under context parallelism (CP > 1) each rank holds the queries, keys and values of its
+zig-zag share of the row (:func:`megatron_rl.parallel.packing.cp_partition_indices`) and the
+segments are the padded slots. Keys and values are all-gathered over the CP group (their
+gradients summed back to the rank that owns them: every rank's queries used them) and put in
+row order; each local query then attends to the keys of its own slot at positions up to its
+own. This is the all-gather flavour of CP attention (Transformer Engine's ``p2p`` ring
+computes the same on a GPU), exact by construction, and the only way to test every CP layout
+on gloo. It runs one chunk of a slot length at a time, in query blocks whose causal mask holds
+at most :data:`MASK_ELEMENTS` entries, each block recomputed in the backward instead of kept
+(``torch.utils.checkpoint``), so its memory is the gathered keys and values plus one block,
+never ``[T_cp, T]``.
 """
 
 from __future__ import annotations
@@ -20,15 +32,24 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
 from megatron.core.transformer import MegatronModule
+from torch.utils.checkpoint import checkpoint
 
-from megatron_rl.parallel.mcore_compat import AttnMaskType
+from megatron_rl.parallel.mcore_compat import AttnMaskType, core_attention_cp_group
+from megatron_rl.parallel.packing import cp_partition_indices
+
+MASK_ELEMENTS = 1 << 20
+"""Most causal-mask entries (segments x queries x keys) one CP attention block builds (4 MiB in
+fp32: small next to a long row's activations; CPU SDPA is no slower per query in small blocks)."""
 
 
 class PackedCoreAttention(MegatronModule):
     """Causal attention per THD segment; drop-in for the local spec's ``core_attention``.
 
-    Constructor arguments are those Megatron passes to any core-attention submodule.
+    Constructor arguments are those Megatron passes to any core-attention submodule; under CP
+    the CP group is ``pg_collection.cp`` and ``cp_comm_type`` (which only Transformer Engine's
+    ring choice reads) is ignored.
     """
 
     def __init__(
@@ -47,8 +68,11 @@ class PackedCoreAttention(MegatronModule):
         super().__init__(config=config)
         if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
             raise ValueError(f"PackedCoreAttention computes causal attention, not {attn_mask_type}")
-        if config.context_parallel_size != 1:
-            raise ValueError("PackedCoreAttention: context parallelism needs Transformer Engine's attention")
+        self.cp_group = None
+        if config.context_parallel_size > 1:
+            self.cp_group = core_attention_cp_group(pg_collection)
+            if self.cp_group is None:
+                raise ValueError("PackedCoreAttention: context parallelism needs the CP group (pg_collection.cp)")
         if getattr(config, "window_size", None) is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError("PackedCoreAttention: sliding windows and softmax offsets are not supported")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -86,6 +110,8 @@ class PackedCoreAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("PackedCoreAttention: attention_bias is not supported")
         if packed_seq_params is None:
+            if self.cp_group is not None:
+                raise ValueError("PackedCoreAttention: context parallelism needs THD packed_seq_params")
             # [s, b, H, D] -> [b, H, s, D]: each batch row is one causal sequence.
             out_BHSD = _causal_attention(
                 query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.softmax_scale
@@ -100,6 +126,8 @@ class PackedCoreAttention(MegatronModule):
         cu_kv = packed_seq_params.cu_seqlens_kv if cu_kv is None else cu_kv
         if cu_kv is not cu_q and not torch.equal(cu_kv, cu_q):
             raise ValueError("PackedCoreAttention: self-attention needs cu_seqlens_kv == cu_seqlens_q")
+        if self.cp_group is not None:
+            return self._context_parallel(query, key, value, cu_q.to(device="cpu", dtype=torch.int64))
         total = query.shape[0]
         if int(cu_q[-1]) != total:
             raise ValueError(f"PackedCoreAttention: segments cover {int(cu_q[-1])} tokens, the row has {total}")
@@ -117,6 +145,85 @@ class PackedCoreAttention(MegatronModule):
             out_NHLD = _causal_attention(q_NHLD, k_NGLD, v_NGLD, self.softmax_scale)
             out_THD[rows_NL.reshape(-1)] = out_NHLD.transpose(1, 2).reshape(-1, *out_THD.shape[1:])
         return out_THD.reshape(total, -1)
+
+
+    def _context_parallel(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_padded: torch.Tensor
+    ) -> torch.Tensor:
+        """``[T_cp, H * Dv]`` attention of this CP rank's queries over the whole row's keys.
+
+        ``query``/``key``/``value``: ``[T_cp, H|G, D|Dv]`` in the rank's local (zig-zag) order;
+        ``cu_padded``: the row's padded segment boundaries (global).
+        """
+        cp_size, cp_rank = self.cp_group.size(), self.cp_group.rank()
+        total, local = int(cu_padded[-1]), query.shape[0]
+        if local * cp_size != total:
+            raise ValueError(
+                f"PackedCoreAttention: {local} local rows x CP {cp_size} != the row's {total} tokens "
+                "(was the row not cut over the CP ranks?)"
+            )
+        every_rank = [cp_partition_indices(cu_padded, total, cp_size, r) for r in range(cp_size)]
+        row_order = torch.argsort(torch.cat(every_rank)).to(query.device)
+        key_T, value_T = (
+            tensor_parallel.gather_from_sequence_parallel_region(
+                t, tensor_parallel_output_grad=True, group=self.cp_group
+            )[row_order]
+            for t in (key, value)
+        )
+        out_THD = query.new_empty(local, query.shape[1], value.shape[2])
+        starts, lengths = cu_padded[:-1], cu_padded.diff()
+        for length in lengths.unique().tolist():
+            chunk = length // (2 * cp_size)
+            if chunk == 0:
+                continue
+            seg_starts = starts[lengths == length]
+            # Segment s occupies local rows [cu[s] / CP, cu[s] / CP + 2 chunk): its chunk
+            # cp_rank, then its chunk 2 CP - 1 - cp_rank.
+            for half, chunk_index in ((0, cp_rank), (1, 2 * cp_size - 1 - cp_rank)):
+                first_local_N = seg_starts // cp_size + half * chunk
+                first_position = chunk_index * chunk
+                block = max(1, min(chunk, MASK_ELEMENTS // (seg_starts.numel() * (first_position + chunk))))
+                for offset in range(0, chunk, block):
+                    width = min(block, chunk - offset)
+                    rows_NB = (first_local_N[:, None] + offset + torch.arange(width)).to(query.device)
+                    out_NBHD = checkpoint(
+                        _attend_to_prefix, query, key_T, value_T, rows_NB, tuple(seg_starts.tolist()),
+                        first_position + offset, self.softmax_scale, use_reentrant=False,
+                    )
+                    out_THD[rows_NB.reshape(-1)] = out_NBHD.reshape(-1, *out_THD.shape[1:])
+        return out_THD.reshape(local, -1)
+
+
+def _attend_to_prefix(
+    query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor, rows_NB: torch.Tensor,
+    seg_starts: tuple[int, ...], first_position: int, scale: float,
+) -> torch.Tensor:
+    """``[N, B, H, Dv]``: local queries ``rows_NB`` (at positions ``first_position ...`` of their
+    segment) over the keys of their segment (starting at row ``seg_starts[n]``) up to their own
+    position.
+
+    Reads the shared ``[T_cp]`` queries and ``[T]`` keys and values here (a slice, no copy, for
+    one segment), so that the checkpoint around it keeps no per-block copy alive.
+    """
+    device = query_THD.device
+    visible = first_position + rows_NB.shape[1]
+    positions_B = torch.arange(first_position, visible, device=device)
+    # An additive mask in the query dtype keeps SDPA on its flash kernel (a bool mask is
+    # converted on every call, ~3x slower on CPU); 0 and -inf mask exactly as a bool mask.
+    hidden_BL = torch.arange(visible, device=device)[None, :] > positions_B[:, None]
+    mask_BL = torch.zeros(hidden_BL.shape, dtype=query_THD.dtype, device=device).masked_fill_(hidden_BL, float("-inf"))
+    if len(seg_starts) == 1:
+        k_NLGD = key_TGD[seg_starts[0] : seg_starts[0] + visible][None]
+        v_NLGD = value_TGD[seg_starts[0] : seg_starts[0] + visible][None]
+    else:
+        keys_NL = torch.tensor(seg_starts, device=device)[:, None] + torch.arange(visible, device=device)
+        k_NLGD, v_NLGD = key_TGD[keys_NL], value_TGD[keys_NL]
+    q_NHBD = query_THD[rows_NB].transpose(1, 2)
+    out_NHBD = F.scaled_dot_product_attention(
+        q_NHBD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2), attn_mask=mask_BL, scale=scale,
+        enable_gqa=q_NHBD.shape[1] != k_NLGD.shape[2],  # grouped keys without a per-head copy
+    )
+    return out_NHBD.transpose(1, 2)
 
 
 def _causal_attention(q_BHLD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.Tensor, scale: float) -> torch.Tensor:

@@ -5,7 +5,8 @@ and driving ``get_forward_backward_func()`` with packed micro-batches, so every 
 (TP+SP, EP, PP and combinations) runs through Megatron's own schedule code. The loss is a
 per-token sum with the token count reported to Megatron (``calculate_per_token_loss``), so
 gradients equal the gradient of the global token mean whatever the micro-batching, data
-parallelism or pipeline split. Does not own the loss math: callers pass ``loss_fn``.
+parallelism or pipeline split. Under context parallelism each rank feeds the model its share
+of every row (``PackedMicroBatch.model_inputs``) with the whole row's ``PackedSeqParams``. Does not own the loss math: callers pass ``loss_fn``.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def run_schedule(
 
     Returns:
         On the last pipeline stage, the dicts returned by ``loss_fn`` in micro-batch order;
-        an empty list on other stages.
+        an empty list on other stages. Under context parallelism ``loss_fn`` sees the logits
+        of this CP rank's rows (``PackedMicroBatch.local_rows``).
     """
     if not micro_batches:
         raise ValueError("run_schedule: no micro-batches for this rank")
@@ -78,14 +80,8 @@ def run_schedule(
         index, mb = next(data_iterator)
         if before_forward is not None:
             before_forward(index)
-        device = next(stage.parameters()).device
-        # THD packing: attention reads the segment boundaries; there is no dense mask.
-        output = stage(
-            input_ids=mb.tokens.to(device),
-            position_ids=mb.position_ids.to(device),
-            attention_mask=None,
-            packed_seq_params=mb.packed_seq_params(device),
-        )
+        # This rank's share of the row (all of it without context parallelism).
+        output = stage(**mb.model_inputs(next(stage.parameters()).device))
 
         def loss_func(output_tensor: torch.Tensor):
             return loss_fn(mb, output_tensor)
@@ -104,6 +100,7 @@ def run_schedule(
         data_iterator=iter(enumerate(micro_batches)),
         model=[model],
         num_microbatches=len(micro_batches),
+        # The whole row: Megatron divides it by CP (and by TP under SP) for the stage shapes.
         seq_length=max(mb.padded_length for mb in micro_batches),
         micro_batch_size=1,
         forward_only=forward_only,

@@ -24,7 +24,12 @@ and advantages for STAPO), 4 bytes each in float32.
 
 Losses are normalized by the global kept-token (or sequence) count of the whole mini-batch
 across data-parallel ranks, and Megatron's DDP sums gradients over DP, so micro-batching
-and the layout do not change the gradient. The probe costs one extra forward; it runs
+and the layout do not change the gradient. Under context parallelism the CP ranks of a
+replica hold the same samples: each gets the whole micro-batch's log-probs
+(``context_parallel.response_logprobs_entropy``) and computes the same objective, whose
+backward reaches only its own rows; DDP sums the parameter gradients over DP x CP, while the
+counts, the filters' inputs and the step's loss are reduced over DP only, so nothing is
+counted once per CP rank. The probe costs one extra forward; it runs
 only when RSPO, routing diagnostics or the 80/20 / STAPO filters ask for it.
 """
 
@@ -51,6 +56,7 @@ from megatron_rl.parallel.comm import (
     broadcast,
     broadcast_object,
 )
+from megatron_rl.parallel.context_parallel import response_logprobs_entropy
 from megatron_rl.parallel.families import moe_layer_numbers
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import (
@@ -58,9 +64,8 @@ from megatron_rl.parallel.logprobs import (
     needs_common_length,
     pack_for_rank,
 )
-from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
+from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 from moe_routing.record import find_routers
 from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.stats import gamma_metrics
@@ -347,9 +352,10 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         samples = mb.sample_ids
         device = logits_1TV.device
-        rows, targets = response_targets(mb, batch.prompt_lengths, device)
-        logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, chunk_tokens=chunk_tokens,
+        # Under CP every CP rank gets the whole micro-batch's log-probs and computes the same
+        # objective (context_parallel.response_logprobs_entropy says why that is exact).
+        logprobs_T, entropy_T = response_logprobs_entropy(
+            mb, logits_1TV, batch.prompt_lengths, groups, chunk_tokens=chunk_tokens,
             entropy_requires_grad=objective.entropy_coef > 0, vocab_size=vocab_size,
         )
         lengths = (cu_S1[samples + 1] - cu_S1[samples]) if samples.numel() else samples

@@ -160,6 +160,7 @@ def _rank_main(
     fn: Callable,
     args: tuple,
     results: "mp.Queue",
+    backend: str = "gloo",
 ) -> None:
     os.setpgid(0, 0)
     exit_with_parent(parent_pid)
@@ -174,7 +175,9 @@ def _rank_main(
     # Each rank gets its share of the cores; oversubscription makes gloo worlds crawl.
     torch.set_num_threads(threads)
     try:
-        torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)  # one GPU per rank, in rank order
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, True, _dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -190,6 +193,7 @@ def run_world(
     *args: Any,
     timeout_s: float = 600.0,
     threads_per_rank: int | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Call ``fn(*args)`` on each rank of a new gloo world; return results by rank.
 
@@ -199,6 +203,7 @@ def run_world(
         *args: picklable arguments passed to ``fn`` on every rank.
         timeout_s: wall-clock limit for the whole world.
         threads_per_rank: torch intra-op threads per rank; defaults to cores / world size.
+        backend: ``"nccl"`` for a world of GPUs (rank r on GPU r); results must be host tensors.
 
     Raises:
         WorldError: a rank raised (message lists each failing rank's traceback).
@@ -212,7 +217,7 @@ def run_world(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, os.getpid(), fn, args, results),
+            args=(rank, world_size, port, threads_per_rank, os.getpid(), fn, args, results, backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)

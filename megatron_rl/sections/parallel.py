@@ -3,6 +3,7 @@ must meet for a given model and world size (checked before any process starts)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -25,7 +26,7 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     """PP size; layers are split into this many stages."""
     context_parallel_size: int = 1
-    """CP size (only 1 is supported by this project so far)."""
+    """CP size; every packed sequence is cut into 2 x CP chunks, two per CP rank (zig-zag)."""
     moe_token_dispatcher_type: Literal["alltoall", "allgather"] = "alltoall"
     """Megatron token dispatcher used for expert parallelism."""
     world_size: int | None = None
@@ -35,7 +36,8 @@ class ParallelConfig:
 
     @property
     def model_parallel_size(self) -> int:
-        """TP x PP x CP: processes that together hold one copy of the dense weights."""
+        """TP x PP x CP: processes that together hold one data-parallel replica (its weights and
+        its samples; CP ranks each hold the TP x PP shard of the weights)."""
         return (
             self.tensor_model_parallel_size
             * self.pipeline_model_parallel_size
@@ -53,6 +55,20 @@ class ParallelConfig:
         return world_size // self.model_parallel_size
 
 
+def thd_slot_multiple(cp_size: int) -> int:
+    """What each packed sequence's slot is padded to a multiple of: 2 x CP under context
+    parallelism (Transformer Engine's THD split: 2 x CP equal chunks per sequence), else 1."""
+    return 2 * cp_size if cp_size > 1 else 1
+
+
+def thd_row_multiple(split_multiple: int, cp_size: int) -> int:
+    """What a packed row's length is padded to a multiple of: whole slots' multiple, and each
+    CP rank's share (row / CP) a multiple of ``split_multiple`` (the TP size under SP)."""
+    if cp_size == 1:
+        return split_multiple
+    return math.lcm(thd_slot_multiple(cp_size), cp_size * split_multiple)
+
+
 def validate_layout(
     m: ModelConfig, p: ParallelConfig, world_size: int | None = None, prefix: str = "parallel"
 ) -> None:
@@ -64,7 +80,7 @@ def validate_layout(
 
 
 def _check_group_sizes(p: ParallelConfig, prefix: str) -> None:
-    """Every parallel size is at least 1; context parallelism is not supported."""
+    """Every parallel size is at least 1."""
     for name, val in (
         ("tensor_model_parallel_size", p.tensor_model_parallel_size),
         ("pipeline_model_parallel_size", p.pipeline_model_parallel_size),
@@ -73,9 +89,6 @@ def _check_group_sizes(p: ParallelConfig, prefix: str) -> None:
         ("context_parallel_size", p.context_parallel_size),
     ):
         require(val >= 1, f"{prefix}.{name}", "must be >= 1")
-    require(
-        p.context_parallel_size == 1, f"{prefix}.context_parallel_size", "context parallelism is not supported yet"
-    )
 
 
 def _check_model_splits(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:

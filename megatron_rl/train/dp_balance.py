@@ -8,7 +8,9 @@ that all ranks hold for it are split over the ranks by Karmarkar-Karp on their t
 totals, with the same number of groups per rank, and each group travels (once) to its
 new rank. Groups stay whole, so group-relative advantages are computed exactly as before;
 loss normalisation is over the global mini-batch, so the gradient does not depend on which
-rank holds which group.
+rank holds which group. With context parallelism in the world the exchange runs over the DP
+group of each CP rank: the CP ranks of a replica hold the same groups, see the same gathered
+token counts and make the same plan, so they end with the same groups again.
 """
 
 from __future__ import annotations

@@ -12,11 +12,11 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_rl.parallel.comm import all_reduce, broadcast
+from megatron_rl.parallel.context_parallel import response_logprobs_entropy
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import needs_common_length, pack_for_rank
-from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
+from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
 
 
 def sft_step(
@@ -41,9 +41,8 @@ def sft_step(
     vocab = unwrap(model).true_vocab_size
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-        rows, targets = response_targets(mb, prompt_lengths, logits_1TV.device)
-        logprobs_T, _ = vocab_parallel_logprobs_entropy(
-            logits_1TV[0, rows], targets, groups.tp, compute_entropy=False, vocab_size=vocab
+        logprobs_T, _ = response_logprobs_entropy(
+            mb, logits_1TV, prompt_lengths, groups, compute_entropy=False, vocab_size=vocab
         )
         loss = -logprobs_T.sum() / float(count[0])
         return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}

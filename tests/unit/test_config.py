@@ -56,7 +56,9 @@ INVALID = [
     (["parallel.moe_token_dispatcher_type=flex"], "parallel.moe_token_dispatcher_type", "is not one of"),
     (["model.hidden_size=abc"], "model.hidden_size", "expected an integer"),
     (["parallel.sequence_parallel=true"], "parallel.sequence_parallel", "needs parallel.tensor_model_parallel_size > 1"),
-    (["parallel.context_parallel_size=2"], "parallel.context_parallel_size", "not supported"),
+    (["parallel.context_parallel_size=0"], "parallel.context_parallel_size", "must be >= 1"),
+    (["parallel.world_size=6", "parallel.context_parallel_size=4"], "parallel.world_size",
+     "not divisible by TP x PP x CP = 4"),
     (["model.num_query_groups=3"], "model.num_query_groups", "must divide model.num_attention_heads"),
     (["parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel", "requires sequence parallelism"),
     (["model.moe_router_score_function=sigmoid", "model.moe_router_pre_softmax=true"], "model.moe_router_pre_softmax", "only applies to softmax"),
@@ -110,6 +112,12 @@ RUN_INVALID = [
      "100 is smaller than the longest possible sample, 128 tokens"),
     (["train.micro_batch_tokens=511", "parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=1"],
      "train.micro_batch_tokens", "511 is not a multiple of parallel.tensor_model_parallel_size (2)"),
+    # Under CP the budget is per CP rank: rows of budget x CP tokens, slots of 2 x CP.
+    (["train.micro_batch_tokens=63", "parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=1"],
+     "train.micro_batch_tokens", "63 per CP rank x parallel.context_parallel_size (2) is smaller than the longest "
+     "possible sample, 128 tokens (128 in its CP slot)"),
+    (["train.micro_batch_tokens=101", "parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=1"],
+     "train.micro_batch_tokens", "101 per CP rank x parallel.context_parallel_size (2) is not a multiple of 2"),
     (["rollout.prompts_per_step=5"], "rollout.prompts_per_step", "must split evenly over 2 data-parallel ranks"),
     (["model.num_layers=2"], "model.num_layers", "the config sets 2 but the checkpoint"),
     (["train.routing_replay=R4"], "train.routing_replay", "is not one of"),
@@ -155,6 +163,16 @@ def test_demo_config_is_valid():
     cfg = load_run_config(DEMO, world_size=2)
     assert cfg.parallel.expert_model_parallel_size == 2
     assert cfg.train.routing_replay == "R2" and cfg.objective.rspo_gamma_min > 0
+
+
+def test_context_parallel_layouts_load():
+    """CP composes with TP+SP, EP and PP; its budget is per CP rank (rows of budget x CP tokens)."""
+    for overrides in (["parallel.context_parallel_size=2", "parallel.expert_model_parallel_size=1"],
+                      ["parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+                       "parallel.world_size=4", "train.micro_batch_tokens=64"],
+                      ["parallel.context_parallel_size=2", "parallel.world_size=4"]):
+        cfg = load_run_config(DEMO, overrides, world_size=None)
+        assert cfg.parallel.context_parallel_size == 2
 
 
 def test_objective_preset_configs_resolve_to_their_presets():

@@ -27,6 +27,7 @@ from megatron_rl.train.prepare import load_run_config as load_config
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo_cpu.yaml"
 QWEN = CONFIGS / "qwen3_30b_a3b.yaml"
+QWEN_LONG = CONFIGS / "qwen3_30b_a3b_long.yaml"
 ASSET = CONFIGS.parent / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 TRAIN = CONFIGS.parent / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 DEEPSEEK = CONFIGS / "deepseek_v3_style.yaml"
@@ -49,7 +50,7 @@ def _args(**kw):
     return argparse.Namespace(**defaults)
 
 
-@pytest.mark.parametrize("path, nnodes", [(QWEN, 2), (DEEPSEEK, 4)])
+@pytest.mark.parametrize("path, nnodes", [(QWEN, 2), (DEEPSEEK, 4), (QWEN_LONG, 4)])
 def test_presets_fit_their_intended_layouts(path, nnodes):
     validate_launch(_preset(path), nnodes, 8, gpus_per_node=8, fp8_env=HOPPER)
 
@@ -71,6 +72,8 @@ def test_demo_runs_on_one_node_or_two_loopback_nodes():
         (QWEN, [], 2, 4, 0, HOPPER, "parallel.world_size", "expects 16 processes, but 2 nodes x 4"),
         (DEMO, ["parallel.world_size=null"], 1, 3, 0, HOPPER, "parallel.expert_model_parallel_size",
          "not divisible by ETP x EP x PP = 2"),
+        (QWEN_LONG, ["parallel.world_size=null"], 3, 8, 8, HOPPER, "parallel.world_size",
+         "not divisible by TP x PP x CP = 16"),
         # a node count that does not divide the processes
         (QWEN, [], 3, 5, 0, HOPPER, "parallel.world_size", "16 processes cannot be spread evenly over 3 nodes"),
         # TP groups would straddle nodes; more workers than GPUs

@@ -240,6 +240,52 @@ def test_core_attention_contract():
                       "max_seqlen_q", "max_seqlen_kv"}, "PackedSeqParams", "the THD fields we set and read")
 
 
+def test_core_attention_gets_the_cp_group():
+    """``Attention`` hands core attention its ProcessGroupCollection, whose ``cp`` is the CP group."""
+    from types import SimpleNamespace
+
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.attention import Attention
+
+    source = inspect.getsource(Attention.__init__)
+    expect("pg_collection=self.pg_collection" in source and "cp_comm_type=cp_comm_type" in source,
+           "Attention.__init__", "core_attention(..., cp_comm_type=..., pg_collection=self.pg_collection)")
+    expect("cp" in {f.name for f in dataclasses.fields(ProcessGroupCollection)}, "ProcessGroupCollection.cp",
+           "the context-parallel group")
+    group = object()
+    assert mc.core_attention_cp_group(SimpleNamespace(cp=group)) is group
+    assert mc.core_attention_cp_group(None) is None
+
+
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_thd_rope_reads_our_context_parallel_layout(cp_size):
+    """Megatron's THD RoPE on each CP rank's share (``packing.cp_partition_indices``) equals the
+    whole row's RoPE at those positions: our zig-zag is the layout its CP path assumes."""
+    from types import SimpleNamespace
+
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    from megatron_rl.parallel.packing import cp_partition_indices
+
+    config = SimpleNamespace(apply_rope_fusion=False, rotary_interleaved=False, multi_latent_attention=False)
+    lengths = torch.tensor([4, 12, 2, 20, 8]) * cp_size  # slots, every one a multiple of 2 x CP
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]).to(torch.int32)
+    total = int(cu[-1])
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(total, 3, 8, generator=gen)
+    freqs = torch.rand(int(lengths.max()), 1, 1, 8, generator=gen) * 6.0
+
+    def group(size, rank):
+        return SimpleNamespace(size=lambda: size, rank=lambda: rank)
+
+    whole = apply_rotary_pos_emb(t, freqs, config, cu_seqlens=cu, cp_group=group(1, 0))
+    for rank in range(cp_size):
+        rows = cp_partition_indices(cu, total, cp_size, rank)
+        share = apply_rotary_pos_emb(t[rows], freqs, config, cu_seqlens=cu, cp_group=group(cp_size, rank))
+        expect(torch.equal(share, whole[rows]), "rope_utils.apply_rotary_pos_emb (THD, CP)",
+               f"rank {rank} of CP {cp_size} to rotate its rows as the whole row does ({mc.THD_CONTEXT_PARALLEL})")
+
+
 def test_sharded_tensor_boxes():
     tensor = mc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3), (1, 1, 2), prepend_axis_num=1)
     boxes, merge = mc.stored_boxes(tensor)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.comm import all_gather_cat, all_reduce, broadcast
+from megatron_rl.parallel.context_parallel import values_at_rows
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import (
     compute_logprobs,
@@ -132,8 +133,9 @@ class EmbeddedEngine:
         vocab = unwrap(self.model).true_vocab_size
 
         def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
-            last_rows = (mb.cu_seqlens[1:] - 1).to(logits_1TV.device)
-            local_BV = logits_1TV[0, last_rows].float()
+            last_rows = mb.slot_starts[:-1] + mb.cu_seqlens.diff() - 1
+            # Under context parallelism each last row comes from the CP rank that holds it.
+            local_BV = values_at_rows(logits_1TV, mb, last_rows, groups.cp).float()
             if groups.tp_size > 1:
                 # Only B rows: the vocabulary is gathered for sampling, never for the loss.
                 local_BV = all_gather_cat(local_BV, groups.tp, dim=-1)
