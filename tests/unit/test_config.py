@@ -88,6 +88,15 @@ def test_malformed_override_is_rejected():
         parse_overrides(["model.num_experts"])
 
 
+@pytest.mark.parametrize("value", ["[a", "{a: 1", '"abc', "@x", "a: b: c"])
+def test_override_value_that_is_not_yaml_names_the_key_in_one_line(value):
+    with pytest.raises(ConfigError) as caught:
+        parse_overrides([f"data.train_files={value}"])
+    message = str(caught.value)
+    assert message.startswith(f"data.train_files: override value {value!r} is not valid YAML (")
+    assert "\n" not in message
+
+
 RUN_INVALID = [
     (["objective.preset=ppo2"], "objective.preset", "unknown objective 'ppo2'"),
     (["objective.eps_hgh=0.3"], "objective.eps_hgh", "unknown key; ObjectiveSection accepts"),

@@ -70,6 +70,7 @@ CASES = {
     "dimensions contradict": (["model.hidden_size=128"], "model.hidden_size: the config sets 128 but the checkpoint"),
     "tokenizer too large": (["tokenizer.path={root}/big_tokenizer"], "model.vocab_size"),
     "no chat template": (["tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
+    "override not YAML": (["data.train_files=[a"], "data.train_files: override value '[a' is not valid YAML"),
     "missing data file": (["data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
     "row without answer": (["data.train_files=[{root}/missing_answer.jsonl]"], "row 3 of {root}/missing_answer.jsonl"),
     "run dir is a file": (["train.run_dir={root}/a_file/run"], "train.run_dir: {root}/a_file is a file"),
