@@ -96,6 +96,9 @@ def build_inputs(root: Path) -> dict[str, Path]:
     del broken["answer"]
     rows[3] = json.dumps(broken)
     (root / "missing_answer.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "bad_line.jsonl").write_text("\n".join([*rows[:2], rows[2][:-5], *rows[3:]]) + "\n")
+    (root / "latin1.jsonl").write_bytes("\n".join([*rows[:2], rows[2].replace("What", "Qu\u00e9"), *rows[3:]])
+                                        .encode("latin-1") + b"\n")
     state = root / "truncated_state" / "checkpoints" / "step_000002"
     state.mkdir(parents=True)
     (root / "truncated_state" / "checkpoints" / "latest").write_text("step_000002\n")
@@ -172,6 +175,10 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: no chat template", [*train, f"tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
         Case("train: missing data file", [*train, f"data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
         Case("train: row without answer", [*train, f"data.train_files=[{root}/missing_answer.jsonl]"], "row 3"),
+        Case("train: malformed JSONL line", [*train, f"data.train_files=[{root}/bad_line.jsonl]"],
+             "bad_line.jsonl: line 3"),
+        Case("train: prompt file not UTF-8", [*train, f"data.train_files=[{root}/latin1.jsonl]"],
+             "latin1.jsonl: line 3: not UTF-8"),
         Case("train: reward does not import", [*train, "reward.function=no_such_module:score"], "reward.function"),
         Case("train: EP does not divide experts", [*train, "parallel.expert_model_parallel_size=3"],
              "expert_model_parallel_size"),
