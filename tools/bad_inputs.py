@@ -1,7 +1,7 @@
 """Run the command-line tools on bad inputs and tabulate how each one fails.
 
 Every case runs one console script of this venv (``megatron-rl-train``, ``megatron-rl-launch``,
-the checkpoint tools) as a subprocess on one broken input, built in a temporary directory
+``megatron-rl-smoke``, the checkpoint tools) as a subprocess on one broken input, built in a temporary directory
 from the shipped tiny checkpoint (``megatron_rl/assets/tiny_qwen3_moe``), the arithmetic
 prompt files and ``configs/demo_cpu.yaml``. The convention each should meet: exit code 2,
 within 10 s, one line on stderr ``<tool>: error: <message>`` that names the culprit (the
@@ -201,6 +201,9 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("launch: FP8 without TE", ["megatron-rl-launch", "--config", str(QWEN), *qwen_local], "fp8.enabled"),
         Case("launch: override not YAML", [*launch, "data.train_files=[a"], "data.train_files: override value"),
         Case("launch: wrong type eps_low=abc", [*launch, "objective.eps_low=abc"], "objective.eps_low"),
+        Case("smoke: override not YAML", ["megatron-rl-smoke", "model.num_experts=[a"], "model.num_experts"),
+        Case("smoke: EP2 layout, 5 experts", ["megatron-rl-smoke", "model.num_experts=5"],
+             "must divide model.num_experts (5)"),
         Case("ckpt hf2meg: truncated safetensors", [to_meg, str(p["trunc_st"]), out], "model.safetensors"),
         Case("ckpt hf2meg: config.json not JSON", [to_meg, str(p["bad_json"]), out], "config.json"),
         Case("ckpt hf2meg: no config.json", [to_meg, str(p["no_config"]), out], "config.json"),
