@@ -434,8 +434,9 @@ QWEN2_MOE = Architecture(
 )
 
 # Kimi-K2 ships DeepSeek-V3's architecture and tensor names under its own model_type (so
-# that engines can tell them apart); transformers itself knows it only as deepseek_v3.
-KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2")
+# that engines can tell them apart); transformers itself knows it only as deepseek_v3 (its
+# kimi_k25 reads a kimi_k2 text model that way: models/kimi_k25/configuration_kimi_k25.py).
+KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2", transformers_model_type="deepseek_v3")
 
 ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
 """Every supported HF ``model_type`` and its table."""

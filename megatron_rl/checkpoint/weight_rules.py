@@ -55,6 +55,9 @@ class Architecture:
     """HF ``model_type`` (the registry key)."""
     hf_class: str
     """transformers model class (the ``architectures`` entry of a config.json)."""
+    transformers_model_type: str | None = None
+    """The ``model_type`` transformers builds this family's config as, when it does not know
+    :attr:`name` itself (None: it does)."""
     experts_keys: tuple[str, ...]
     """config.json keys that may hold E (the first present one is used)."""
     expert_ffn_key: str
