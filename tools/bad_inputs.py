@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from make_tiny_family_checkpoint import COMMON, FAMILIES
+
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 TRAIN_ROWS = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
@@ -72,6 +74,9 @@ def build_inputs(root: Path) -> dict[str, Path]:
     paths["llama"] = _copy(root, "llama")
     config = json.loads((ASSET / "config.json").read_text())
     (paths["llama"] / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    paths["n_group"] = _copy(root, "n_group")
+    family_config = {**COMMON, **FAMILIES["deepseek_v3"][2], "n_group": 3, "model_type": "deepseek_v3"}
+    (paths["n_group"] / "config.json").write_text(json.dumps(family_config))
     paths["odd_vocab"] = _copy(root, "odd_vocab")
     tensors = load_file(ASSET / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -162,6 +167,8 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: init not a checkpoint", [*train, f"init_checkpoint={root}/empty_dir"], "is neither an HF"),
         Case("train: unsupported architecture", [*train, f"init_checkpoint={p['llama']}"], "model_type"),
         Case("train: init truncated safetensors", [*train, f"init_checkpoint={p['trunc_st']}"], "model.safetensors"),
+        Case("train: init config.json n_group=3", [*train, f"init_checkpoint={p['n_group']}"],
+             "config.json n_group=3: must divide n_routed_experts (8)"),
         Case("train: init config.json not JSON", [*train, f"init_checkpoint={p['bad_json']}"], "config.json"),
         Case("train: missing YAML file", ["megatron-rl-train", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("train: bad YAML file", ["megatron-rl-train", "--config", f"{root}/bad.yaml"], "bad.yaml"),
@@ -206,6 +213,8 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
              "must divide model.num_experts (5)"),
         Case("ckpt hf2meg: truncated safetensors", [to_meg, str(p["trunc_st"]), out], "model.safetensors"),
         Case("ckpt hf2meg: config.json not JSON", [to_meg, str(p["bad_json"]), out], "config.json"),
+        Case("ckpt hf2meg: config.json n_group=3", [to_meg, str(p["n_group"]), out],
+             "config.json n_group=3: must divide n_routed_experts (8)"),
         Case("ckpt hf2meg: no config.json", [to_meg, str(p["no_config"]), out], "config.json"),
         Case("ckpt hf2meg: unsupported architecture", [to_meg, str(p["llama"]), out], "model_type"),
         Case("ckpt hf2meg: output parent is a file", [to_meg, str(ASSET), f"{root}/a_file/out"], "a_file"),

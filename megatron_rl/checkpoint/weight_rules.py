@@ -76,6 +76,9 @@ class Architecture:
     """config.json -> extra ModelConfig fields (family features); raises on what it cannot honour."""
     write_extra: Callable[[ModelConfig], dict[str, Any]] | None = None
     """ModelConfig -> extra config.json keys (inverse of ``read_extra``)."""
+    config_keys: dict[str, str] = field(default_factory=dict)
+    """ModelConfig field -> the config.json key ``read_extra`` reads it from, where the names
+    differ, so that a broken model rule names the key the user edits."""
 
 
 FEATURES: dict[str, Callable[[ModelConfig], bool]] = {
