@@ -39,7 +39,7 @@ from megatron_rl.config_loading import to_dict
 from megatron_rl.data.prompts import load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
-from megatron_rl.parallel.comm import all_reduce, mean_over, rank
+from megatron_rl.parallel.comm import all_reduce, broadcast_object, mean_over, rank
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
@@ -125,6 +125,7 @@ class Trainer:
 
             state = self._start(self._print_warm_start)
             self._setup_reference(state)
+            self._finish_owed_export(state)
             if state.step == 0:
                 log(0, {**self.evaluate(), **self._engine_metrics(),
                         "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
@@ -148,7 +149,7 @@ class Trainer:
                 log(step, metrics)
                 if saving:
                     self._save(state)
-                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
+                if self._exports_hf_at(step):
                     self.export_hf(step)
             # Collective for SGLang (the weight-sync group spans every rank), so not in a
             # finally: a rank that failed must not wait here for peers that never come.
@@ -375,6 +376,24 @@ class Trainer:
         if self.rank0:
             values = ", ".join(f"{k}={float(v):.4f}" for k, v in metrics.items())
             print(f"  warm start step {step}: {values}", flush=True)
+
+    def _exports_hf_at(self, step: int) -> bool:
+        t = self.cfg.train
+        return bool(t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)))
+
+    def _finish_owed_export(self, state: TrainerState) -> None:
+        """Collective: the HF checkpoint the resumed step owes, when it is missing. A step saves
+        its training checkpoint before its export, so a run stopped during the export (SIGTERM,
+        a crash) resumes past it; the weights loaded are that step's, so the export is made now."""
+        if self.resume_path is None or state.step == 0 or not self._exports_hf_at(state.step):
+            return
+        out = Path(self.cfg.train.run_dir) / "hf" / f"step_{state.step:06d}"
+        # Rank 0 alone writes the export: on nodes without a shared file system only it can tell.
+        if broadcast_object(self.rank0 and not out.is_dir(), 0, self.groups.world):
+            if self.rank0:
+                print(f"the HF export of step {state.step} did not finish before the run stopped: writing it now",
+                      flush=True)
+            self.export_hf(state.step)
 
     def export_hf(self, step: int) -> Path:
         """Collective: the current policy as an HF checkpoint in ``<run_dir>/hf/step_NNNNNN``."""
