@@ -185,17 +185,18 @@ class Trainer:
         if self.ahead is None:
             return self.rollouts.collect(step, state, metrics)
         first = self.ahead.take(step, state, metrics)
-        more = step < self.cfg.train.steps
         # Without dynamic sampling a step has one round: once it is here the servers owe
         # this step nothing, so the next batch starts before this one is even scored.
         # Further rounds are drawn before the next batch and generated with nothing in
-        # flight, so with dynamic sampling the next batch waits for them.
-        early = more and first is not None and not self.objective.dynamic_sampling
+        # flight, so with dynamic sampling the next batch waits for them. The last step
+        # launches one too: the final checkpoint then holds it, and a run extended later
+        # (train.steps raised) trains what an uninterrupted longer run would have.
+        early = first is not None and not self.objective.dynamic_sampling
         if early:
             self.ahead.launch(step + 1, state)
         chosen = self.rollouts.collect(step, state, metrics, first)
         metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
-        if more and not early:
+        if not early:
             self.ahead.launch(step + 1, state)
         return chosen
 
