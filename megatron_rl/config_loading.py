@@ -144,7 +144,7 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
         key = key.strip().lstrip("-")
         if not key:
             raise ConfigError(f"override {item!r}: empty key")
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _override_value(key, raw) if raw.strip() else ""
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -153,6 +153,16 @@ def parse_overrides(overrides: Sequence[str]) -> dict[str, Any]:
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         node[parts[-1]] = value
     return nested
+
+
+def _override_value(key: str, raw: str) -> Any:
+    """``raw`` read as YAML, or a :class:`ConfigError` naming ``key`` in one line."""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        problem = ": ".join(filter(None, (getattr(err, "context", None), getattr(err, "problem", None))))
+        reason = problem or type(err).__name__
+        raise ConfigError(f"{key}: override value {raw!r} is not valid YAML ({reason})") from None
 
 
 def merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,10 @@ checkpoint, reloads it into TP2+SP and EP2 layouts (2 gloo processes each, the C
 platform patches on when there is no GPU), runs one forward + backward over the same
 packed batch through Megatron's schedules, and prints how far the full-vocabulary logits
 and the router / output-layer gradients are from the single-process run.
+
+A bad override, or a model that one of those layouts cannot split, is reported before any
+worker starts, in one line naming the key, with exit code 2 (``MEGATRON_RL_TRACEBACK=1``
+shows the traceback).
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ from pathlib import Path
 # Without TE/apex megatron-core warns about its torch fallbacks at import; expected here.
 warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
-from megatron_rl.config import load_config  # noqa: E402
+from megatron_rl.config import RunConfig, load_config  # noqa: E402
+from megatron_rl.config_loading import ConfigError  # noqa: E402
 from megatron_rl.parallel.smoke_worker import (  # noqa: E402
     LayoutRun,
     compare,
@@ -34,7 +39,7 @@ from megatron_rl.parallel.smoke_worker import (  # noqa: E402
     random_sequences,
 )
 from megatron_rl.parallel.world import run_world  # noqa: E402
-from megatron_rl.sections import ParallelConfig  # noqa: E402
+from megatron_rl.sections import ParallelConfig, validate_layout  # noqa: E402
 
 LOGIT_TOL = 1e-5
 GRAD_TOL = 1e-4
@@ -51,6 +56,22 @@ def _layouts(base: ParallelConfig) -> list[tuple[str, ParallelConfig, int]]:
     ]
 
 
+def smoke_config(path: str | None, overrides: list[str]) -> RunConfig:
+    """The run config, checked against the single-process reference and every layout the
+    smoke run reloads the checkpoint into.
+
+    Raises:
+        ConfigError: naming the key; for a layout, which one.
+    """
+    cfg = load_config(path, overrides, world_size=1)
+    for name, parallel, world in _layouts(cfg.parallel):
+        try:
+            validate_layout(cfg.model, parallel, world)
+        except ConfigError as err:
+            raise ConfigError(f"{err} (in the smoke run's {name} layout, {world} processes)") from None
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -62,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Without TE/apex megatron-core warns at import in every worker; the run says what matters.
     os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
-    cfg = load_config(args.config, args.overrides, world_size=1)
+    try:
+        cfg = smoke_config(args.config, args.overrides)
+    except ConfigError as err:
+        if os.environ.get("MEGATRON_RL_TRACEBACK"):
+            raise
+        print(f"megatron-rl-smoke: error: {err}", file=sys.stderr, flush=True)
+        return 2
     sequences = random_sequences(8, cfg.model.vocab_size, 5, 40, seed=cfg.seed)
     lengths = [int(s.numel()) for s in sequences]
     print(

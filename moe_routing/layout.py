@@ -8,7 +8,8 @@ sees (TP under sequence parallelism), L MoE layers (L_local on this pipeline sta
 Under context parallelism each CP rank runs its zig-zag share of the row (T_cp = T_pad / CP
 positions, ``PackedMicroBatch.local_rows``); Megatron shards that share along the sequence
 over the TP group (contiguous chunks, rank order) when sequence parallelism is on, and
-pipeline stages hold contiguous blocks of layers. ``assemble_record`` reverses all three for
+pipeline stages hold contiguous blocks of layers (a stage of dense layers only holds no MoE
+layer and adds no column). ``assemble_record`` reverses all three for
 what a :class:`RouterRecorder` saw; ``local_ids_per_call`` cuts a global ``[T, L, K]`` id
 tensor into exactly what each router call of this rank sees (the same cuts, in the same
 order, as the tokens). Groups are passed in; this is the only routing module that runs
@@ -87,6 +88,10 @@ def gather_call_field(
     numbers = recorder.layer_numbers
     tp_size = groups.tp_size if groups.sequence_parallel else 1
     cu_S1 = sample_cu_seqlens(micro_batches)
+    if not numbers:
+        # A stage of dense layers only: no columns of its own, but its part of the gather.
+        trailing, dtype = recorder.field_layout(field)
+        return _gather_layers(torch.empty(int(cu_S1[-1]), 0, *trailing, dtype=dtype), groups.pp, groups.pp_size)
     out = None
     for m, mb in enumerate(micro_batches):
         values = [getattr(calls[n][m], field) for n in numbers]

@@ -97,9 +97,12 @@ class RouterRecorder:
     Args:
         model_chunks: this rank's model chunk(s) (any wrappers; routers are found inside).
         probs_dtype: dtype for recorded probabilities and gates.
-        allow_empty: do not raise when this pipeline stage holds no MoE layer.
+        allow_empty: do not raise when this pipeline stage holds no MoE layer (dense first
+            layers can fill a stage); it then records nothing and contributes no layer columns.
         diagnostics: also compare each token's natural top-K with what was dispatched (and
             with the query ids); off for plain recording, which then costs less.
+        topk: K of the model, for a stage without routers (the routers' own otherwise).
+        num_experts: E of the model, likewise.
 
     Raises:
         ValueError: no MoE layer in the model (unless ``allow_empty``).
@@ -111,12 +114,17 @@ class RouterRecorder:
         probs_dtype: torch.dtype = torch.float32,
         allow_empty: bool = False,
         diagnostics: bool = False,
+        topk: int | None = None,
+        num_experts: int | None = None,
     ) -> None:
         routers = find_routers(model_chunks)
         if not routers and not allow_empty:
             raise ValueError("cannot record routing: the model has no MoE layers (no TopKRouter)")
         self.probs_dtype = probs_dtype
         self.diagnostics = diagnostics
+        any_router = next(iter(routers.values()), None)
+        self._topk = any_router.topk if any_router is not None else topk
+        self._num_experts = any_router.config.num_moe_experts if any_router is not None else num_experts
         self._entries = {
             number: _RouterEntry(router=router)
             for number, router in sorted(routers.items())
@@ -131,6 +139,21 @@ class RouterRecorder:
     def calls(self, layer_number: int) -> list[LayerCall]:
         """Calls recorded so far for one layer, in call order."""
         return self._entries[layer_number].calls
+
+    def field_layout(self, field: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape after N and dtype of a :class:`LayerCall` field, known without any call, so a
+        stage that holds no router can contribute an empty ``[N, 0, ...]`` of it.
+
+        Raises:
+            ValueError: the stage has no router and the recorder was not given K and E.
+        """
+        if self._topk is None or self._num_experts is None:
+            raise ValueError("a recorder without routers needs topk and num_experts to describe its (empty) calls")
+        if field.startswith("natural_equals"):
+            return (), torch.bool
+        if field == "expert_ids_NK":
+            return (self._topk,), compact_id_dtype(self._num_experts)
+        return (self._topk,), self.probs_dtype
 
     def set_queries(self, layer_number: int, expert_ids_per_call: list[torch.Tensor]) -> None:
         """Experts ``[N, K]`` at which each coming call of a layer reports log-probabilities.

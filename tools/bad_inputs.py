@@ -1,7 +1,7 @@
 """Run the command-line tools on bad inputs and tabulate how each one fails.
 
 Every case runs one console script of this venv (``megatron-rl-train``, ``megatron-rl-launch``,
-the checkpoint tools) as a subprocess on one broken input, built in a temporary directory
+``megatron-rl-smoke``, the checkpoint tools) as a subprocess on one broken input, built in a temporary directory
 from the shipped tiny checkpoint (``megatron_rl/assets/tiny_qwen3_moe``), the arithmetic
 prompt files and ``configs/demo_cpu.yaml``. The convention each should meet: exit code 2,
 within 10 s, one line on stderr ``<tool>: error: <message>`` that names the culprit (the
@@ -30,6 +30,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from make_tiny_family_checkpoint import COMMON, FAMILIES
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
@@ -72,6 +74,9 @@ def build_inputs(root: Path) -> dict[str, Path]:
     paths["llama"] = _copy(root, "llama")
     config = json.loads((ASSET / "config.json").read_text())
     (paths["llama"] / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    paths["n_group"] = _copy(root, "n_group")
+    family_config = {**COMMON, **FAMILIES["deepseek_v3"][2], "n_group": 3, "model_type": "deepseek_v3"}
+    (paths["n_group"] / "config.json").write_text(json.dumps(family_config))
     paths["odd_vocab"] = _copy(root, "odd_vocab")
     tensors = load_file(ASSET / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -96,6 +101,9 @@ def build_inputs(root: Path) -> dict[str, Path]:
     del broken["answer"]
     rows[3] = json.dumps(broken)
     (root / "missing_answer.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "bad_line.jsonl").write_text("\n".join([*rows[:2], rows[2][:-5], *rows[3:]]) + "\n")
+    (root / "latin1.jsonl").write_bytes("\n".join([*rows[:2], rows[2].replace("What", "Qu\u00e9"), *rows[3:]])
+                                        .encode("latin-1") + b"\n")
     state = root / "truncated_state" / "checkpoints" / "step_000002"
     state.mkdir(parents=True)
     (root / "truncated_state" / "checkpoints" / "latest").write_text("step_000002\n")
@@ -159,10 +167,13 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: init not a checkpoint", [*train, f"init_checkpoint={root}/empty_dir"], "is neither an HF"),
         Case("train: unsupported architecture", [*train, f"init_checkpoint={p['llama']}"], "model_type"),
         Case("train: init truncated safetensors", [*train, f"init_checkpoint={p['trunc_st']}"], "model.safetensors"),
+        Case("train: init config.json n_group=3", [*train, f"init_checkpoint={p['n_group']}"],
+             "config.json n_group=3: must divide n_routed_experts (8)"),
         Case("train: init config.json not JSON", [*train, f"init_checkpoint={p['bad_json']}"], "config.json"),
         Case("train: missing YAML file", ["megatron-rl-train", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("train: bad YAML file", ["megatron-rl-train", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("train: unknown key", [*train, "objective.no_such_key=1"], "objective.no_such_key"),
+        Case("train: override not YAML", [*train, "data.train_files=[a"], "data.train_files: override value"),
         Case("train: wrong type eps_low=abc", [*train, "objective.eps_low=abc"], "objective.eps_low"),
         Case("train: dynamic_sampling=maybe", [*train, "objective.dynamic_sampling=maybe"],
              "objective.dynamic_sampling"),
@@ -171,6 +182,10 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: no chat template", [*train, f"tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
         Case("train: missing data file", [*train, f"data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
         Case("train: row without answer", [*train, f"data.train_files=[{root}/missing_answer.jsonl]"], "row 3"),
+        Case("train: malformed JSONL line", [*train, f"data.train_files=[{root}/bad_line.jsonl]"],
+             "bad_line.jsonl: line 3"),
+        Case("train: prompt file not UTF-8", [*train, f"data.train_files=[{root}/latin1.jsonl]"],
+             "latin1.jsonl: line 3: not UTF-8"),
         Case("train: reward does not import", [*train, "reward.function=no_such_module:score"], "reward.function"),
         Case("train: EP does not divide experts", [*train, "parallel.expert_model_parallel_size=3"],
              "expert_model_parallel_size"),
@@ -191,9 +206,15 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("launch: 2 nodes, no rendezvous", [*launch, "--nnodes", "2"], "rdzv"),
         Case("launch: train.steps=-1", [*launch, "train.steps=-1"], "train.steps"),
         Case("launch: FP8 without TE", ["megatron-rl-launch", "--config", str(QWEN), *qwen_local], "fp8.enabled"),
+        Case("launch: override not YAML", [*launch, "data.train_files=[a"], "data.train_files: override value"),
         Case("launch: wrong type eps_low=abc", [*launch, "objective.eps_low=abc"], "objective.eps_low"),
+        Case("smoke: override not YAML", ["megatron-rl-smoke", "model.num_experts=[a"], "model.num_experts"),
+        Case("smoke: EP2 layout, 5 experts", ["megatron-rl-smoke", "model.num_experts=5"],
+             "must divide model.num_experts (5)"),
         Case("ckpt hf2meg: truncated safetensors", [to_meg, str(p["trunc_st"]), out], "model.safetensors"),
         Case("ckpt hf2meg: config.json not JSON", [to_meg, str(p["bad_json"]), out], "config.json"),
+        Case("ckpt hf2meg: config.json n_group=3", [to_meg, str(p["n_group"]), out],
+             "config.json n_group=3: must divide n_routed_experts (8)"),
         Case("ckpt hf2meg: no config.json", [to_meg, str(p["no_config"]), out], "config.json"),
         Case("ckpt hf2meg: unsupported architecture", [to_meg, str(p["llama"]), out], "model_type"),
         Case("ckpt hf2meg: output parent is a file", [to_meg, str(ASSET), f"{root}/a_file/out"], "a_file"),

@@ -1,4 +1,4 @@
-"""Write a tiny random HF checkpoint of DeepSeek-V3, GLM-4.5 or Qwen2-MoE with the shipped tokenizer.
+"""Write a tiny random HF checkpoint of DeepSeek-V3, Kimi-K2, GLM-4.5 or Qwen2-MoE with the shipped tokenizer.
 
 For trying the trainer on these architectures on a CPU: the checkpoint has the shipped
 tiny model's tokenizer and chat template (``megatron_rl/assets/tiny_qwen3_moe``), so the
@@ -14,6 +14,7 @@ conversion (``megatron_rl.checkpoint.families``).
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,15 @@ FAMILIES = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
                          "mscale_all_dim": 1.0, "original_max_position_embeddings": 128},
     )),
+    # DeepSeek-V3's architecture under Kimi-K2's model_type (which transformers does not know), one
+    # expert group as Kimi-K2 has, and the auto_map of its remote code.
+    "kimi_k2": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, n_routed_experts=8, n_shared_experts=1, first_k_dense_replace=1, intermediate_size=96,
+        n_group=1, topk_group=1, num_experts_per_tok=4, routed_scaling_factor=2.827, num_nextn_predict_layers=0,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 128},
+    )),
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", dict(
         num_key_value_heads=2, head_dim=16, intermediate_size=96, n_routed_experts=8, n_shared_experts=1,
         num_experts_per_tok=2, first_k_dense_replace=1, attention_bias=True, num_nextn_predict_layers=0,
@@ -46,6 +56,14 @@ FAMILIES = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )),
 }
+
+RELABELLED = {
+    "kimi_k2": {"model_type": "kimi_k2", "auto_map": {
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModel": "modeling_deepseek.DeepseekV3Model",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}},
+}
+"""config.json keys a family's own checkpoints carry over what transformers writes."""
 
 
 def main() -> None:
@@ -65,6 +83,9 @@ def main() -> None:
                 # A bias that moves some selections, as a trained one does.
                 buffer.copy_(0.1 * torch.randn_like(buffer))
     model.float().save_pretrained(args.out)
+    if args.family in RELABELLED:
+        config_path = args.out / "config.json"
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **RELABELLED[args.family]}, indent=2))
     for name in TOKENIZER_FILES:
         shutil.copy(ASSET / name, args.out / name)
     print(f"wrote {args.out} ({args.family}, {sum(p.numel() for p in model.parameters())} parameters)")

@@ -195,6 +195,17 @@ def write_rope(model: ModelConfig) -> dict[str, Any]:
     return {"rope_theta": float(model.rotary_base), "rope_parameters": params}
 
 
+_SIGMOID_ROUTER_KEYS = {
+    "moe_router_num_groups": "n_group",
+    "moe_router_group_topk": "topk_group",
+    "moe_router_topk_scaling_factor": "routed_scaling_factor",
+    "num_dense_layers": "first_k_dense_replace",
+    "ffn_hidden_size": "intermediate_size",
+    "moe_shared_expert_intermediate_size": "n_shared_experts",
+}
+"""config.json keys of the fields :func:`_read_sigmoid_router` reads (``Architecture.config_keys``)."""
+
+
 def _read_sigmoid_router(config: dict[str, Any]) -> dict[str, Any]:
     """Routing and MoE-block fields shared by DeepSeek-V3 and GLM-4.5."""
     if config.get("quantization_config") is not None:
@@ -394,6 +405,7 @@ DEEPSEEK_V3 = Architecture(
     score_function="sigmoid",
     read_extra=_read_deepseek_v3,
     write_extra=_write_deepseek_v3,
+    config_keys=_SIGMOID_ROUTER_KEYS,
 )
 
 GLM4_MOE = Architecture(
@@ -409,6 +421,7 @@ GLM4_MOE = Architecture(
     score_function="sigmoid",
     read_extra=_read_glm4_moe,
     write_extra=_write_glm4_moe,
+    config_keys=_SIGMOID_ROUTER_KEYS,
 )
 
 QWEN2_MOE = Architecture(
@@ -431,11 +444,13 @@ QWEN2_MOE = Architecture(
     ),
     read_extra=_read_qwen2_moe,
     write_extra=_write_qwen2_moe,
+    config_keys={"moe_shared_expert_intermediate_size": "shared_expert_intermediate_size"},
 )
 
 # Kimi-K2 ships DeepSeek-V3's architecture and tensor names under its own model_type (so
-# that engines can tell them apart); transformers itself knows it only as deepseek_v3.
-KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2")
+# that engines can tell them apart); transformers itself knows it only as deepseek_v3 (its
+# kimi_k25 reads a kimi_k2 text model that way: models/kimi_k25/configuration_kimi_k25.py).
+KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2", transformers_model_type="deepseek_v3")
 
 ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
 """Every supported HF ``model_type`` and its table."""

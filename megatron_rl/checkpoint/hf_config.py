@@ -16,6 +16,7 @@ flags) are not read. Does not own tensor names or shapes.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -138,10 +139,38 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
         # build_model passes int(rotary_base) to Megatron's RotaryEmbedding.
         raise CheckpointMismatchError(f"config.json rope theta {model.rotary_base} is not an integer")
     try:
-        validate_model(model, prefix="config.json")
+        validate_model(model)
     except ConfigError as err:
-        raise CheckpointMismatchError(str(err)) from None
+        raise CheckpointMismatchError(_in_config_json_terms(str(err), arch, config)) from None
     return model
+
+
+_CONFIG_JSON_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_query_groups": "num_key_value_heads",
+    "moe_router_topk": "num_experts_per_tok",
+    "norm_epsilon": "rms_norm_eps",
+    "rotary_base": "rope_theta",
+    "init_method_std": "initializer_range",
+}
+"""ModelConfig field -> the config.json key every family reads it from, where the names differ."""
+
+
+def _in_config_json_terms(message: str, arch: Architecture, config: dict[str, Any]) -> str:
+    """A broken model rule (``"model.<field>: <rule>"``) restated with the config.json keys the
+    fields were read from, e.g. ``config.json n_group=3: must divide n_routed_experts (16)``;
+    a field with no key of its own keeps Megatron's name."""
+    keys = {**_CONFIG_JSON_KEYS, "num_experts": experts_key(arch, config),
+            "moe_ffn_hidden_size": arch.expert_ffn_key, **arch.config_keys}
+
+    def key_of(name: str) -> str | None:
+        key = keys.get(name, name)
+        return key if key in config else None
+
+    field, rule = message.split(": ", 1)
+    rule = re.sub(r"\bmodel\.(\w+)", lambda m: key_of(m[1]) or m[0], rule)
+    key = key_of(field.removeprefix("model."))
+    return f"config.json {key}={config[key]!r}: {rule}" if key else f"config.json: {field}: {rule}"
 
 
 def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: str | None = None) -> dict[str, Any]:

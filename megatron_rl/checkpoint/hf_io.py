@@ -297,6 +297,13 @@ def staging_dir(final: str | Path) -> Path:
     return final.parent / f".{final.name}.incomplete"
 
 
+def interrupted_staging_dirs(parent: str | Path) -> list[Path]:
+    """Staging directories in ``parent`` that :func:`atomic_output_dir` left marked incomplete
+    (their writer was killed). Whether one may be removed is the caller's call: only an owner
+    of ``parent`` knows that nothing is writing there now."""
+    return sorted(p for p in Path(parent).glob(".*.incomplete") if (p / INCOMPLETE_MARKER).is_file())
+
+
 def copy_files(files: list[Path], directory: str | Path) -> list[str]:
     """Copy files into ``directory`` keeping their names; returns the names."""
     for path in files:

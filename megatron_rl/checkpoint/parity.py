@@ -138,7 +138,7 @@ def hf_reference(
 
     from moe_routing.scores import router_log_scores
 
-    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype="auto")
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir), config=_transformers_config(hf_dir), dtype="auto")
     model.eval()
     calls: list[tuple[torch.Tensor, torch.Tensor]] = []
 
@@ -171,6 +171,22 @@ def hf_reference(
         for handle in handles:
             handle.remove()
     return outputs
+
+
+def _transformers_config(hf_dir: str | Path):
+    """The checkpoint's config as transformers builds it, for a family transformers knows under
+    another ``model_type`` (Kimi-K2 as DeepSeek-V3); None: transformers reads config.json itself."""
+    from transformers import AutoConfig
+
+    from megatron_rl.checkpoint.hf_config import architecture_of, read_config
+
+    config = read_config(hf_dir)
+    as_type = architecture_of(config).transformers_model_type
+    if as_type is None:
+        return None
+    # ``auto_map`` points at the checkpoint's own modelling code, which the parity check must not run.
+    fields = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    return AutoConfig.for_model(as_type, **fields)
 
 
 def megatron_outputs(

@@ -55,6 +55,9 @@ class Architecture:
     """HF ``model_type`` (the registry key)."""
     hf_class: str
     """transformers model class (the ``architectures`` entry of a config.json)."""
+    transformers_model_type: str | None = None
+    """The ``model_type`` transformers builds this family's config as, when it does not know
+    :attr:`name` itself (None: it does)."""
     experts_keys: tuple[str, ...]
     """config.json keys that may hold E (the first present one is used)."""
     expert_ffn_key: str
@@ -73,6 +76,9 @@ class Architecture:
     """config.json -> extra ModelConfig fields (family features); raises on what it cannot honour."""
     write_extra: Callable[[ModelConfig], dict[str, Any]] | None = None
     """ModelConfig -> extra config.json keys (inverse of ``read_extra``)."""
+    config_keys: dict[str, str] = field(default_factory=dict)
+    """ModelConfig field -> the config.json key ``read_extra`` reads it from, where the names
+    differ, so that a broken model rule names the key the user edits."""
 
 
 FEATURES: dict[str, Callable[[ModelConfig], bool]] = {

@@ -11,12 +11,15 @@ uses its own temporary cache and keeps the table in memory, so processes reading
 file at once never share cache files.
 
 Row numbers in messages are 0-based positions in the file as ``datasets`` reads it (for
-JSONL: the n-th non-empty line).
+JSONL: the n-th non-empty line). A JSON file that ``datasets`` cannot parse (a malformed line,
+bytes that are not UTF-8) is reported by its 1-based line number, as an editor shows it:
+the parser's own message gives only a byte offset within a block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -219,7 +222,7 @@ def _read_rows(cfg: DataConfig, path: str, key: str) -> list[dict[str, Any]]:
                 fmt, data_files=str(path), split="train", keep_in_memory=True, cache_dir=cache
             )
         except Exception as err:  # datasets/pyarrow raise many types; the user needs the file
-            raise ConfigError(f"{key}: cannot read {path}: {_first_line(err)}") from err
+            raise _unreadable(key, path, fmt, err) from err
     columns = table.column_names
     for name, config_key in ((cfg.prompt_key, "data.prompt_key"), (cfg.answer_key, "data.answer_key")):
         if name not in columns:
@@ -232,7 +235,54 @@ def _read_rows(cfg: DataConfig, path: str, key: str) -> list[dict[str, Any]]:
     wanted = [cfg.prompt_key, cfg.answer_key, *cfg.metadata_keys]
     if cfg.id_key is not None and cfg.id_key in columns:
         wanted.append(cfg.id_key)
-    return table.select_columns(list(dict.fromkeys(wanted))).to_list()
+    try:
+        return table.select_columns(list(dict.fromkeys(wanted))).to_list()
+    except UnicodeDecodeError as err:  # arrow's JSON reader passes bytes that are not UTF-8 through
+        raise _unreadable(key, path, fmt, err) from err
+
+
+def _unreadable(key: str, path: str, fmt: str, err: BaseException) -> ConfigError:
+    """The error for a file ``datasets`` could not read: the culprit line when one is found."""
+    culprit = _bad_json_line(Path(path)) if fmt == "json" else None
+    return ConfigError(f"{key}: cannot read {path}: {culprit or _first_line(err)}")
+
+
+def _bad_json_line(path: Path) -> str | None:
+    """``"line N: <what is wrong>"`` for the first line of a JSON or JSON-lines file that is not
+    UTF-8 or not JSON; None when every line reads."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        number = data.count(b"\n", 0, err.start) + 1
+        column = err.start - data.rfind(b"\n", 0, err.start)
+        return f"line {number}: not UTF-8 (byte 0x{data[err.start]:02x} at column {column}); save the file as UTF-8"
+    lines = text.splitlines()
+    first = next((line for line in lines if line.strip()), "")
+    if not _is_json_object(first):
+        # One JSON document (a list of rows, or rows under a key) rather than one row per line.
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            return f"line {err.lineno}: not valid JSON ({err.msg} at column {err.colno})"
+        return None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            return f"line {number}: not valid JSON ({err.msg} at column {err.colno})"
+        if not isinstance(row, dict):
+            return f"line {number}: a JSON {type(row).__name__}, not an object (one row per line)"
+    return None
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def _row_record(

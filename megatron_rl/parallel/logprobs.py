@@ -253,7 +253,9 @@ def compute_logprobs(
     if record_routing or probing:
         # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
         dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
-        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing)
+        # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
+        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing, allow_empty=groups.pp_size > 1,
+                                  topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
     if old_record is not None:
         _queue_queries(recorder, old_record, micro_batches, groups)
     replay = None

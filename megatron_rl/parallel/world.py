@@ -37,7 +37,10 @@ import time
 import traceback
 from typing import Any, Callable, Iterator
 
+import psutil
 import torch
+
+from megatron_rl.parallel import comm
 
 
 class WorldError(RuntimeError):
@@ -46,6 +49,31 @@ class WorldError(RuntimeError):
     failures: list[tuple[int, str]] = []
     """``(rank, traceback)`` of each failed rank in the order the failures arrived: the first
     is usually the cause, the others its peers giving up on a collective."""
+    lost: dict[int, int] = {}
+    """Exit code of each rank that ended without reporting, by rank (negative: the signal that
+    killed it, as :attr:`multiprocessing.Process.exitcode` gives it)."""
+
+    def cause(self) -> str:
+        """The likely cause in one line: a rank that ended without reporting (SIGKILL, the OOM
+        killer, ``os._exit``) before anything else, since its peers' errors are only the broken
+        connection to it; else the first failed rank's last traceback line."""
+        if self.lost:
+            ended = "; ".join(f"rank {rank} {_how_it_ended(code)}" for rank, code in sorted(self.lost.items()))
+            peers = sorted(rank for rank, _ in self.failures)
+            return ended + (f"; ranks {peers} failed after" if peers else "")
+        if self.failures:
+            rank, trace = self.failures[0]
+            last = trace.strip().splitlines()[-1] if trace.strip() else "no traceback"
+            return f"rank {rank} failed: {last}"
+        return str(self).strip().splitlines()[0] if str(self).strip() else type(self).__name__
+
+
+def _how_it_ended(exitcode: int) -> str:
+    if exitcode < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-exitcode).name}"
+        return f"was killed by signal {-exitcode}"
+    return f"exited with code {exitcode} without reporting"
 
 
 class WorldTimeout(WorldError):
@@ -132,6 +160,36 @@ def joined_world() -> Iterator[torch.distributed.ProcessGroup]:
         yield torch.distributed.group.WORLD
     finally:
         torch.distributed.destroy_process_group()
+
+
+def rank_processes(world: torch.distributed.ProcessGroup) -> list[tuple[str, int]]:
+    """Collective: every rank's ``(host name, pid)`` in rank order, gathered at the start so
+    that a rank whose peer dies later can say which one (:func:`gone_on_this_host`)."""
+    return comm.all_gather_objects((socket.gethostname(), os.getpid()), world)
+
+
+def gone_on_this_host(processes: list[tuple[str, int]], wait_s: float = 1.0) -> list[int]:
+    """Ranks of ``processes`` (from :func:`rank_processes`) on this host whose process has
+    ended. Peers on other hosts cannot be seen from here (their launcher's agent reports them).
+
+    A killed peer's sockets close before the kernel marks it ended, so the peer that broke a
+    collective may look alive for a moment: polled for up to ``wait_s``.
+    """
+    host = socket.gethostname()
+    local = [(rank, pid) for rank, (name, pid) in enumerate(processes) if name == host and pid != os.getpid()]
+    deadline = time.monotonic() + wait_s
+    while True:
+        gone = [rank for rank, pid in local if not _running(pid)]
+        if gone or time.monotonic() >= deadline:
+            return gone
+        time.sleep(0.05)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def free_port() -> int:
@@ -273,8 +331,10 @@ def _collect_outcomes(procs: list, results: "mp.Queue", deadline: float, late: s
                 lost = [r for r in dead if r not in outcomes]
                 if lost:
                     codes = {r: procs[r].exitcode for r in lost}
-                    raise _world_error(WorldError, f"ranks {lost} exited without reporting (exit codes {codes})",
-                                       outcomes)
+                    error = _world_error(WorldError, f"ranks {lost} exited without reporting (exit codes {codes})",
+                                         outcomes)
+                    error.lost = codes
+                    raise error
     return outcomes
 
 

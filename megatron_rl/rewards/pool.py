@@ -11,8 +11,8 @@ idle worker and starts at once, so submit time + ``timeout_s`` is that response'
 When a deadline passes, the response is an error result, the pool's workers are killed
 (they are this process's children, found by the pids they reported at start-up), a fresh
 pool is started, and the other responses that were in flight are submitted again. A reward
-that hangs therefore costs one pool start-up (about a second, most of it importing the
-reward's module) and never hangs the run. A worker that dies (segfault, ``os._exit``)
+that hangs therefore costs one pool start-up (forks of the forkserver, a tenth of a second:
+``python tools/bench_reward_restart.py``) and never hangs the run. A worker that dies (segfault, ``os._exit``)
 breaks the pool the same way: it is replaced and the responses in flight are tried once
 more, then scored as errors.
 
@@ -21,21 +21,27 @@ longer than ``timeout_s`` is still scored as an error afterwards, so both modes 
 
 Workers are started with "forkserver" (else "spawn"), never "fork": the scorer lives in
 torch.distributed rank processes whose gloo threads a fork would copy mid-flight. Workers
-resolve ``reward.function`` by its string, with the parent's ``sys.path``.
+resolve ``reward.function`` by its string, with the parent's ``sys.path``, and import
+nothing else of the parent's: not its main module (:func:`_parent_main_hidden`), which in
+a trainer rank is the entry point with torch and Megatron behind it, seconds per worker
+and per replacement pool. The forkserver preloads this module and the reward's, so a
+worker is a fork that has them already.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import sys
 import threading
 import time
+import types
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from megatron_rl.rewards.core import (
     RewardConfig,
@@ -88,12 +94,32 @@ def _start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
+@contextlib.contextmanager
+def _parent_main_hidden() -> Iterator[None]:
+    """Processes started within do not re-run this process's ``__main__``.
+
+    A spawned or forkserver child first re-runs its parent's main module (a script, or a
+    ``-m`` module) unless that has neither a file nor a module name. The forkserver's own
+    preload of ``__main__``, which would pay that once, never runs on Python 3.11:
+    ``forkserver.ensure_running`` asks the preparation data for ``main_path``, which it
+    stores as ``init_main_from_path`` (``multiprocessing/forkserver.py``, ``spawn.py``).
+    Nothing a worker runs lives in ``__main__``: its functions are this module's and the
+    reward is resolved by its import path. The swap lasts while the pool starts its workers.
+    """
+    parent_main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = parent_main
+
+
 class RewardScorer:
     """Scores batches of responses with ``cfg.function``; owns its worker pool.
 
-    Use as a context manager, or call :meth:`close`. The pool starts in ``__init__``
-    (0.1 to 1 s: a fork from the forkserver plus importing the reward's module, sympy for
-    ``math``) and is reused by every :meth:`score` call. Calls from several threads (the
+    Use as a context manager, or call :meth:`close`. The pool starts in ``__init__`` (the
+    first one in a process also starts the forkserver, which imports the reward's module:
+    about a second for ``math``, sympy) and is reused by every :meth:`score` call. Calls from several threads (the
     trainer's, and the thread that scores a batch generated ahead) run one at a time.
     """
 
@@ -102,6 +128,10 @@ class RewardScorer:
         self.cfg = cfg
         self._fn = resolve_reward(cfg.function)
         self._context = multiprocessing.get_context(_start_method())
+        if self._context.get_start_method() == "forkserver":
+            # Imported once by the forkserver (when this process starts it), so that each
+            # worker, first pool or replacement, is a fork that has them already.
+            self._context.set_forkserver_preload([__name__, *filter(None, [getattr(self._fn, "__module__", None)])])
         self._executor: ProcessPoolExecutor | None = None
         self._pids: set[int] = set()
         self._closed = False
@@ -162,8 +192,10 @@ class RewardScorer:
             initargs=(self.cfg.function, self.cfg.error_score, list(sys.path), ready),
         )
         # The executor starts a worker per submit while none is idle, so these tasks start
-        # all of them; each one blocks on the barrier until every worker holds one.
-        futures = [self._executor.submit(_report_ready, STARTUP_TIMEOUT_S) for _ in range(workers)]
+        # all of them (and no later submit starts one); each blocks on the barrier until
+        # every worker holds one.
+        with _parent_main_hidden():
+            futures = [self._executor.submit(_report_ready, STARTUP_TIMEOUT_S) for _ in range(workers)]
         try:
             self._pids = {future.result(timeout=STARTUP_TIMEOUT_S + 5) for future in futures}
         except Exception as exc:

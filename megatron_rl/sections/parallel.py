@@ -137,12 +137,6 @@ def _check_model_splits(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:
         f"{prefix}.pipeline_model_parallel_size",
         f"PP ({pp}) must divide model.num_layers ({m.num_layers})",
     )
-    require(
-        m.num_layers % pp != 0 or m.num_layers // pp > m.num_dense_layers,
-        f"{prefix}.pipeline_model_parallel_size",
-        f"PP ({pp}) leaves the first stage without an MoE layer ({m.num_layers // pp} layers per stage, "
-        f"model.num_dense_layers={m.num_dense_layers}); routing records need one per stage",
-    )
 
 
 def _check_sequence_parallel(p: ParallelConfig, prefix: str) -> None:

@@ -54,7 +54,10 @@ Design (one batch in flight, "finish under the old version"):
   stores the already-generated batch of the next step with its versions
   (``<checkpoint>/rollouts/rank_NNNNN.pt``, written before the checkpoint is published):
   a resumed run trains exactly the samples an uninterrupted one would, none twice, none
-  skipped. A checkpoint whose batch cannot be used (another data-parallel size, or a run
+  skipped. The last step generates ahead too, so the final checkpoint holds step N + 1's
+  batch: a finished run extended later (``train.steps`` raised) continues as an
+  uninterrupted longer run would have; a run that is never extended pays one batch of
+  background generation it does not use. A checkpoint whose batch cannot be used (another data-parallel size, or a run
   resumed with ``max_staleness: 0``) gives its prompts back (the data position is rewound
   to the batch's first prompt), so they are drawn again, still exactly once.
 * Deterministic by construction: the interleaving is fixed (join, push, launch, train);

@@ -32,6 +32,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.schedule import unwrap
+from megatron_rl.train.disk_space import reporting_a_full_disk
 
 
 @dataclass
@@ -94,19 +95,21 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
                 stale.unlink()
     comm.barrier(group)
     with_optimizer_state = _has_optimizer_state(optimizer)
-    dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
-    (path / "rng").mkdir(exist_ok=True)
-    torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
-    if write_more is not None:
-        write_more(path)
+    with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
+        dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
+        (path / "rng").mkdir(exist_ok=True)
+        torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
+        if write_more is not None:
+            write_more(path)
     comm.barrier(group)
     if rank == 0:
         body = {"step": state.step, "data_position": state.data_position,
                 "weight_version": state.weight_version, "optimizer_state": with_optimizer_state,
                 "config": config}
-        (path / "trainer_state.json").write_text(json.dumps(body, indent=1))
-        tmp = root / "latest.tmp"
-        tmp.write_text(path.name)
+        with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
+            (path / "trainer_state.json").write_text(json.dumps(body, indent=1))
+            tmp = root / "latest.tmp"
+            tmp.write_text(path.name)
         os.replace(tmp, root / "latest")  # atomic: readers see the old or the new name
     comm.barrier(group)
     return path

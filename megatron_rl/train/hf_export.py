@@ -31,6 +31,7 @@ from megatron_rl.checkpoint.hf_io import (
     ShardPlan,
     ShardWriter,
     atomic_output_dir,
+    interrupted_staging_dirs,
     tensor_bytes,
 )
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
@@ -38,6 +39,7 @@ from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 from megatron_rl.sections import ModelConfig
+from megatron_rl.train.disk_space import as_no_space_left
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """transformers' default shard size for ``save_pretrained``."""
@@ -93,7 +95,9 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
 
     Every rank of the world calls this; only global rank 0 writes. A failure on rank 0
     leaves no directory behind and is raised on every rank after the gather finishes, so
-    no rank waits in a collective for a peer that gave up.
+    no rank waits in a collective for a peer that gave up. Staging directories that killed
+    exports left next to ``out_dir`` are removed first: the trainer holds the run
+    directory's lock, so nothing else writes there.
 
     Args:
         model: this rank's model stage (bare or DDP-wrapped).
@@ -111,6 +115,8 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
             # A run resumed before its step-N checkpoint exports step N again: same weights.
             if out_dir.exists():
                 shutil.rmtree(out_dir)
+            for stale in interrupted_staging_dirs(out_dir.parent):
+                shutil.rmtree(stale)
             output = atomic_output_dir(out_dir)
             staging = output.__enter__()
             _write_side_files(spec, staging)
@@ -130,6 +136,9 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
             writer.finish()
         except Exception as err:  # noqa: BLE001
             error = err
+    if rank0 and error is not None:
+        # Before the staging directory is removed: a full disk is recognised by what it holds.
+        error = as_no_space_left(error, out_dir, f"writing the HF checkpoint {out_dir.name}")
     if rank0 and output is not None:
         if error is None:
             output.__exit__(None, None, None)

@@ -35,8 +35,10 @@ from megatron_rl.parallel.world import (  # noqa: E402
     Stopped,
     WorldError,
     exit_with_parent,
+    gone_on_this_host,
     joined_world,
     raise_on_stop_signals,
+    rank_processes,
     run_world,
 )
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
@@ -167,12 +169,9 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         try:
             run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600)
         except WorldError as err:
-            if os.environ.get("MEGATRON_RL_TRACEBACK") or not err.failures:
+            if os.environ.get("MEGATRON_RL_TRACEBACK"):
                 raise
-            # The first rank to fail is the cause; its peers only report the broken collective.
-            rank, trace = err.failures[0]
-            last = trace.strip().splitlines()[-1] if trace.strip() else "no traceback"
-            print(f"megatron-rl-train: error: rank {rank} failed: {last} "
+            print(f"megatron-rl-train: error: {err.cause()} "
                   "(MEGATRON_RL_TRACEBACK=1 prints every rank's traceback)", file=sys.stderr, flush=True)
             return 1
         except Stopped as stop:
@@ -198,7 +197,16 @@ def _run_launched(cfg: RunConfig, busy: RunDirBusy | None) -> int:
             return 2
         except comm.RankFailed:
             return 2
-        run_rank(to_dict(cfg))
+        processes = rank_processes(world)
+        try:
+            run_rank(to_dict(cfg))
+        except Exception:
+            gone = gone_on_this_host(processes)
+            if gone:
+                # This rank's own error is only the broken connection; the agent reports how the peer ended.
+                print(f"megatron-rl-train: error: rank {comm.rank(world)}: peer rank(s) {gone} on this node "
+                      "ended without reporting (the torchrun agent's report says how)", file=sys.stderr, flush=True)
+            raise
     return 0
 
 

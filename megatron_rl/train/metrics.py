@@ -45,6 +45,8 @@ from typing import Any, TypeVar
 import torch
 from tqdm import tqdm
 
+from megatron_rl.train.disk_space import reporting_a_full_disk
+
 T = TypeVar("T")
 
 METRICS_FILE = "metrics.jsonl"
@@ -139,12 +141,13 @@ class MetricsLogger:
             record[name] = value if finite else None
             if not finite:
                 self._count_nonfinite(name, value, step)
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._writer is not None:
-            for name, value in values.items():
-                self._writer.add_scalar(name, value, global_step=step)
-            self._writer.flush()
+        with reporting_a_full_disk(self.run_dir, f"writing the metrics of step {step}"):
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+            if self._writer is not None:
+                for name, value in values.items():
+                    self._writer.add_scalar(name, value, global_step=step)
+                self._writer.flush()
         self._last_step = step
 
     def close(self) -> None:

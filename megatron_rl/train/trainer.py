@@ -41,7 +41,7 @@ from megatron_rl.config_loading import to_dict
 from megatron_rl.data.prompts import load_prompts
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.checkpoint import load_model, save_model
-from megatron_rl.parallel.comm import all_reduce, mean_over, rank
+from megatron_rl.parallel.comm import all_reduce, broadcast_object, mean_over, rank
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model, recompute_fields
@@ -134,6 +134,7 @@ class Trainer:
 
             state = self._start(self._print_warm_start)
             self._setup_reference(state)
+            self._finish_owed_export(state)
             if state.step == 0:
                 log(0, {**self.evaluate(), **self._engine_metrics(),
                         "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
@@ -204,17 +205,18 @@ class Trainer:
         if self.ahead is None:
             return self.rollouts.collect(step, state, metrics)
         first = self.ahead.take(step, state, metrics)
-        more = step < self.cfg.train.steps
         # Without dynamic sampling a step has one round: once it is here the servers owe
         # this step nothing, so the next batch starts before this one is even scored.
         # Further rounds are drawn before the next batch and generated with nothing in
-        # flight, so with dynamic sampling the next batch waits for them.
-        early = more and first is not None and not self.objective.dynamic_sampling
+        # flight, so with dynamic sampling the next batch waits for them. The last step
+        # launches one too: the final checkpoint then holds it, and a run extended later
+        # (train.steps raised) trains what an uninterrupted longer run would have.
+        early = first is not None and not self.objective.dynamic_sampling
         if early:
             self.ahead.launch(step + 1, state)
         chosen = self.rollouts.collect(step, state, metrics, first)
         metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
-        if more and not early:
+        if not early:
             self.ahead.launch(step + 1, state)
         return chosen
 
@@ -422,6 +424,24 @@ class Trainer:
         if self.rank0:
             values = ", ".join(f"{k}={float(v):.4f}" for k, v in metrics.items())
             print(f"  warm start step {step}: {values}", flush=True)
+
+    def _exports_hf_at(self, step: int) -> bool:
+        t = self.cfg.train
+        return bool(t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)))
+
+    def _finish_owed_export(self, state: TrainerState) -> None:
+        """Collective: the HF checkpoint the resumed step owes, when it is missing. A step saves
+        its training checkpoint before its export, so a run stopped during the export (SIGTERM,
+        a crash) resumes past it; the weights loaded are that step's, so the export is made now."""
+        if self.resume_path is None or state.step == 0 or not self._exports_hf_at(state.step):
+            return
+        out = Path(self.cfg.train.run_dir) / "hf" / f"step_{state.step:06d}"
+        # Rank 0 alone writes the export: on nodes without a shared file system only it can tell.
+        if broadcast_object(self.rank0 and not out.is_dir(), 0, self.groups.world):
+            if self.rank0:
+                print(f"the HF export of step {state.step} did not finish before the run stopped: writing it now",
+                      flush=True)
+            self.export_hf(state.step)
 
     def export_hf(self, step: int) -> Path:
         """Collective: the current policy as an HF checkpoint in ``<run_dir>/hf/step_NNNNNN``."""

@@ -7,7 +7,9 @@ can be compared exactly. The trainer runs in a 2-process gloo world (EP2); one w
 * run A: steps 1-3, the server SIGKILLed (and restarted by this process) while step 2's
   batch is being generated in the background during step 1, and the trainer failing
   after step 3 (checkpoint at step 2, holding step 3's batch generated ahead);
-* run B: a fresh trainer resuming that checkpoint, steps 3-4.
+* run B: a fresh trainer resuming that checkpoint, steps 3-4;
+* run C: the finished run extended (``train.steps`` 5, same directory): step 5 trains the
+  batch B generated during step 4, as an uninterrupted 5-step run would (version 3).
 
 Checked for every trained sample: its weight version (within one of the trainer's, and
 the restarted server's samples re-asked at the version pushed again); the behaviour
@@ -18,6 +20,7 @@ trained once, none twice, none skipped, across the kill and the restart; B's ste
 step 3 bit for bit (A scored its rewards in the generation thread, B after loading them).
 """
 
+import dataclasses
 import os
 import signal
 import threading
@@ -130,6 +133,9 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
         b = Trainer(cfg, groups)
         rec_b = _Recorder(b, snapshots)
         rows_b = {row["step"]: row for row in b.run()}
+        c = Trainer(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=5)), groups)
+        rec_c = _Recorder(c, snapshots)
+        rows_c = {row["step"]: row for row in c.run()}
 
         def logprobs_under(version, record):
             with torch.no_grad():
@@ -139,7 +145,7 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
                                     **b._packing()).logprobs_T
 
         checks = {}
-        for run, rec in (("A", rec_a), ("B", rec_b)):
+        for run, rec in (("A", rec_a), ("B", rec_b), ("C", rec_c)):
             for step, record in sorted(rec.steps.items()):
                 lengths = [len(s) - p for s, p in zip(record["sequences"], record["prompt_lengths"])]
                 under = {v: logprobs_under(v, record).split(lengths) for v in {step - 2, step - 1} if v >= 0}
@@ -154,8 +160,8 @@ def _async_rank(cfg_dict: dict, url: str, pid: int) -> dict:
                                                if v + 1 == step - 1), default=None),
                     "rollout_lp": record["rollout_lp"], "old_lp": record["old_lp"],
                 }
-        order = [p.sample_id for p in b.rollouts.problems_at(0, 4 * cfg.train.steps)]
-        return {"checks": checks, "rows_a": rows_a, "rows_b": rows_b, "order": order}
+        order = [p.sample_id for p in b.rollouts.problems_at(0, 4 * (cfg.train.steps + 1))]
+        return {"checks": checks, "rows_a": rows_a, "rows_b": rows_b, "rows_c": rows_c, "order": order}
 
 
 def _metrics(cfg) -> list[dict]:
@@ -189,7 +195,7 @@ def test_staleness_one_versions_logprobs_and_exactly_once_across_a_server_kill_a
         assert all(row.get("sglang/duplicates", 0) == 0 for row in rows.values())
     for rank in results:
         checks = rank["checks"]
-        assert sorted(checks) == [("A", 1), ("A", 2), ("A", 3), ("B", 3), ("B", 4)]
+        assert sorted(checks) == [("A", 1), ("A", 2), ("A", 3), ("B", 3), ("B", 4), ("C", 5)]
         # Versions: step 1 generated synchronously (v0); step 2's batch, launched under v0, was
         # re-asked after the re-push of v1 (the trainer's weights at that join); steps 3 and 4
         # were generated one version behind the weights they trained.
@@ -197,14 +203,16 @@ def test_staleness_one_versions_logprobs_and_exactly_once_across_a_server_kill_a
         assert set(checks[("A", 2)]["versions"]) <= {0, 1} and 1 in checks[("A", 2)]["versions"]
         assert set(checks[("A", 3)]["versions"]) == set(checks[("B", 3)]["versions"]) == {1}
         assert set(checks[("B", 4)]["versions"]) == {2}
+        # The extended run's step 5 trains the batch B's last step generated under version 3.
+        assert set(checks[("C", 5)]["versions"]) == {3}
         for key, check in checks.items():
             assert len(check["versions"]) == PER_RANK, key
             assert check["proximal_exact"], key  # "old" = the trainer's pass at the step's start
             assert check["behaviour_diff_own"] < 1e-4, (key, check["behaviour_diff_own"])
-        for key in (("A", 3), ("B", 4)):  # stale samples: the next version's log-probs differ measurably
+        for key in (("A", 3), ("B", 4), ("C", 5)):  # stale samples: the next version's log-probs differ measurably
             assert checks[key]["behaviour_diff_next"] > 1e-3, (key, checks[key]["behaviour_diff_next"])
-        # Exactly once: steps 1-2 of A and 3-4 of B train the training order's prompts 0..15.
-        trained = [i for step in ((("A", 1), ("A", 2), ("B", 3), ("B", 4))) for i in checks[step]["ids"]]
+        # Exactly once: steps 1-2 of A, 3-4 of B and 5 of C train the training order's prompts 0..19.
+        trained = [i for step in ((("A", 1), ("A", 2), ("B", 3), ("B", 4), ("C", 5))) for i in checks[step]["ids"]]
         assert sorted(trained) == sorted(rank["order"]) and len(set(trained)) == len(trained)
         # The resumed step 3 is the failed run's step 3, bit for bit.
         assert checks[("A", 3)]["ids"] == checks[("B", 3)]["ids"]
@@ -220,3 +228,6 @@ def test_staleness_one_versions_logprobs_and_exactly_once_across_a_server_kill_a
             assert rows_b[3][key] == value, (key, rows_b[3][key], value)
     assert [rows_a[s]["rollout/staleness_max"] for s in (1, 3)] == [0, 1] and rows_b[4]["rollout/staleness_max"] == 1
     assert rows_b[4]["rollout/staleness_mean"] == 1
+    rows_c = results[0]["rows_c"]
+    assert sorted(rows_c) == [5] and rows_c[5]["rollout/staleness_max"] == 1
+    assert rows_c[5]["rollout/rewards_scored_ahead"] == 0  # restored from the checkpoint: scored at the join

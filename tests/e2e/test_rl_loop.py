@@ -11,12 +11,14 @@ after a resume cannot hide. The crash is the same command run through
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from megatron_rl.checkpoint.hf_io import INCOMPLETE_MARKER, staging_dir
 from megatron_rl.train.main import main
 from megatron_rl.train.metrics import read_metrics
 
@@ -107,6 +109,26 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
             if key.startswith(("time/", "perf/")):
                 continue
             assert resumed[step][key] == value, (step, key, resumed[step][key], value)
+
+
+def test_a_run_stopped_during_its_final_hf_export_writes_it_when_resumed(ep2_run, tmp_path):
+    """What SIGTERM during the last step's HF export leaves: the step's training checkpoint
+    (saved before the export) and the export's staging directory, marked incomplete. The same
+    command resumes at that step, removes the staging directory and writes the export, the
+    uninterrupted run's bytes."""
+    run_dir, _ = ep2_run
+    stopped = Path(shutil.copytree(run_dir, tmp_path / "stopped"))
+    final = stopped / "hf" / "step_000004"
+    shutil.rmtree(final)
+    staging = staging_dir(final)
+    staging.mkdir()
+    (staging / INCOMPLETE_MARKER).write_text("killed\n")
+    (staging / "model.safetensors").write_bytes(b"half a shard")
+    resumed = _run(stopped)
+    assert sorted(resumed) == [0, 1, 2, 3, 4]
+    assert not staging.exists()
+    weights = "hf/step_000004/model.safetensors"
+    assert (stopped / weights).read_bytes() == (run_dir / weights).read_bytes()
 
 
 ASYNCHRONOUS_METRICS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/rewards_scored_ahead",

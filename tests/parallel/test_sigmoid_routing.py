@@ -10,10 +10,11 @@ probabilities the experts' sigmoid scores, its gates the normalized scores times
 with unchanged weights reproduces the pass exactly (gamma 1); after a router change R2
 dispatches the recorded experts and gamma equals exp(-mean |log sigma_cur - log sigma_old|)
 computed from the hooked logits; R3 routes in SGLang's layout (a column per decoder layer,
-the dense layer's column garbage) dispatch exactly the MoE columns. Each of the six
+the dense layer's column garbage) dispatch exactly the MoE columns. Each of the seven
 layouts then reproduces the log-probs, the records and one RSPO training step under R2
-replay. To keep the suite short, ONE world of 4 processes runs the six layouts one after
-another (the 2-process layouts with data parallelism 2 on top).
+replay; PP4 leaves the first stage with the dense layer alone (no router). To keep the
+suite short, ONE world of 4 processes runs the seven layouts one after another (the
+2-process layouts with data parallelism 2 on top).
 """
 
 import functools
@@ -48,6 +49,8 @@ LAYOUTS = {
     "PP2": ParallelConfig(pipeline_model_parallel_size=2),
     "TP2+SP x EP2": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2),
     "TP2+SP x PP2": ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    # Stage 0 holds the dense first layer alone: no router, no record columns of its own.
+    "PP4": ParallelConfig(pipeline_model_parallel_size=4),
 }
 
 

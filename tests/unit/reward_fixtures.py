@@ -5,6 +5,7 @@ fixture behaviour to run, so the tests share one pool instead of starting one pe
 """
 
 import os
+import sys
 import time
 
 from megatron_rl.rewards.builtin import exact_match_reward, math_reward
@@ -43,6 +44,13 @@ def dies(prompt, response, ground_truth, metadata):
     os._exit(3)
 
 
+def what_the_worker_imported(prompt, response, ground_truth, metadata):
+    """Whether this worker re-ran its parent's main module (in a trainer rank: the entry point,
+    torch and Megatron behind it) and whether torch is loaded."""
+    parent_main = getattr(sys.modules["__main__"], "__file__", None) is not None  # else the forkserver's own
+    return {"score": 1.0, "parent_main": float(parent_main), "torch": float("torch" in sys.modules)}
+
+
 _inside = {"now": 0, "most": 0}
 
 
@@ -69,6 +77,7 @@ _BEHAVIOURS = {
     "returns_text": returns_text,
     "returns_nan": returns_nan,
     "dies": dies,
+    "what_the_worker_imported": what_the_worker_imported,
     "math": math_reward,
     "exact_match": exact_match_reward,
 }

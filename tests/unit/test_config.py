@@ -85,9 +85,25 @@ def test_world_size_from_launcher_is_checked():
         validate(load_config(PRESET, ["parallel.world_size=4"]), world_size=2)
 
 
+def test_a_pipeline_stage_of_dense_layers_only_is_a_valid_layout():
+    """PP3 on three layers, the first dense: stage 0 has no router (parallel/test_sigmoid_routing.py runs such a stage)."""
+    dense_first = ["model.num_layers=3", "model.num_dense_layers=1", "model.ffn_hidden_size=64"]
+    cfg = load_config(PRESET, [*dense_first, "parallel.pipeline_model_parallel_size=3"], world_size=3)
+    assert cfg.parallel.pipeline_model_parallel_size == 3 and cfg.model.moe_layers == (1, 2)
+
+
 def test_malformed_override_is_rejected():
     with pytest.raises(ConfigError, match="expected key.path=value"):
         parse_overrides(["model.num_experts"])
+
+
+@pytest.mark.parametrize("value", ["[a", "{a: 1", '"abc', "@x", "a: b: c"])
+def test_override_value_that_is_not_yaml_names_the_key_in_one_line(value):
+    with pytest.raises(ConfigError) as caught:
+        parse_overrides([f"data.train_files={value}"])
+    message = str(caught.value)
+    assert message.startswith(f"data.train_files: override value {value!r} is not valid YAML (")
+    assert "\n" not in message
 
 
 RUN_INVALID = [

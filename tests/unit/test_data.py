@@ -238,7 +238,7 @@ def test_bad_rows_name_file_and_row(tok_dir, tmp_path):
         load_prompts(DataConfig(train_files=[str(path)]), "train", tok, 100)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"prompt": "hi", "answer": 1}\nnot json\n')
-    with pytest.raises(ConfigError, match=r"data.train_files\[1\]: cannot read .*broken.jsonl: JSON parse"):
+    with pytest.raises(ConfigError, match=r"data.train_files\[1\]: cannot read .*broken.jsonl: line 2: not valid JSON"):
         good = _write_jsonl(tmp_path / "good.jsonl", [{"prompt": "hi", "answer": 1}])
         load_prompts(DataConfig(train_files=[str(good), str(broken)]), "train", tok, 100)
     (tmp_path / "empty.jsonl").write_text("")
@@ -247,6 +247,26 @@ def test_bad_rows_name_file_and_row(tok_dir, tmp_path):
     path = _write_jsonl(tmp_path / "bad_msg.jsonl", [{"prompt": [{"role": "user"}], "answer": "x"}])
     with pytest.raises(ConfigError, match="row 0 of .*bad_msg.jsonl: message 0 must be a dict"):
         load_prompts(DataConfig(train_files=[str(path)]), "train", tok, 100)
+
+
+@pytest.mark.parametrize("name, content, culprit", [
+    ("middle.jsonl", b'{"prompt": "a", "answer": 1}\n\n{"prompt": "b", "answer": \n{"prompt": "c", "answer": 3}\n',
+     "line 3: not valid JSON (Expecting value at column 27)"),
+    ("latin1.jsonl", b'{"prompt": "a", "answer": 1}\n{"prompt": "caf\xe9", "answer": 2}\n',
+     "line 2: not UTF-8 (byte 0xe9 at column 16); save the file as UTF-8"),
+    ("not_a_row.jsonl", b'{"prompt": "a", "answer": 1}\n[1, 2]\n', "line 2: a JSON list, not an object (one row per line)"),
+    ("document.json", b'[\n {"prompt": "a", "answer": 1},\n {"prompt": "b" "answer": 2}\n]\n',
+     "line 3: not valid JSON (Expecting ',' delimiter at column 17)"),
+])
+def test_unparsable_file_names_the_file_and_line(tok_dir, tmp_path, name, content, culprit):
+    """datasets' own message gives a byte offset within a block, or a traceback for bytes that
+    are not UTF-8; the message names the line an editor shows."""
+    tok = load_tokenizer(TokenizerConfig(), str(tok_dir))
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load_prompts(DataConfig(train_files=[str(path)]), "train", tok, 100)
+    assert str(caught.value) == f"data.train_files[0]: cannot read {path}: {culprit}"
 
 
 def test_duplicate_ids_are_named(tok_dir, tmp_path):

@@ -87,6 +87,25 @@ def test_deepseek_v3_settings_the_model_would_compute_differently_are_named(chan
         model_config_from_hf(_with(DEEPSEEK_V3_HUB, **changes), "bfloat16")
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"n_group": 3, "topk_group": 2, "num_experts_per_tok": 4},
+         "config.json n_group=3: must divide n_routed_experts (16)"),
+        ({"first_k_dense_replace": 4},
+         "config.json first_k_dense_replace=4: must be in [0, num_hidden_layers=4) (at least one MoE layer)"),
+        ({"routed_scaling_factor": -1.0}, "config.json routed_scaling_factor=-1.0: must be > 0"),
+        ({"num_experts_per_tok": 20, "n_group": 1, "topk_group": 1},
+         "config.json num_experts_per_tok=20: top-K (20) must not exceed n_routed_experts (16)"),
+    ],
+)
+def test_broken_model_rules_name_the_config_json_keys_the_user_edits(changes, message):
+    """Not Megatron's field names (``moe_router_num_groups``, ``model.num_experts``)."""
+    with pytest.raises(CheckpointMismatchError) as caught:
+        model_config_from_hf(_with(DEEPSEEK_V3_HUB, **changes), "bfloat16")
+    assert str(caught.value) == message
+
+
 def test_every_group_kept_is_plain_topk():
     m = model_config_from_hf(_with(DEEPSEEK_V3_HUB, n_group=1, topk_group=1, q_lora_rank=None), "bfloat16")
     assert (m.moe_router_num_groups, m.moe_router_group_topk) == (0, 0) and m.q_lora_rank is None
@@ -162,8 +181,8 @@ def test_model_rules_name_the_field():
         validate_model(_model(m, moe_router_group_topk=3))
     with pytest.raises(ConfigError, match="model.rope_scaling"):
         validate_model(_model(m, multi_latent_attention=False))
-    with pytest.raises(ConfigError, match="parallel.pipeline_model_parallel_size"):
-        validate_layout(_model(m, num_dense_layers=2), ParallelConfig(pipeline_model_parallel_size=2))
+    # A stage of dense layers only records no routing; records are per MoE layer, by number.
+    validate_layout(_model(m, num_dense_layers=2), ParallelConfig(pipeline_model_parallel_size=2))
     with pytest.raises(ConfigError, match=r"model.moe_shared_expert_intermediate_size \(18\)"):
         validate_layout(_model(m, moe_shared_expert_intermediate_size=18), ParallelConfig(tensor_model_parallel_size=4))
 

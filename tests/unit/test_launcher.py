@@ -128,6 +128,7 @@ def no_processes(monkeypatch):
         (["--config", str(DEMO), "--nproc-per-node", "3"], "parallel.world_size: config expects 2 processes"),
         (["--config", str(DEMO), "--nnodes", "2"], "launch.rdzv_endpoint: 2 nodes need --rdzv-endpoint"),
         (["--config", str(DEMO), "train.steps=-1"], "train.steps: must be >= 0"),
+        (["--config", str(DEMO), "data.train_files=[a"], "data.train_files: override value '[a' is not valid YAML"),
     ],
 )
 def test_main_rejects_before_starting_any_process(argv, message, no_processes, capsys):

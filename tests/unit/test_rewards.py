@@ -177,6 +177,14 @@ def test_dead_worker_is_replaced(pool_scorer):
     assert [r.score for r in results[1:]] == [2.0, 3.0]
 
 
+def test_workers_start_light_also_after_a_replacement(pool_scorer):
+    """A worker imports the reward's module and the pool's, not its parent's main module: a
+    trainer rank's is the entry point (torch, Megatron: seconds per worker, per replacement)."""
+    pool_scorer.score([_item("dies")])  # the pool is replaced
+    extras = [r.extras for r in pool_scorer.score([_item("what_the_worker_imported")] * 2)]
+    assert extras == [{"parent_main": 0.0, "torch": 0.0}] * 2
+
+
 def _parity_batch():
     items = [
         _item("math", response, truth, sample_id=f"m{i}")

@@ -45,6 +45,7 @@ def bad_inputs(tmp_path_factory):
     del broken["answer"]
     rows[3] = json.dumps(broken)
     (root / "missing_answer.jsonl").write_text("\n".join(rows) + "\n")
+    (root / "latin1.jsonl").write_bytes("\n".join(rows).replace("What", "Qu\u00e9").encode("latin-1"))
     (root / "my_rewards.py").write_text(
         "def two_args(prompt, response):\n    return 0.0\n"
     )
@@ -71,8 +72,11 @@ CASES = {
     "dimensions contradict": (["model.hidden_size=128"], "model.hidden_size: the config sets 128 but the checkpoint"),
     "tokenizer too large": (["tokenizer.path={root}/big_tokenizer"], "model.vocab_size"),
     "no chat template": (["tokenizer.path={root}/no_template"], "tokenizer.chat_template"),
+    "override not YAML": (["data.train_files=[a"], "data.train_files: override value '[a' is not valid YAML"),
     "missing data file": (["data.train_files=[{root}/none.jsonl]"], "data.train_files[0]"),
     "row without answer": (["data.train_files=[{root}/missing_answer.jsonl]"], "row 3 of {root}/missing_answer.jsonl"),
+    "prompt file not UTF-8": (["data.train_files=[{root}/latin1.jsonl]"],
+                              "data.train_files[0]: cannot read {root}/latin1.jsonl: line 1: not UTF-8"),
     "run dir is a file": (["train.run_dir={root}/a_file/run"], "train.run_dir: {root}/a_file is a file"),
     "resume with another seed": (["train.run_dir={root}/other_seed"], "seed: the run directory's checkpoint"),
     "resume with another model": (["train.run_dir={root}/other_model"], "model.num_layers: the run directory's"),

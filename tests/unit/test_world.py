@@ -1,12 +1,23 @@
 """The gloo world harness: per-rank results, per-rank tracebacks, and hang timeouts."""
 
+import os
+import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.world import WorldError, WorldTimeout, run_world
+from megatron_rl.parallel.world import (
+    WorldError,
+    WorldTimeout,
+    gone_on_this_host,
+    rank_processes,
+    run_world,
+)
+
+DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
 
 def _all_reduce_rank(scale):
@@ -48,3 +59,45 @@ def test_hanging_world_is_killed_with_a_clear_message():
     with pytest.raises(WorldTimeout, match=r"did not finish in 8s; ranks still running: \[0, 1\]"):
         run_world(_hang, 2, timeout_s=8)
     assert time.monotonic() - start < 40
+
+
+def _killed_mid_collective(gone_file):
+    processes = rank_processes(dist.group.WORLD)
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        dist.barrier()  # rank 0: gloo reports only the connection its peer reset
+    except Exception:
+        # What a torchrun worker can tell: which peer on its node is gone.
+        Path(gone_file).write_text(str(gone_on_this_host(processes)))
+        raise
+    return "unreachable"
+
+
+def _killed_while_peer_works():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(2.0)  # rank 0 is busy (scoring rewards, say) when its peer dies
+    dist.barrier()
+    return "unreachable"
+
+
+def test_a_killed_rank_is_named_with_its_signal_before_its_peers_errors(tmp_path):
+    with pytest.raises(WorldError) as err:
+        run_world(_killed_mid_collective, 2, str(tmp_path / "gone"), timeout_s=60)
+    assert err.value.lost == {1: -signal.SIGKILL}
+    assert [rank for rank, _ in err.value.failures] == [0]
+    assert err.value.cause() == "rank 1 was killed by SIGKILL; ranks [0] failed after"
+    assert (tmp_path / "gone").read_text() == "[1]"
+
+
+def test_train_names_a_rank_killed_while_its_peer_was_busy(monkeypatch, capsys, tmp_path):
+    """Before any peer fails, the world has only the dead rank to report: one line, exit 1."""
+    import megatron_rl.train.main as train_main
+
+    monkeypatch.setattr(train_main, "run_world",
+                        lambda *args, **kwargs: run_world(_killed_while_peer_works, 2, timeout_s=60))
+    assert train_main.main(["--config", str(DEMO), f"train.run_dir={tmp_path}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == ("megatron-rl-train: error: rank 1 was killed by SIGKILL "
+                   "(MEGATRON_RL_TRACEBACK=1 prints every rank's traceback)"), err
