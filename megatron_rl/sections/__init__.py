@@ -7,7 +7,8 @@ single owner live next to it (``data.config``, ``rewards.config``, ``rollout.con
 """
 
 from megatron_rl.sections.model import ModelConfig, validate_model, vocab_padding_hint
-from megatron_rl.sections.optim import OptimConfig
+from megatron_rl.sections.optim import OptimConfig, validate_optim
 from megatron_rl.sections.parallel import ParallelConfig, validate_layout
 
-__all__ = ["ModelConfig", "OptimConfig", "ParallelConfig", "validate_layout", "validate_model", "vocab_padding_hint"]
+__all__ = ["ModelConfig", "OptimConfig", "ParallelConfig", "validate_layout", "validate_model", "validate_optim",
+           "vocab_padding_hint"]
