@@ -43,7 +43,11 @@ from megatron_rl.parallel.comm import all_reduce, mean_over, rank
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model
-from megatron_rl.parallel.optim import build_optimizer, optimizer_step
+from megatron_rl.parallel.optim import (
+    build_optimizer,
+    gather_updated_weights,
+    optimizer_step,
+)
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rewards.pool import RewardScorer
@@ -53,6 +57,7 @@ from megatron_rl.train.checkpoint import (
     TrainerState,
     latest_checkpoint,
     load_checkpoint,
+    parallel_layout,
     save_checkpoint,
 )
 from megatron_rl.train.dp_balance import rebalance_over_dp
@@ -92,7 +97,7 @@ class Trainer:
             # Before the optimizer exists: a mixed-precision optimizer copies the weights
             # into its fp32 main parameters when it is built.
             load_initial_weights(self.model, self.init, cfg.model, groups)
-        self.ddp = wrap_for_training(self.model)
+        self.ddp = wrap_for_training(self.model, cfg.optim)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = build_engine(cfg, self.ddp, groups, self.rollout_urls, self.hf_architecture())
         self.reference = None
@@ -260,6 +265,8 @@ class Trainer:
                 result = forward_backward(self.ddp, self.groups, batch.select(indices), self.objective,
                                           self.plan, **self._packing())
                 collected.append({**result.metrics, **optimizer_step(self.optimizer)})
+        # The weights are read next outside a forward (weight push, checkpoint, HF export).
+        gather_updated_weights(self.ddp)
         for name in collected[0]:
             metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
 
@@ -314,6 +321,10 @@ class Trainer:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
         if self.cfg.train.sft_steps > 0:
             self._warm_start(log)
+            gather_updated_weights(self.ddp)
+            # The RL optimizer's fp32 main weights were copied before the warm start changed
+            # the weights (a no-op for fp32 weights, which it updates in place).
+            self.optimizer.reload_model_params()
             # The warm start changed the weights the engine was built with (same version 0).
             self.engine.update_weights(state.weight_version)
         self._save(state)
@@ -348,7 +359,7 @@ class Trainer:
             self.ahead.settle(state)
             write_more = functools.partial(self.ahead.save, state=state)
         save_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), self.groups.world,
-                        write_more)
+                        write_more, layout=parallel_layout(self.groups), sharding=self.cfg.optim.checkpoint_sharding)
 
     def _setup_reference(self, state: TrainerState) -> None:
         """A frozen copy of the starting policy, when the objective uses KL to a reference.
