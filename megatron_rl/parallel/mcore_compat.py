@@ -17,7 +17,8 @@ instance internals we read, override or rewrite (``TopKRouter.routing``,
 module flags we correct, private (underscore) names, and facts about Megatron's on-disk
 checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the versions it
 is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
-build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
+build fixes, checkpoint format, the distributed optimizer's checkpoint metadata and its
+torch-Adam ``step`` fixes) give their reason in their docstring and hold for 0.16.1 and
 0.19.2 unless it says otherwise. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
