@@ -45,6 +45,7 @@ from megatron_rl.sections import (
     thd_slot_multiple,
     validate_layout,
     validate_model,
+    validate_optim,
 )
 from megatron_rl.train.config import EvalConfig, TrainerConfig, check_eval_config
 from megatron_rl.train.logging_config import (
@@ -194,6 +195,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     """Validate a whole run config; returns it for chaining."""
     validate_model(cfg.model)
     validate_layout(cfg.model, cfg.parallel, world_size)
+    validate_optim(cfg.optim)
     check_fp8(cfg.fp8)
     validate_run(cfg)
     world = cfg.parallel.world_size or world_size

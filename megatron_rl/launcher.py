@@ -158,30 +158,18 @@ def validate_launch(
     world = nnodes * nproc_per_node
     p = cfg.parallel
     if p.world_size is not None:
-        _require(
-            p.world_size % nnodes == 0,
-            "parallel.world_size",
-            f"{p.world_size} processes cannot be spread evenly over {nnodes} nodes",
-        )
-        _require(
-            p.world_size == world,
-            "parallel.world_size",
-            f"config expects {p.world_size} processes, but {nnodes} nodes x {nproc_per_node} "
-            f"processes per node start {world}",
-        )
-    _require(
-        gpus_per_node == 0 or nproc_per_node <= gpus_per_node,
-        "launch.nproc_per_node",
-        f"{nproc_per_node} processes per node but only {gpus_per_node} GPUs are visible",
-    )
+        _require(p.world_size % nnodes == 0, "parallel.world_size",
+                 f"{p.world_size} processes cannot be spread evenly over {nnodes} nodes")
+        _require(p.world_size == world, "parallel.world_size",
+                 f"config expects {p.world_size} processes, but {nnodes} nodes x {nproc_per_node} "
+                 f"processes per node start {world}")
+    _require(gpus_per_node == 0 or nproc_per_node <= gpus_per_node, "launch.nproc_per_node",
+             f"{nproc_per_node} processes per node but only {gpus_per_node} GPUs are visible")
     validate_layout(cfg.model, p, world_size=world)
     tp = p.tensor_model_parallel_size
-    _require(
-        nproc_per_node % tp == 0,
-        "parallel.tensor_model_parallel_size",
-        f"TP ({tp}) must divide the processes per node ({nproc_per_node}) so that each "
-        "tensor-parallel group stays inside one node",
-    )
+    _require(nproc_per_node % tp == 0, "parallel.tensor_model_parallel_size",
+             f"TP ({tp}) must divide the processes per node ({nproc_per_node}) so that each "
+             "tensor-parallel group stays inside one node")
     check_fp8(cfg.fp8, fp8_env)
 
 

@@ -124,6 +124,7 @@ def build_inputs(root: Path) -> dict[str, Path]:
     _truncate(paths["meg_meta"] / ".metadata", 0.5)
     paths["megatron"] = megatron
     paths["resume_shard"] = _trainer_run_dir(root / "resume_shard", megatron)
+    paths["resume_layout"] = _trainer_run_dir(root / "resume_layout", megatron)
     _truncate(paths["resume_shard"] / "checkpoints" / "step_000002" / shards[-1].name, 0.9)
     return paths
 
@@ -195,6 +196,10 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: truncated trainer_state.json", [*train, f"train.run_dir={root}/truncated_state"],
              "trainer_state.json"),
         Case("train: resume, truncated .distcp shard", [*train, f"train.run_dir={p['resume_shard']}"], ".distcp"),
+        Case("train: resume EP2 checkpoint at TP2 (EP1)", [*train, f"train.run_dir={p['resume_layout']}",
+                                                          "parallel.expert_model_parallel_size=1",
+                                                          "parallel.tensor_model_parallel_size=2"],
+             "saved at TP1 PP1 EP2 ETP1 DP2 (2 processes), this config asks for TP2 PP1 EP1 ETP1 DP1"),
         Case("train: init Megatron ckpt, truncated shard", [*train, f"init_checkpoint={p['meg_trunc']}"], ".distcp"),
         Case("train: max_staleness=1, hf engine", [*train, "rollout.max_staleness=1"], "rollout.max_staleness"),
         Case("train: max_staleness=1, no weight sync", [*train, "rollout.max_staleness=1", "rollout.engine=sglang",

@@ -1,7 +1,8 @@
 """CPU platform: lets unmodified megatron-core (0.16.1 to 0.19.x) run on CPU with gloo.
 
 Megatron-Core assumes CUDA in a handful of places (RNG trackers, ``device="cuda"``
-literals, CUDA streams in the all-to-all dispatcher, ``torch.cuda.current_device()``).
+literals, CUDA streams in the all-to-all dispatcher, ``torch.cuda.current_device()``, the
+``torch.cuda.*Tensor`` type names its optimizers check, ``.cuda()`` in a checkpoint gather).
 This module papers over exactly those places, each patch with a one-line reason, so that
 tests and CI on CPU-only machines exercise Megatron's real TP/SP/EP/PP code paths.
 
@@ -34,19 +35,37 @@ def _is_cuda_device(device: Any) -> bool:
     return False
 
 
-class _CudaDeviceToCpu(TorchFunctionMode):
-    """Rewrites ``device="cuda"`` in factory calls and ``Tensor.to`` to the CPU.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+}
 
-    Reason: schedules.py, transformer/utils.py and the router hard-code ``device="cuda"``.
+
+class _CudaDeviceToCpu(TorchFunctionMode):
+    """Rewrites ``device="cuda"`` in factory calls and ``Tensor.to`` to the CPU; ``Tensor.cuda()``
+    returns the tensor; ``Tensor.type()`` answers the CUDA type name of a float tensor.
+
+    Reasons: schedules.py, transformer/utils.py and the router hard-code ``device="cuda"``.
+    Megatron's optimizers classify parameters by their type string and refuse
+    ``torch.FloatTensor`` (0.16.1: ``distrib_optimizer.py:361,420,582``, the bf16 plain
+    optimizer ``optimizer.py:671,690``); the distributed optimizer's fully-reshardable
+    checkpoint moves its gather buffers with ``.cuda()`` (``distrib_optimizer.py:1089``).
+    One mode for all three: each torch call pays one Python dispatch, not three.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return _CUDA_TYPE_NAMES.get(out, out)
+        return out
 
 
 class _InertStream:

@@ -22,24 +22,44 @@ from megatron.core.distributed import (
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.sections import OptimConfig
 
 # loss_fn(micro_batch, logits_1TV_local) -> (loss_sum scalar, num_tokens int tensor, dict)
 LossFn = Callable[[PackedMicroBatch, torch.Tensor], tuple[torch.Tensor, torch.Tensor, dict]]
 
 
-def wrap_for_training(model: torch.nn.Module) -> DistributedDataParallel:
-    """Wrap a stage in Megatron DDP so gradients land in ``param.main_grad`` and reduce."""
+def wrap_for_training(model: torch.nn.Module, optim: OptimConfig | None = None) -> DistributedDataParallel:
+    """Wrap a stage in Megatron DDP so gradients land in ``param.main_grad`` and reduce.
+
+    ``optim`` (default: the plain optimizer) decides the buffers: with ``optim.distributed``
+    DDP keeps the parameters in one buffer per dtype and reduce-scatters the gradients, for
+    Megatron's distributed optimizer (build it with the same ``optim``). With
+    ``optim.overlap_grad_reduce`` the reduce-scatter of each bucket starts during the
+    backward pass; the schedule is then told how to hold it back until a step's last
+    micro-batch (``no_sync_func``, ``grad_sync_func``, as Megatron-LM's training loop sets
+    them). Without them every micro-batch's backward counts as the last: a bucket is reduced
+    once the first step's count of gradients arrives, and when the number of micro-batches
+    changes between steps (token-budget packing) it is reduced before the last ones arrive,
+    silently wrong.
+    """
+    optim = optim or OptimConfig()
     config = model.config
     config.calculate_per_token_loss = True
     config.finalize_model_grads_func = finalize_model_grads
-    ddp_config = DistributedDataParallelConfig(
+    reduction = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=False,
+        overlap_grad_reduce=optim.overlap_grad_reduce,
+        overlap_param_gather=optim.overlap_param_gather,
+        use_distributed_optimizer=optim.distributed,
+        bucket_size=optim.bucket_size,
         # Sum over DP; finalize_model_grads divides by the global token count.
         average_in_collective=False,
     )
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    ddp = DistributedDataParallel(config=config, ddp_config=reduction, module=model)
+    if optim.overlap_grad_reduce:
+        config.no_sync_func = ddp.no_sync
+        config.grad_sync_func = ddp.start_grad_sync
+    return ddp
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -7,7 +7,7 @@ single owner live next to it (``data.config``, ``rewards.config``, ``rollout.con
 """
 
 from megatron_rl.sections.model import ModelConfig, validate_model, vocab_padding_hint
-from megatron_rl.sections.optim import OptimConfig
+from megatron_rl.sections.optim import OptimConfig, validate_optim
 from megatron_rl.sections.parallel import (
     ParallelConfig,
     thd_row_multiple,
@@ -16,4 +16,4 @@ from megatron_rl.sections.parallel import (
 )
 
 __all__ = ["ModelConfig", "OptimConfig", "ParallelConfig", "thd_row_multiple", "thd_slot_multiple", "validate_layout",
-           "validate_model", "vocab_padding_hint"]
+           "validate_model", "validate_optim", "vocab_padding_hint"]

@@ -13,9 +13,14 @@ the previous checkpoint and nothing half-written is ever read. The RL loop draws
 randomness from generators seeded by (seed, step, round), so step, data position and
 weights are enough to continue exactly; the RNG states are saved for anything else.
 
-An optimizer that has not stepped yet holds no per-parameter state (Adam creates its
+A plain optimizer that has not stepped yet holds no per-parameter state (Adam creates its
 moments at the first step): such a checkpoint stores none, says so in
 ``trainer_state.json``, and loads as a fresh optimizer, exactly what the saving run held.
+Megatron's distributed optimizer (``optim.distributed``) always stores its state (before
+the first step: step 0 and zero moments, which update exactly like none), in the format
+``optim.checkpoint_sharding`` names. ``trainer_state.json`` also records the layout and the
+optimizer it was written with (``layout``, ``optimizer``), so that a resume into another
+layout is checked before any process starts (``train/prepare.py``).
 """
 
 from __future__ import annotations
@@ -27,11 +32,16 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from megatron.core import dist_checkpointing
 from torch.distributed import ProcessGroup
 
 from megatron_rl.parallel import comm
-from megatron_rl.parallel.schedule import unwrap
+from megatron_rl.parallel.checkpoint import (
+    has_optimizer_state,
+    load_training_state,
+    optimizer_sharding,
+    save_training_state,
+)
+from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.train.disk_space import reporting_a_full_disk
 
 
@@ -62,29 +72,33 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return path
 
 
-def _has_optimizer_state(optimizer) -> bool:
-    """Whether the optimizer holds per-parameter state (it has stepped)."""
-    return optimizer is not None and any(param_state for _, param_state in optimizer.state.items())
+def parallel_layout(groups: ParallelGroups) -> dict[str, int]:
+    """The layout a checkpoint is written under, as ``trainer_state.json`` records it."""
+    return {"tensor_model_parallel_size": groups.tp_size, "pipeline_model_parallel_size": groups.pp_size,
+            "expert_model_parallel_size": groups.ep_size, "expert_tensor_parallel_size": groups.etp_size,
+            "data_parallel_size": groups.dp_size, "world_size": comm.size(groups.world)}
 
 
-def _sharded_state(model, optimizer, create_optimizer_state: bool) -> dict:
-    model_sd = unwrap(model).sharded_state_dict()
-    state = {"model": model_sd}
-    if optimizer is not None:
-        # Megatron's ``is_loading`` creates the optimizer state (zeros) so that a load can fill
-        # it in; a checkpoint saved before the first step has none to fill it with. The param
-        # groups are saved and loaded either way.
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=create_optimizer_state)
-    return state
+@dataclass
+class WrittenCheckpoint:
+    """A checkpoint whose files every rank has written, not yet named by ``latest``."""
+
+    root: Path
+    path: Path
+    trainer_state: dict
+    """What ``trainer_state.json`` will hold (rank 0 writes it when publishing)."""
 
 
-def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,
-                    group: ProcessGroup, write_more: Callable[[Path], None] | None = None) -> Path:
-    """Collectively (over ``group``, every rank: ``ParallelGroups.world``) save model,
-    optimizer, RNG and trainer state; then publish it.
+def write_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,
+                     group: ProcessGroup, write_more: Callable[[Path], None] | None = None,
+                     layout: dict[str, int] | None = None, sharding: str = "fully_reshardable") -> WrittenCheckpoint:
+    """Collectively (over ``group``, every rank: ``ParallelGroups.world``) write model,
+    optimizer and RNG state; :func:`publish_checkpoint` makes it the one a resume reads.
 
-    ``write_more(path)``, called on every rank before publishing, adds files of its own
-    (the rollouts generated ahead, :mod:`megatron_rl.train.async_rollouts`)."""
+    ``write_more(path)``, called on every rank, adds files of its own (the rollouts generated
+    ahead, :mod:`megatron_rl.train.async_rollouts`). ``layout`` (:func:`parallel_layout`) is
+    recorded for the resume check; ``sharding`` is the distributed optimizer's checkpoint
+    format (``optim.checkpoint_sharding``)."""
     root = _checkpoint_root(run_dir)
     path = root / f"step_{state.step:06d}"
     rank = comm.rank(group)
@@ -94,38 +108,52 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
             if stale.is_file():
                 stale.unlink()
     comm.barrier(group)
-    with_optimizer_state = _has_optimizer_state(optimizer)
+    optimizer_format = optimizer_sharding(model, sharding) if optimizer is not None else None
+    with_optimizer_state = optimizer_format is not None or has_optimizer_state(optimizer)
     with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
-        dist_checkpointing.save(_sharded_state(model, optimizer, create_optimizer_state=False), str(path))
+        save_training_state(model, optimizer, path, optimizer_format)
         (path / "rng").mkdir(exist_ok=True)
         torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
         if write_more is not None:
             write_more(path)
     comm.barrier(group)
-    if rank == 0:
-        body = {"step": state.step, "data_position": state.data_position,
-                "weight_version": state.weight_version, "optimizer_state": with_optimizer_state,
-                "config": config}
+    body = {"step": state.step, "data_position": state.data_position,
+            "weight_version": state.weight_version, "optimizer_state": with_optimizer_state,
+            "optimizer": {"distributed": optimizer_format is not None, "sharding": optimizer_format},
+            **({"layout": layout} if layout is not None else {}),
+            "config": config}
+    return WrittenCheckpoint(root, path, body)
+
+
+def publish_checkpoint(written: WrittenCheckpoint, group: ProcessGroup) -> Path:
+    """Collectively: write ``trainer_state.json`` and point ``latest`` at the checkpoint."""
+    if comm.rank(group) == 0:
+        path = written.path
         with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
-            (path / "trainer_state.json").write_text(json.dumps(body, indent=1))
-            tmp = root / "latest.tmp"
+            (path / "trainer_state.json").write_text(json.dumps(written.trainer_state, indent=1))
+            tmp = written.root / "latest.tmp"
             tmp.write_text(path.name)
-        os.replace(tmp, root / "latest")  # atomic: readers see the old or the new name
+        os.replace(tmp, written.root / "latest")  # atomic: readers see the old or the new name
     comm.barrier(group)
-    return path
+    return written.path
+
+
+def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,
+                    group: ProcessGroup, write_more: Callable[[Path], None] | None = None,
+                    layout: dict[str, int] | None = None, sharding: str = "fully_reshardable") -> Path:
+    """Collectively write a checkpoint (:func:`write_checkpoint`) and publish it."""
+    written = write_checkpoint(run_dir, model, optimizer, state, config, group, write_more, layout, sharding)
+    return publish_checkpoint(written, group)
 
 
 def load_checkpoint(path: Path, model, optimizer, group: ProcessGroup) -> TrainerState:
-    """Collectively (over ``group``, every rank) load a checkpoint (written under any layout)
-    into model and optimizer."""
+    """Collectively (over ``group``, every rank) load a checkpoint (written under any layout
+    its optimizer format reshards to) into model and optimizer."""
     body = json.loads((path / "trainer_state.json").read_text())
     # Checkpoints from before the flag: only step 0 (saved right after the warm start, before
     # the first RL step) was written by an optimizer without state.
     with_optimizer_state = body.get("optimizer_state", body["step"] > 0)
-    loaded = dist_checkpointing.load(_sharded_state(model, optimizer, with_optimizer_state), str(path))
-    unwrap(model).load_state_dict(loaded["model"], strict=False)
-    if optimizer is not None:
-        optimizer.load_state_dict(loaded["optimizer"])
+    load_training_state(model, optimizer, path, with_optimizer_state)
     rng = path / "rng" / f"rank_{comm.rank(group):05d}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng)["torch"])

@@ -33,6 +33,7 @@ from megatron_rl.data.tokenizer import (
     check_tokenizer_config,
     load_tokenizer,
 )
+from megatron_rl.parallel.mcore_optimizer import optimizer_member_count
 from megatron_rl.rewards.core import check_reward_config
 from megatron_rl.rollout.envs.load import check_env_config, env_tools
 
@@ -146,8 +147,15 @@ def _check_hf_engine(cfg: RunConfig, init: InitSource | None) -> None:
 
 
 RESUME_KEYS = ("seed", "model")
-"""Run-config sections a resumed run must share with its checkpoint (the layout may change:
-checkpoints reshard; the seed fixes the data order and sampling; the model fixes the tensors)."""
+"""Run-config sections a resumed run must share with its checkpoint (the seed fixes the data
+order and sampling; the model fixes the tensors). The layout may change as far as the
+checkpoint's optimizer format reshards (:func:`check_resume_layout`)."""
+
+LAYOUT_SIZES = (("TP", "tensor_model_parallel_size"), ("PP", "pipeline_model_parallel_size"),
+                ("EP", "expert_model_parallel_size"), ("ETP", "expert_tensor_parallel_size"))
+"""The model-parallel sizes of a layout, as ``trainer_state.json``'s ``layout`` records them."""
+MEMBER_SIZES = ("expert_model_parallel_size", "expert_tensor_parallel_size", "tensor_model_parallel_size")
+"""What decides how many optimizers Megatron chains (``mcore_optimizer.optimizer_member_count``)."""
 
 
 def check_run_dir(cfg: RunConfig) -> None:
@@ -168,7 +176,8 @@ def check_run_dir(cfg: RunConfig) -> None:
         return
     state_file = run_dir / "checkpoints" / pointer.read_text().strip() / "trainer_state.json"
     try:
-        stored = json.loads(state_file.read_text())["config"]
+        body = json.loads(state_file.read_text())
+        stored = body["config"]
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise ConfigError(f"train.run_dir: cannot resume: {state_file} is unreadable ({type(err).__name__}: "
                           f"{err}); move the run directory away or set train.resume=false") from None
@@ -182,8 +191,78 @@ def check_run_dir(cfg: RunConfig) -> None:
         elif stored.get(key, current[key]) != current[key]:
             raise ConfigError(f"{key}: the run directory's checkpoint {state_file.parent.name} was trained with "
                               f"{stored[key]!r}, this config says {current[key]!r}")
+    check_resume_layout(cfg, body, state_file.parent.name)
     try:
         check_trainer_checkpoint(state_file.parent)
     except CheckpointMismatchError as err:
         raise ConfigError(f"train.run_dir: cannot resume: {err}; move the run directory away or set "
                           "train.resume=false") from None
+
+
+def _describe_layout(sizes: dict, world_size: int | None) -> str:
+    """``TP2 PP1 EP2 ETP1 DP1 (2 processes)``; DP is left out when the world size is unknown."""
+    text = " ".join(f"{short}{sizes.get(key, 1)}" for short, key in LAYOUT_SIZES)
+    if world_size:
+        dp = world_size // (sizes.get("tensor_model_parallel_size", 1) * sizes.get("pipeline_model_parallel_size", 1))
+        text += f" DP{dp} ({world_size} processes)"
+    return text
+
+
+def check_resume_layout(cfg: RunConfig, stored: dict, checkpoint: str) -> None:
+    """The run directory's latest checkpoint can be resumed in this config's layout and optimizer.
+
+    Megatron's checkpoints reshard the model to any layout, and the optimizer state as far
+    as its format allows: the plain optimizer's and the distributed optimizer's
+    ``fully_reshardable`` state to any TP/PP/DP and EP > 1; the ``dp_reshardable`` state
+    to another DP size only. Neither loads across EP1 <-> EP > 1 (one chained optimizer
+    against two: ``mcore_optimizer.optimizer_member_count``), nor from one optimizer kind into
+    the other. ``stored`` is the checkpoint's ``trainer_state.json``; its ``layout`` and
+    ``optimizer`` are absent in checkpoints written before they were recorded (then the
+    stored run config's ``parallel`` section says the layout, and the optimizer was the plain one).
+
+    Raises:
+        ConfigError: naming the key, the saved layout (or optimizer) and the requested one.
+    """
+    config = stored.get("config") or {}
+    saved_sizes = stored.get("layout") or config.get("parallel") or {}
+    saved_world = saved_sizes.get("world_size")
+    saved_optimizer = stored.get("optimizer") or {"distributed": False, "sharding": None}
+    requested_sizes = {key: getattr(cfg.parallel, key) for _, key in LAYOUT_SIZES}
+    saved_text = _describe_layout(saved_sizes, saved_world)
+    requested_text = _describe_layout(requested_sizes, cfg.parallel.world_size)
+    where = f"the run directory's checkpoint {checkpoint} was saved at {saved_text}, this config asks for {requested_text}"
+    kinds = {True: "distributed", False: "plain"}
+    if bool(saved_optimizer.get("distributed")) != cfg.optim.distributed:
+        raise ConfigError(
+            f"optim.distributed: the run directory's checkpoint {checkpoint} holds the "
+            f"{kinds[bool(saved_optimizer.get('distributed'))]} optimizer's state, this config asks for the "
+            f"{kinds[cfg.optim.distributed]} one; resume with optim.distributed="
+            f"{str(bool(saved_optimizer.get('distributed'))).lower()}, or start a new train.run_dir")
+    saved_members = optimizer_member_count(*(saved_sizes.get(key, 1) for key in MEMBER_SIZES))
+    requested_members = optimizer_member_count(*(requested_sizes[key] for key in MEMBER_SIZES))
+    if saved_members != requested_members:
+        raise ConfigError(
+            f"parallel.expert_model_parallel_size: {where}; Megatron chains {saved_members} optimizer(s) there and "
+            f"{requested_members} here (the expert weights get their own when EP > 1), and the optimizer state "
+            "does not load into a chain of another length (EP1 <-> EP>1): resume with "
+            f"{'EP>1' if saved_members == 2 else 'EP1'}, or start a new train.run_dir")
+    if saved_optimizer.get("sharding") == "dp_reshardable":
+        changed = [short for short, key in LAYOUT_SIZES if saved_sizes.get(key, 1) != requested_sizes[key]]
+        if changed:
+            raise ConfigError(
+                f"parallel: {where}; its optimizer state is dp_reshardable (optim.checkpoint_sharding), which "
+                f"reshards over DP only, and {', '.join(changed)} changed")
+        saved_optim = config.get("optim") or {}
+        if _buckets(saved_optim) != _buckets(asdict(cfg.optim)):
+            raise ConfigError(
+                f"optim.bucket_size: the run directory's checkpoint {checkpoint} stores dp_reshardable optimizer "
+                f"state laid out by gradient bucket {_buckets(saved_optim)}, this config asks for "
+                f"{_buckets(asdict(cfg.optim))} (optim.overlap_grad_reduce, optim.bucket_size)")
+
+
+def _buckets(optim: dict) -> str:
+    """How DDP splits its buffers into buckets: one per buffer unless the reduce-scatter overlaps."""
+    if not optim.get("overlap_grad_reduce"):
+        return "one bucket per buffer"
+    size = optim.get("bucket_size")
+    return f"buckets of {size} elements" if size else "buckets of Megatron's default size"

@@ -45,7 +45,11 @@ from megatron_rl.parallel.comm import all_reduce, broadcast_object, mean_over, r
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.model import build_model, recompute_fields
-from megatron_rl.parallel.optim import build_optimizer, optimizer_step
+from megatron_rl.parallel.optim import (
+    build_optimizer,
+    gather_updated_weights,
+    optimizer_step,
+)
 from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rewards.pool import RewardScorer
@@ -55,9 +59,12 @@ from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import (
     TrainerState,
+    WrittenCheckpoint,
     latest_checkpoint,
     load_checkpoint,
-    save_checkpoint,
+    parallel_layout,
+    publish_checkpoint,
+    write_checkpoint,
 )
 from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.train.engines import (
@@ -98,7 +105,7 @@ class Trainer:
             # Before the optimizer exists: a mixed-precision optimizer copies the weights
             # into its fp32 main parameters when it is built.
             load_initial_weights(self.model, self.init, cfg.model, groups)
-        self.ddp = wrap_for_training(self.model)
+        self.ddp = wrap_for_training(self.model, cfg.optim)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = build_engine(cfg, self.ddp, groups, self.rollout_urls, self.hf_architecture())
         self.reference = None
@@ -156,12 +163,15 @@ class Trainer:
                 if evaluating:
                     with phase_timer(metrics, "evaluation"):
                         metrics.update(self.evaluate())
-                # Saved before the step is logged, so that its metrics include the checkpoint's time.
+                # Checkpoint and export are written before the step's row is logged (the row
+                # holds their times), and the checkpoint is published after it: a run stopped
+                # in between resumes at the step before, whose metrics end before this row.
+                written = None
                 if saving:
                     with phase_timer(metrics, "checkpoint"):
-                        self._save(state)
+                        written = self._save(state, publish=False)
                 exported = None
-                if t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)):
+                if self._exports_hf_at(step):
                     with phase_timer(metrics, "hf_export"):
                         exported = self.export_hf(step)
                 watch.end(step, metrics)
@@ -169,6 +179,8 @@ class Trainer:
                     metrics.update({k: torch.tensor(v) for k, v in self.telemetry.sample().items()})
                 metrics.update(self._engine_metrics())
                 log(step, metrics)
+                if written is not None:
+                    publish_checkpoint(written, self.groups.world)
                 if exported is not None and trackers is not None:
                     trackers.log_checkpoint(step, exported)
             # Collective for SGLang (the weight-sync group spans every rank), so not in a
@@ -305,6 +317,8 @@ class Trainer:
                 result = forward_backward(self.ddp, self.groups, batch.select(indices), self.objective,
                                           self.plan, **self._packing())
                 collected.append({**result.metrics, **optimizer_step(self.optimizer)})
+        # The weights are read next outside a forward (weight push, checkpoint, HF export).
+        gather_updated_weights(self.ddp)
         for name in collected[0]:
             metrics[name] = torch.stack([c[name].float() for c in collected if name in c]).mean()
 
@@ -363,6 +377,10 @@ class Trainer:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
         if self.cfg.train.sft_steps > 0:
             self._warm_start(log)
+            gather_updated_weights(self.ddp)
+            # The RL optimizer's fp32 main weights were copied before the warm start changed
+            # the weights (a no-op for fp32 weights, which it updates in place).
+            self.optimizer.reload_model_params()
             # The warm start changed the weights the engine was built with (same version 0).
             self.engine.update_weights(state.weight_version)
         self._save(state)
@@ -390,14 +408,19 @@ class Trainer:
         run_warm_start(self.ddp, sft_optimizer, self.groups, examples, t.sft_steps,
                        t.micro_batch_sequences, log, lambda it, desc: progress(it, desc, self.rank0 and t.progress))
 
-    def _save(self, state: TrainerState) -> None:
-        """Checkpoint, with the batch generated ahead when rollouts are asynchronous."""
+    def _save(self, state: TrainerState, publish: bool = True) -> WrittenCheckpoint:
+        """Checkpoint, with the batch generated ahead when rollouts are asynchronous; published
+        (named by ``latest``) unless the caller publishes it later (:func:`publish_checkpoint`)."""
         write_more = None
         if self.ahead is not None:
             self.ahead.settle(state)
             write_more = functools.partial(self.ahead.save, state=state)
-        save_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), self.groups.world,
-                        write_more)
+        written = write_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg), self.groups.world,
+                                   write_more, layout=parallel_layout(self.groups),
+                                   sharding=self.cfg.optim.checkpoint_sharding)
+        if publish:
+            publish_checkpoint(written, self.groups.world)
+        return written
 
     def _setup_reference(self, state: TrainerState) -> None:
         """A frozen copy of the starting policy, when the objective uses KL to a reference.
@@ -430,9 +453,11 @@ class Trainer:
         return bool(t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)))
 
     def _finish_owed_export(self, state: TrainerState) -> None:
-        """Collective: the HF checkpoint the resumed step owes, when it is missing. A step saves
-        its training checkpoint before its export, so a run stopped during the export (SIGTERM,
-        a crash) resumes past it; the weights loaded are that step's, so the export is made now."""
+        """Collective: the HF checkpoint the resumed step owes, when it is missing. A step
+        publishes its training checkpoint after its export, so a run stopped during the export
+        resumes at the step before; this covers the rest (a run directory written before that
+        order, ``train.save_hf`` turned on for the resume): the weights loaded are that step's,
+        so the export is made now. Staging left by a stopped export is removed either way."""
         if self.resume_path is None or state.step == 0 or not self._exports_hf_at(state.step):
             return
         out = Path(self.cfg.train.run_dir) / "hf" / f"step_{state.step:06d}"

@@ -111,11 +111,11 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
             assert resumed[step][key] == value, (step, key, resumed[step][key], value)
 
 
-def test_a_run_stopped_during_its_final_hf_export_writes_it_when_resumed(ep2_run, tmp_path):
-    """What SIGTERM during the last step's HF export leaves: the step's training checkpoint
-    (saved before the export) and the export's staging directory, marked incomplete. The same
-    command resumes at that step, removes the staging directory and writes the export, the
-    uninterrupted run's bytes."""
+def test_a_resumed_run_writes_the_hf_export_its_step_owes(ep2_run, tmp_path):
+    """A run directory whose last checkpoint step has no HF export, only a stopped export's
+    staging directory marked incomplete (what a run from before exports preceded publishing
+    left after SIGTERM). The same command resumes at that step, removes the staging
+    directory and writes the export, the uninterrupted run's bytes."""
     run_dir, _ = ep2_run
     stopped = Path(shutil.copytree(run_dir, tmp_path / "stopped"))
     final = stopped / "hf" / "step_000004"
@@ -129,6 +129,28 @@ def test_a_run_stopped_during_its_final_hf_export_writes_it_when_resumed(ep2_run
     assert not staging.exists()
     weights = "hf/step_000004/model.safetensors"
     assert (stopped / weights).read_bytes() == (run_dir / weights).read_bytes()
+
+
+def test_resume_at_a_layout_the_optimizer_state_cannot_take_is_refused_up_front(ep2_run, capsys, monkeypatch):
+    """Issue 27.1: the EP2 run's directory restarted with TP2 (EP1). Megatron's optimizer state
+    of an EP>1 run is two chained optimizers and of an EP1 run one, so it cannot load: the
+    command says so in one line naming both layouts, and no process world starts (before, the
+    ranks crashed after 43 s with a KeyError). Seconds to fail: ``tools/bad_inputs.py``."""
+    import megatron_rl.train.main as train_main
+
+    def no_world(*args, **kwargs):
+        raise AssertionError("a process world was started for a resume that cannot load")
+
+    monkeypatch.setattr(train_main, "run_world", no_world)
+    run_dir, _ = ep2_run
+    latest = (run_dir / "checkpoints" / "latest").read_text()
+    code = main(["--config", str(CONFIG), *SMALL, f"train.run_dir={run_dir}",
+                 "parallel.expert_model_parallel_size=1", "parallel.tensor_model_parallel_size=2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert ("parallel.expert_model_parallel_size: the run directory's checkpoint step_000004 was saved at "
+            "TP1 PP1 EP2 ETP1 DP2 (2 processes), this config asks for TP2 PP1 EP1 ETP1 DP1 (2 processes)") in err, err
+    assert (run_dir / "checkpoints" / "latest").read_text() == latest
 
 
 ASYNCHRONOUS_METRICS = ("rollout/staleness_mean", "rollout/staleness_max", "rollout/rewards_scored_ahead",

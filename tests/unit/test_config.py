@@ -155,6 +155,12 @@ RUN_INVALID = [
      "rollout.sglang.hf_architecture", "model.qk_layernorm=True: mixtral has qk_layernorm=False"),
     (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.weight_sync=ipc"],
      "rollout.sglang.weight_sync", "is not one of"),
+    (["optim.optimizer=sgd", "optim.distributed=true"], "optim.distributed", "checkpoints Adam's state"),
+    (["optim.overlap_grad_reduce=true"], "optim.overlap_grad_reduce", "set optim.distributed=true"),
+    (["optim.distributed=true", "optim.overlap_param_gather=true"], "optim.overlap_param_gather",
+     "needs optim.overlap_grad_reduce=true"),
+    (["optim.distributed=true", "optim.overlap_grad_reduce=true", "optim.bucket_size=0"], "optim.bucket_size", "> 0"),
+    (["optim.checkpoint_sharding=fully_sharded_model_space"], "optim.checkpoint_sharding", "is not one of"),
 ]
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
@@ -275,3 +281,14 @@ def test_malformed_yaml_names_its_file(tmp_path):
         load_run_config(bad)
     with pytest.raises(ConfigError, match="--config: .* is not a file"):
         load_run_config(tmp_path / "missing.yaml")
+
+
+GPU_PRESETS = sorted(p for p in PRESET.parent.glob("*.yaml") if "params_dtype: bfloat16" in p.read_text())
+"""The presets written for GPUs (bf16 weights); the CPU demos keep fp32."""
+
+
+@pytest.mark.parametrize("preset", GPU_PRESETS, ids=[p.stem for p in GPU_PRESETS])
+def test_gpu_presets_use_the_distributed_optimizer(preset):
+    assert len(GPU_PRESETS) >= 5
+    cfg = load_config(preset, ["fp8.enabled=false"])  # FP8 needs TE and a GPU to validate
+    assert cfg.optim.distributed and cfg.optim.checkpoint_sharding == "fully_reshardable"

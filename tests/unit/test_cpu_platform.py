@@ -1,5 +1,7 @@
 """The CPU platform layer is opt-in, inactive with CUDA, and leaves no trace after exit."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -83,6 +85,27 @@ def test_patches_are_restored_after_an_exception(original):
         with platform.cpu_platform():
             raise KeyError("boom")
     assert _snapshot() == original
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the patches only apply without CUDA")
+def test_float_tensors_answer_cuda_type_names_and_cuda_is_the_tensor():
+    """Megatron's optimizers accept parameters by their ``torch.cuda.*Tensor`` type name; the
+    distributed optimizer's checkpoint gather calls ``.cuda()``."""
+    import megatron.core.optimizer.distrib_optimizer as distrib_optimizer
+
+    source = Path(distrib_optimizer.__file__).read_text()
+    assert "model_param.type() == 'torch.cuda.FloatTensor'" in source  # what the rewrite serves
+    assert "send_tensor = send_tensor.cuda()" in source
+    tensors = {torch.float32: "torch.cuda.FloatTensor", torch.bfloat16: "torch.cuda.BFloat16Tensor",
+               torch.float16: "torch.cuda.HalfTensor"}
+    with platform.cpu_platform():
+        for dtype, name in tensors.items():
+            assert torch.zeros(2, dtype=dtype).type() == name
+        assert torch.zeros(2, dtype=torch.int64).type() == "torch.LongTensor"
+        assert torch.zeros(2).type(torch.float64).dtype == torch.float64  # a conversion stays one
+        plain = torch.ones(3)
+        assert plain.cuda() is plain
+    assert torch.zeros(2).type() == "torch.FloatTensor"
 
 
 def test_split_sizes_become_int_lists():

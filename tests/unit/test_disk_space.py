@@ -93,10 +93,10 @@ def test_a_checkpoint_save_on_a_full_disk_names_the_checkpoint(monkeypatch, tmp_
     import megatron_rl.train.checkpoint as checkpoint
     from megatron_rl.parallel.world import world_of_one
 
-    def full_disk_save(state, path):
+    def full_disk_save(*args, **kwargs):
         raise CheckpointException("write", {0: (_torch_save_error(), None)})
 
-    monkeypatch.setattr(checkpoint.dist_checkpointing, "save", full_disk_save)
+    monkeypatch.setattr("megatron_rl.parallel.checkpoint.dist_checkpointing.save", full_disk_save)
     monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: Usage(8 << 20, 8 << 20, 0))
     with world_of_one() as world, pytest.raises(NoSpaceLeft) as caught:
         checkpoint.save_checkpoint(tmp_path / "run", _NoModel(), None, checkpoint.TrainerState(1, 16, 1), {}, world)

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_optimizer as mo
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
 
@@ -366,3 +367,59 @@ def test_cpu_platform_router_gemm_name():
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     expect("te_general_gemm" in inspect.getsource(moe_utils), "moe_utils.te_general_gemm",
            "the name the router GEMM looks up (cpu_platform defines it when TE is absent)")
+
+
+def test_distributed_optimizer_touch_points():
+    """The distributed optimizer's internals that ``mcore_compat`` reads or corrects."""
+    owner = mc.DistributedOptimizer
+    module = importlib.import_module(owner.__module__)
+    expect(isinstance(getattr(module, "HAVE_APEX_OR_TE", None), bool), f"{owner.__module__}.HAVE_APEX_OR_TE",
+           "a module flag: False when it falls back to torch's Adam")
+    expect(params(owner._set_main_param_and_optimizer_states) == ["self", "model_param", "tensors"],
+           "DistributedOptimizer._set_main_param_and_optimizer_states", "(self, model_param, tensors)")
+    setter = inspect.getsource(owner._set_main_param_and_optimizer_states)
+    expect("self.optimizer.state[main_param]" in setter and "model_param_group_index_map" in setter,
+           "DistributedOptimizer._set_main_param_and_optimizer_states",
+           "to copy into self.optimizer.state of the main param found by model_param_group_index_map")
+    loader = inspect.getsource(owner.load_state_dict)
+    expect('s["step"] = step' in loader, "DistributedOptimizer.load_state_dict",
+           "to set every state's 'step' from the param groups' (adam_step_fix replaces the shared tensor)")
+    expect(set(mo.DISTRIBUTED_OPTIMIZER_SHARDINGS) <= {"fully_reshardable", "dp_reshardable"}
+           and "fully_reshardable" in owner.checkpoint_fully_reshardable_formats,
+           "DistributedOptimizer.checkpoint_fully_reshardable_formats", "to hold 'fully_reshardable'")
+    sharded = inspect.getsource(owner.sharded_state_dict) + inspect.getsource(owner.sharded_param_state_fully_reshardable)
+    for key in ("distrib_optim_sharding_type", "distrib_optim_fully_reshardable_mem_efficient"):
+        expect(key in sharded and key in mo.distributed_optimizer_metadata("fully_reshardable"),
+               "DistributedOptimizer.sharded_state_dict", f"to read metadata[{key!r}]")
+    chained = importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer
+    expect("chained_optim_avoid_prefix" in inspect.getsource(chained.sharded_state_dict),
+           "ChainedOptimizer.sharded_state_dict", "to read metadata['chained_optim_avoid_prefix']")
+    expect("self.chained_optimizers" in inspect.getsource(chained.__init__), "ChainedOptimizer.chained_optimizers",
+           "the list of member optimizers")
+    with pytest.raises(ValueError, match="fully_sharded_model_space"):
+        mo.distributed_optimizer_metadata("fully_sharded_model_space")
+
+
+def test_optimizer_members_follow_expert_parallelism():
+    layers = inspect.getsource(importlib.import_module("megatron.core.tensor_parallel.layers"))
+    if mo.EXPERT_GROUPS_WHEN_ETP_DIFFERS:
+        rule = "self.config.expert_tensor_parallel_size != self.config.tensor_model_parallel_size"
+    else:
+        rule = 'setattr(self.weight, "allreduce", not (self.is_expert and self.expert_parallel))'
+    expect(rule in layers and "self.expert_parallel = config.expert_model_parallel_size > 1" in layers,
+           "tensor_parallel.layers", f"expert weights take the expert groups (allreduce=False) by {rule!r}")
+    builder = inspect.getsource(importlib.import_module("megatron.core.optimizer").get_megatron_optimizer)
+    expect("is_expert_parallel" in builder and "ChainedOptimizer(optimizers)" in builder,
+           "optimizer.get_megatron_optimizer", "a second chained optimizer for the is_expert_parallel groups")
+    assert [mo.optimizer_member_count(ep) for ep in (1, 2, 8)] == [1, 2, 2]
+    assert mo.optimizer_member_count(1, 1, 2) == (2 if mo.EXPERT_GROUPS_WHEN_ETP_DIFFERS else 1)
+
+
+def test_ddp_sync_hooks():
+    ddp = importlib.import_module("megatron.core.distributed").DistributedDataParallel
+    expect("force_sync" in params(ddp.start_param_sync), "DistributedDataParallel.start_param_sync",
+           "a force_sync argument (synchronous all-gather of the updated weights)")
+    for name in ("no_sync", "start_grad_sync", "zero_grad_buffer"):
+        expect(callable(getattr(ddp, name, None)), f"DistributedDataParallel.{name}", "a method")
+    expect("self.ddp_config" in inspect.getsource(ddp.__init__), "DistributedDataParallel.ddp_config",
+           "the DistributedDataParallelConfig it was built with")

@@ -61,7 +61,26 @@ def bad_inputs(tmp_path_factory):
         (root / name / "checkpoints" / "latest").write_text("step_000002\n")
         text = json.dumps({"step": 2, "config": {**stored, **(change or {})}})
         (step / "trainer_state.json").write_text(text if change else text[: len(text) // 2])
+    for name, saved in SAVED_LAYOUTS.items():
+        step = root / name / "checkpoints" / "step_000002"
+        step.mkdir(parents=True)
+        (root / name / "checkpoints" / "latest").write_text("step_000002\n")
+        (step / "trainer_state.json").write_text(json.dumps({"step": 2, "config": stored, **saved}))
     return root
+
+
+def _layout(tp=1, ep=1, world=2):
+    return {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": 1, "expert_model_parallel_size": ep,
+            "expert_tensor_parallel_size": 1, "data_parallel_size": world // tp, "world_size": world}
+
+
+SAVED_LAYOUTS = {
+    "ep2_plain": {"layout": _layout(ep=2), "optimizer": {"distributed": False, "sharding": None}},
+    "ep2_distributed": {"layout": _layout(ep=2), "optimizer": {"distributed": True, "sharding": "fully_reshardable"}},
+    "ep2_dp_reshardable": {"layout": _layout(ep=2, world=4),
+                           "optimizer": {"distributed": True, "sharding": "dp_reshardable"}},
+}
+"""Checkpoints as ``trainer_state.json`` describes them (the optimizer-layout check reads nothing else)."""
 
 
 CASES = {
@@ -82,6 +101,23 @@ CASES = {
     "resume with another model": (["train.run_dir={root}/other_model"], "model.num_layers: the run directory's"),
     "truncated trainer state": (["train.run_dir={root}/truncated_state"],
                                 "{root}/truncated_state/checkpoints/step_000002/trainer_state.json is unreadable"),
+    "resume EP2 at TP2 EP1 (issue 27.1)": (
+        ["train.run_dir={root}/ep2_distributed", "optim.distributed=true", "parallel.expert_model_parallel_size=1",
+         "parallel.tensor_model_parallel_size=2"],
+        "parallel.expert_model_parallel_size: the run directory's checkpoint step_000002 was saved at "
+        "TP1 PP1 EP2 ETP1 DP2 (2 processes), this config asks for TP2 PP1 EP1 ETP1 DP1 (2 processes)"),
+    "resume plain state with the distributed optimizer": (
+        ["train.run_dir={root}/ep2_plain", "optim.distributed=true"],
+        "optim.distributed: the run directory's checkpoint step_000002 holds the plain optimizer's state, this "
+        "config asks for the distributed one; resume with optim.distributed=false"),
+    "resume distributed state with the plain optimizer": (
+        ["train.run_dir={root}/ep2_distributed", "optim.distributed=false"],
+        "holds the distributed optimizer's state, this config asks for the plain one"),
+    "resume dp_reshardable state at another TP": (
+        ["train.run_dir={root}/ep2_dp_reshardable", "optim.distributed=true", "optim.checkpoint_sharding=dp_reshardable",
+         "parallel.world_size=4", "parallel.tensor_model_parallel_size=2"],
+        "parallel: the run directory's checkpoint step_000002 was saved at TP1 PP1 EP2 ETP1 DP4 (4 processes), this "
+        "config asks for TP2 PP1 EP2 ETP1 DP2 (4 processes); its optimizer state is dp_reshardable"),
     "reward does not import": (["reward.function=no_such_module:score"], "reward.function"),
     "reward wrong signature": (["reward.function=my_rewards:two_args"], "reward.function"),
     "staleness with the in-process engine": (["rollout.max_staleness=1"],
@@ -130,3 +166,17 @@ def test_the_world_guard_is_live(monkeypatch, tmp_path):
     monkeypatch.setattr(train_main, "run_world", no_world)
     with pytest.raises(AssertionError, match="world started"):
         main(["--config", str(DEMO), f"train.run_dir={tmp_path}"])
+
+
+@pytest.mark.parametrize("saved, overrides", [
+    ("ep2_distributed", ["optim.distributed=true", "parallel.world_size=4"]),  # DP2 -> DP4
+    ("ep2_distributed", ["optim.distributed=true", "parallel.world_size=4", "parallel.tensor_model_parallel_size=2"]),
+    ("ep2_dp_reshardable", ["optim.distributed=true", "optim.checkpoint_sharding=dp_reshardable"]),  # DP4 -> DP1
+    ("ep2_plain", ["optim.distributed=false", "parallel.world_size=4", "parallel.tensor_model_parallel_size=2"]),
+])
+def test_layout_changes_the_checkpoint_reshards_are_let_through(bad_inputs, saved, overrides):
+    from megatron_rl.train.prepare import check_resume_layout, load_run_config
+
+    cfg = load_run_config(DEMO, [f"train.run_dir={bad_inputs}/{saved}", *overrides])
+    stored = json.loads((bad_inputs / saved / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
+    check_resume_layout(cfg, stored, "step_000002")
