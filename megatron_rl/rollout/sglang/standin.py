@@ -271,6 +271,7 @@ class ProtocolServer:
             self.counters.sessions += 1
             await self.host.call(self.host.refresh)
             report = self.host.weights.last_session
+            print(f"stand-in: weight-update session: {report.timings()}", flush=True)
             if report.not_updated or report.dropped:
                 print(f"stand-in: weight-update session left {len(report.not_updated)} served tensors unwritten "
                       f"({report.not_updated[:3]}) and dropped {report.dropped[:3]}", flush=True)
@@ -288,7 +289,10 @@ class ProtocolServer:
         def update() -> tuple[bool, str]:
             if self.host.weights.session is None:
                 return False, NO_SESSION.format(call="update_weights_from_tensor")
-            count = self.host.weights.load(decode_entries(entries, self.tp_size))
+            started = time.perf_counter()
+            named = decode_entries(entries, self.tp_size)
+            self.host.weights.session.decode_s += time.perf_counter() - started
+            count = self.host.weights.load(named)
             return True, f"Success ({count} tensors)"
 
         try:
@@ -334,7 +338,9 @@ class ProtocolServer:
             if group is None:
                 return False, (f"Failed to receive weights: Group {name} not in {list(self.host.update_groups)}. "
                                "Please call `init_weights_update_group` first.")
+            started = time.perf_counter()
             named = self.host.receive(group, b["names"], b["dtypes"], b["shapes"])
+            self.host.weights.session.receive_s += time.perf_counter() - started
             try:
                 count = self.host.weights.load(named)
             except (KeyError, ValueError) as err:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -117,6 +118,21 @@ class SessionReport:
     """Unknown names skipped."""
     not_updated: list[str] = field(default_factory=list)
     """Served names the session did not write (filled at its end)."""
+    requests: int = 0
+    """Update requests that loaded tensors."""
+    bytes: int = 0
+    """Bytes of the tensors they carried."""
+    decode_s: float = 0.0
+    """Seconds spent decoding tensor payloads (base64 and unpickling)."""
+    receive_s: float = 0.0
+    """Seconds spent receiving broadcasts."""
+    load_s: float = 0.0
+    """Seconds spent writing received tensors into the model."""
+
+    def timings(self) -> str:
+        """One line of what the session moved and where its time went."""
+        return (f"requests={self.requests} bytes={self.bytes} decode_s={self.decode_s:.3f} "
+                f"receive_s={self.receive_s:.3f} load_s={self.load_s:.3f}")
 
 
 class ServedWeights:
@@ -157,6 +173,7 @@ class ServedWeights:
             KeyError: an unknown name the architecture's loader raises on.
             ValueError: a tensor whose shape is not the served one (SGLang's loaders assert it).
         """
+        started = time.perf_counter()
         writes, pending = [], {}
         for name, tensor in named:
             if name not in self.parts:
@@ -180,6 +197,9 @@ class ServedWeights:
             for name, tensor in writes:
                 self._write(name, tensor)
         self.session.loaded.update(n for n, _ in writes)
+        self.session.requests += 1
+        self.session.bytes += sum(t.numel() * t.element_size() for _, t in named)
+        self.session.load_s += time.perf_counter() - started
         return len(writes)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
