@@ -42,6 +42,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 BASE = REPO / "configs" / "demo_task.yaml"
 SHAPES = REPO / "configs" / "qwen3_30b_a3b.yaml"
+MODES = {"tensor": ("tensor", None), "distributed": ("distributed", None)}
+"""Benchmarked modes: (``WeightSyncConfig.mode``, ``by_reference``)."""
 SESSION_LINE = re.compile(r"stand-in: weight-update session: (?P<fields>.*)$")
 
 
@@ -99,8 +101,8 @@ class StageClock:
 
 
 def instrument(sync, clock: StageClock) -> None:
-    """Wrap the push's stage functions (rank 0 does every stage but gather alone)."""
-    from megatron_rl.rollout.sglang import weight_sync
+    """Wrap the push's stage functions (rank 0 does every stage; gather is a collective)."""
+    from megatron_rl.rollout.sglang import weight_sync, weight_transport
 
     weight_sync.gather_full_params = clock.wrap_iterator("gather", ORIGINAL["gather_full_params"])
     sync.name_map = clock.wrap("rename", ORIGINAL_NAME_MAP[id(sync)])
@@ -110,10 +112,17 @@ def instrument(sync, clock: StageClock) -> None:
         finish = clock.wrap("bucket", ORIGINAL["Bucketer"].finish)
 
     weight_sync.Bucketer = TimedBucketer
-    if sync.transport is not None:
-        if hasattr(sync.transport, "entries"):
-            sync.transport.entries = clock.wrap("serialize", type(sync.transport).entries.__get__(sync.transport))
-        sync.transport.send = clock.wrap("send", type(sync.transport).send.__get__(sync.transport))
+    weight_transport.flatten = clock.wrap("bucket", ORIGINAL["flatten"])
+    transport = sync.transport
+    if transport is None:
+        return
+    bound = {name: getattr(type(transport), name).__get__(transport) for name in ("entries", "post", "send")
+             if hasattr(type(transport), name)}
+    if "post" in bound:  # tensor mode: send is serialize then post
+        transport.entries = clock.wrap("serialize", bound["entries"])
+        transport.post = clock.wrap("send", bound["post"])
+    else:
+        transport.send = clock.wrap("send", bound["send"])
 
 
 ORIGINAL: dict = {}
@@ -157,10 +166,11 @@ def _rank(cfg_dict: dict, url: str, args: dict, log: str) -> dict:
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.rollout.sglang import weight_sync
+    from megatron_rl.rollout.sglang import weight_sync, weight_transport
     from megatron_rl.sections import ParallelConfig
 
-    ORIGINAL.update(gather_full_params=weight_sync.gather_full_params, Bucketer=weight_sync.Bucketer)
+    ORIGINAL.update(gather_full_params=weight_sync.gather_full_params, Bucketer=weight_sync.Bucketer,
+                    flatten=weight_transport.flatten)
     cfg = from_dict(RunConfig, cfg_dict)
     parallel = from_dict(ParallelConfig, {"expert_model_parallel_size": 2})
     rank0 = dist.get_rank() == 0
@@ -177,8 +187,9 @@ def _rank(cfg_dict: dict, url: str, args: dict, log: str) -> dict:
             del local
         version = 0
         for mode in args["modes"]:
-            sync_cfg = weight_sync.WeightSyncConfig(mode=mode, backend="gloo", master_address="127.0.0.1",
-                                                    bucket_bytes=args["bucket_mb"] << 20, timeout_s=1800)
+            sync_cfg = weight_sync.WeightSyncConfig(mode=MODES[mode][0], by_reference=MODES[mode][1], backend="gloo",
+                                                    master_address="127.0.0.1", bucket_bytes=args["bucket_mb"] << 20,
+                                                    timeout_s=1800)
             sync = weight_sync.WeightSync(model, groups, [url], sync_cfg, architecture="qwen3_moe",
                                           model_config=cfg.model)
             ORIGINAL_NAME_MAP[id(sync)] = sync.name_map
@@ -208,8 +219,8 @@ def stage_rows(push: dict, mode: str) -> list[tuple[str, float]]:
     server_work = server.get("decode_s", 0.0) + server.get("load_s", 0.0)
     rows = [("gather", stages.get("gather", 0.0)), ("rename", stages.get("rename", 0.0)),
             ("bucket", stages.get("bucket", 0.0)), ("serialize", serialize)]
-    if mode == "tensor":
-        rows += [("send", stages.get("send", 0.0) - serialize - server_work),
+    if MODES[mode][0] == "tensor":
+        rows += [("send", stages.get("send", 0.0) - server_work),
                  ("deserialize (server)", server.get("decode_s", 0.0))]
     else:
         rows += [("send (broadcast)", stages.get("send", 0.0) - server.get("load_s", 0.0))]
@@ -247,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=1, help="decoder layers (1: 2.49 GB of bf16)")
     parser.add_argument("--bucket-mb", type=int, default=512, help="weight_sync_bucket_mb")
-    parser.add_argument("--modes", nargs="+", choices=("tensor", "distributed"), default=["tensor", "distributed"])
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     parser.add_argument("--repeats", type=int, default=2, help="pushes per mode (the best is reported)")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_weight_sync"))
     args = parser.parse_args(argv)
