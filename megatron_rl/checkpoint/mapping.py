@@ -20,6 +20,7 @@ or loss ever reads them: they are masked) and :func:`split` drops the rows past 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -242,10 +243,13 @@ NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 def hf_name_map(arch: Architecture, cfg: ModelConfig, *, copy: bool = True) -> NameMap:
     """``(megatron_name, full_tensor) -> [(hf_name, tensor), ...]``: weight sync to HF-named servers
-    (``copy=False``: views of the full tensor where the layout allows, as :func:`split`)."""
+    (``copy=False``: views of the full tensor where the layout allows, as :func:`split`). Each
+    name's binding is looked up once: a push maps every parameter again, tens of thousands of
+    them for a large MoE, and matching a name against the table's rules is most of the cost."""
+    bound = functools.cache(lambda name: bound_for_megatron_name(arch, cfg, name))
 
     def name_map(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return to_hf(bound_for_megatron_name(arch, cfg, name), full, cfg, copy=copy)
+        return to_hf(bound(name), full, cfg, copy=copy)
 
     return name_map
 
