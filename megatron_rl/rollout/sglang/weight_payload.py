@@ -47,6 +47,7 @@ together (:mod:`~megatron_rl.rollout.sglang.loader_rules`).
 
 from __future__ import annotations
 
+import io
 import json
 import pickle
 from dataclasses import dataclass
@@ -161,7 +162,6 @@ def serialize_by_reference(bucket: FlatBucket) -> bytes:
     Raises:
         WeightPayloadError: the buffer is not on CUDA (see the module docstring).
     """
-    import io
     from multiprocessing.reduction import ForkingPickler
 
     from torch.multiprocessing import reductions
