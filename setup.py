@@ -38,6 +38,9 @@ setup(
         # The SGLang rollout client (and the SGLang-protocol server the tests run) speak HTTP
         # through aiohttp; SGLang itself stays an optional extra for GPU nodes.
         "aiohttp>=3.9",
+        # Weight-sync payloads are base64 as SGLang writes and reads them, with its codec (SIMD;
+        # the standard library's is several times slower on a bucket of hundreds of MB).
+        "pybase64>=1.4",
     ],
     extras_require={
         # The tests log real W&B offline runs and MLflow file-store runs and read them back with

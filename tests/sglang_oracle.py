@@ -8,6 +8,11 @@ Each job is a tuple; each answer ``("ok", value)`` or ``("error", "Type: message
   ``normalize_serialized_named_tensor_payloads`` (``srt/utils/common.py:3109-3132``, the tokenizer
   side), ``monkey_patch_torch_reductions`` and ``MultiprocessingSerializer.deserialize`` under its
   ``SafeUnpickler`` (``srt/managers/tp_worker.py:194-201``).
+* ``("decode_flattened", entry)``: the same, then the named tensors a ``flattened_bucket`` entry
+  becomes (``FlattenedTensorBucket``, ``srt/weight_sync/tensor_bucket.py``), each as ``(name,
+  dtype, shape, its bytes)``.
+* ``("receive_layout", names, dtypes, shapes)``: the buffer layout a server receives an announced
+  flattened bucket into (``FlattenedTensorBucket.empty``), or its refusal.
 * ``("validate", struct, body)``: the request body as FastAPI validates it into the
   ``srt/managers/io_struct.py`` definition named ``struct``; the value is the declared field names
   and the parsed values.
@@ -95,6 +100,34 @@ def decode(entry):
     return MultiprocessingSerializer.deserialize(raw)
 
 
+def decode_flattened(entry):
+    """A ``flattened_bucket`` entry as the model runner hands it to the loader: decoded, its metadata
+    re-made as ``FlattenedTensorMetadata`` and the tensors rebuilt by ``FlattenedTensorBucket``
+    (``_update_weights_from_flattened_bucket``, model runner's ``weight_updater.py:383-411``, whose
+    module reaches the GPU runtime; the test reads that function's source)."""
+    import torch
+    from sglang.srt.weight_sync.tensor_bucket import (
+        FlattenedTensorBucket,
+        FlattenedTensorMetadata,
+    )
+
+    data = decode(entry)
+    metadata = [FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                        end_idx=m.end_idx, numel=m.numel) for m in data["metadata"]]
+    named = FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
+    # As bytes: torch cannot unpickle its own pickling of uint16 tensors in the test process.
+    return [(name, str(t.dtype), tuple(t.shape), t.contiguous().reshape(-1).view(torch.uint8).clone())
+            for name, t in named]
+
+
+def receive_layout(names, dtypes, shapes):
+    """The buffer a server allocates for an announced flattened bucket (``FlattenedTensorBucket.empty``)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    bucket = FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+    return [(m.name, m.dtype, tuple(m.shape), m.start_idx, m.end_idx) for m in bucket.metadata]
+
+
 def validate(struct: str, body):
     import msgspec
     import pydantic
@@ -123,7 +156,8 @@ def allowed_globals():
 def main() -> int:
     bootstrap()
     jobs = pickle.load(sys.stdin.buffer)
-    handlers = {"decode": decode, "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
+    handlers = {"decode": decode, "decode_flattened": decode_flattened, "receive_layout": receive_layout,
+                "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
     answers = []
     for kind, *args in jobs:
         try:

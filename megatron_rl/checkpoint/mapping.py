@@ -20,6 +20,7 @@ or loss ever reads them: they are masked) and :func:`split` drops the rows past 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Callable
@@ -188,21 +189,43 @@ def fuse(weight: BoundWeight, tensors: list[torch.Tensor], cfg: ModelConfig) -> 
     return torch.cat(per_group, dim=1).reshape(-1, *rest)
 
 
-def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig) -> list[torch.Tensor]:
-    """Inverse of :func:`fuse`: the HF tensors, each its own contiguous copy (vocabulary padding dropped)."""
+def split(weight: BoundWeight, tensor: torch.Tensor, cfg: ModelConfig, *, copy: bool = True) -> list[torch.Tensor]:
+    """Inverse of :func:`fuse`: the HF tensors (vocabulary padding dropped), each its own contiguous
+    copy; ``copy=False``: views of ``tensor`` where the layout allows (Q, K and V interleave per
+    query group, so theirs are still copies)."""
+    own = (lambda t: t.clone()) if copy else (lambda t: t)
     if weight.rule.fuse == "copy":
-        return [tensor[: weight.hf_shapes[0][0]].clone()]
+        return [own(tensor[: weight.hf_shapes[0][0]])]
     rows = [shape[0] for shape in weight.hf_shapes]
     if weight.rule.fuse == "gate_up":
-        return [part.clone() for part in tensor.split(rows, dim=0)]
+        return [own(part) for part in tensor.split(rows, dim=0)]
     groups = cfg.num_query_groups
     rest = tensor.shape[1:]
     per_group = tensor.reshape(groups, -1, *rest).split([r // groups for r in rows], dim=1)
     return [part.reshape(r, *rest).clone() for part, r in zip(per_group, rows)]
 
 
-def to_hf(weight: BoundWeight, full: torch.Tensor, cfg: ModelConfig) -> list[tuple[str, torch.Tensor]]:
-    """HF ``(name, tensor)`` pairs of one full Megatron parameter.
+def write_part(weight: BoundWeight, target: torch.Tensor, part: int, tensor: torch.Tensor, cfg: ModelConfig) -> None:
+    """Write HF tensor number ``part`` of ``weight`` in place into the full Megatron tensor
+    ``target``, where :func:`fuse` puts it (vocabulary padding rows zeroed); the other parts stay."""
+    if weight.rule.fuse == "copy":
+        rows = tensor.shape[0]
+        target[:rows].copy_(tensor)
+        target[rows:].zero_()
+        return
+    rows = [shape[0] for shape in weight.hf_shapes]
+    if weight.rule.fuse == "gate_up":
+        target.narrow(0, sum(rows[:part]), rows[part]).copy_(tensor)
+        return
+    groups = cfg.num_query_groups
+    rest = target.shape[1:]
+    per_group = [r // groups for r in rows]
+    target.view(groups, -1, *rest).narrow(1, sum(per_group[:part]), per_group[part]).copy_(
+        tensor.reshape(groups, -1, *rest))
+
+
+def to_hf(weight: BoundWeight, full: torch.Tensor, cfg: ModelConfig, *, copy: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """HF ``(name, tensor)`` pairs of one full Megatron parameter (``copy``: as :func:`split`).
 
     Raises:
         CheckpointMismatchError: ``full`` does not have the shape the config implies.
@@ -212,17 +235,21 @@ def to_hf(weight: BoundWeight, full: torch.Tensor, cfg: ModelConfig) -> list[tup
             f"Megatron parameter {weight.megatron} is {tuple(full.shape)}, "
             f"the config implies {weight.megatron_shape}"
         )
-    return list(zip(weight.hf, split(weight, full, cfg)))
+    return list(zip(weight.hf, split(weight, full, cfg, copy=copy)))
 
 
 NameMap = Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]]
 
 
-def hf_name_map(arch: Architecture, cfg: ModelConfig) -> NameMap:
-    """``(megatron_name, full_tensor) -> [(hf_name, tensor), ...]``: weight sync to HF-named servers."""
+def hf_name_map(arch: Architecture, cfg: ModelConfig, *, copy: bool = True) -> NameMap:
+    """``(megatron_name, full_tensor) -> [(hf_name, tensor), ...]``: weight sync to HF-named servers
+    (``copy=False``: views of the full tensor where the layout allows, as :func:`split`). Each
+    name's binding is looked up once: a push maps every parameter again, tens of thousands of
+    them for a large MoE, and matching a name against the table's rules is most of the cost."""
+    bound = functools.cache(lambda name: bound_for_megatron_name(arch, cfg, name))
 
     def name_map(name: str, full: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        return to_hf(bound_for_megatron_name(arch, cfg, name), full, cfg)
+        return to_hf(bound(name), full, cfg, copy=copy)
 
     return name_map
 

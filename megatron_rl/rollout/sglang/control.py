@@ -26,6 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 from megatron_rl.rollout.sglang.ledger import RolloutRequestError, ServerHungError
@@ -34,16 +35,30 @@ LIVENESS_PATH = "/ping"
 """The liveness endpoint (see the module docstring)."""
 
 
+@dataclass(frozen=True)
+class EncodedJSON:
+    """A JSON request body already encoded, in pieces sent one after another (never joined:
+    a weight update's pieces are its bucket-sized payloads)."""
+
+    pieces: Sequence[bytes]
+    """The body's bytes, in order."""
+
+
 def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float = 60.0) -> tuple[int, Any]:
-    """Blocking JSON request for control calls.
+    """Blocking JSON request for control calls (``payload``: a JSON value, or :class:`EncodedJSON`).
 
     Returns:
         ``(status, body)``: body parsed as JSON when it is, else the text; status 0 and the
         error text when the server could not be reached, -1 and the text when it accepted the
         connection but did not answer within ``timeout_s``.
     """
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if isinstance(payload, EncodedJSON):
+        data = list(payload.pieces)
+        headers["Content-Length"] = str(sum(len(p) for p in data))
+    else:
+        data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             status, raw = resp.status, resp.read()

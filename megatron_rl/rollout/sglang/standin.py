@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import sys
@@ -55,6 +56,7 @@ from megatron_rl.rollout.sglang.standin_weights import (
     SchedulerCrash,
     decode_entries,
 )
+from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
 
 _TOP_K_ALL = 1 << 30
@@ -271,6 +273,7 @@ class ProtocolServer:
             self.counters.sessions += 1
             await self.host.call(self.host.refresh)
             report = self.host.weights.last_session
+            print(f"stand-in: weight-update session: {report.timings()}", flush=True)
             if report.not_updated or report.dropped:
                 print(f"stand-in: weight-update session left {len(report.not_updated)} served tensors unwritten "
                       f"({report.not_updated[:3]}) and dropped {report.dropped[:3]}", flush=True)
@@ -278,17 +281,20 @@ class ProtocolServer:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: session, then decode entry 0, then load."""
-        body = await request.json()
-        entries = body.get("serialized_named_tensors")
+        body = json.loads(await request.read())
+        entries, load_format = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             return _error(400, "serialized_named_tensors must be a list of base64 strings")
-        if body.get("load_format") is not None:
-            return self._result(False, f"load_format {body['load_format']!r} is not supported by the stand-in")
+        if load_format not in (None, FLATTENED_BUCKET):
+            return self._result(False, f"load_format {load_format!r} is not supported by the stand-in")
 
         def update() -> tuple[bool, str]:
             if self.host.weights.session is None:
                 return False, NO_SESSION.format(call="update_weights_from_tensor")
-            count = self.host.weights.load(decode_entries(entries, self.tp_size))
+            started = time.perf_counter()
+            named = decode_entries(entries, self.tp_size, load_format)
+            self.host.weights.session.decode_s += time.perf_counter() - started
+            count = self.host.weights.load(named)
             return True, f"Success ({count} tensors)"
 
         try:
@@ -334,7 +340,12 @@ class ProtocolServer:
             if group is None:
                 return False, (f"Failed to receive weights: Group {name} not in {list(self.host.update_groups)}. "
                                "Please call `init_weights_update_group` first.")
-            named = self.host.receive(group, b["names"], b["dtypes"], b["shapes"])
+            started = time.perf_counter()
+            try:
+                named = self.host.receive(group, b["names"], b["dtypes"], b["shapes"], b.get("load_format"))
+            except ValueError as err:  # weight_updater.py:201-211: refused before any broadcast is joined
+                return False, f"Failed to receive weights: {err}"
+            self.host.weights.session.receive_s += time.perf_counter() - started
             try:
                 count = self.host.weights.load(named)
             except (KeyError, ValueError) as err:

@@ -20,7 +20,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.comm import broadcast
-from megatron_rl.rollout.sglang.standin_weights import ServedWeights
+from megatron_rl.rollout.sglang.standin_weights import (
+    ServedWeights,
+    flat_receive_layout,
+)
+from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
 
@@ -86,9 +90,19 @@ class EngineHost:
         if self.engine_kind == "hf":
             self.engine.update_weights(self.engine.weight_version + 1)
 
-    def receive(self, group: dist.ProcessGroup, names: list[str], dtypes: list[str],
-                shapes: list[list[int]]) -> list[tuple[str, torch.Tensor]]:
-        """Receive a bucket broadcast by the trainer's rank 0, one tensor at a time in order."""
+    def receive(self, group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:
+        """Receive a bucket broadcast by the trainer's rank 0: one buffer (a flattened bucket), or
+        one tensor at a time in order.
+
+        Raises:
+            ValueError: a flattened bucket SGLang refuses (before joining the broadcast).
+        """
+        if load_format == FLATTENED_BUCKET:
+            layout = flat_receive_layout(names, dtypes, shapes)
+            flat = torch.empty(layout[-1][-1], dtype=torch.uint8)
+            broadcast(flat, 0, group)
+            return [(name, flat[start:end].view(dtype).reshape(shape)) for name, dtype, shape, start, end in layout]
         named = []
         for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             tensor = torch.empty(shape, dtype=getattr(torch, dtype))

@@ -11,7 +11,14 @@ Every rule here is SGLang's, next to the line it comes from (paths under ``sglan
   size raises in the scheduler, ``managers/tp_worker.py:194-201``) is base64-decoded strictly
   (``utils/common.py:3109-3113``) and unpickled by :class:`SafeUnpickler`'s rule (``:3144-3370``):
   only allow-listed globals, and ``torch.storage._load_from_bytes`` replaced by
-  ``torch.load(weights_only=True)`` (``:3135-3141``, ``:3362-3364``).
+  ``torch.load(weights_only=True)`` (``:3135-3141``, ``:3362-3364``). With ``load_format:
+  "flattened_bucket"`` the payload is one buffer and its metadata, each tensor a view of it
+  (``model_executor/model_runner_components/weight_updater.py:354-358``, ``:383-411``;
+  ``weight_sync/tensor_bucket.py:118-135``); a distributed update in that format is one
+  broadcast of a buffer laid out from the announced names, dtypes and shapes, refused before
+  the broadcast when a tensor's offset does not suit its dtype, a dimension is negative, or
+  nothing is announced (``tensor_bucket.py:86-116``; model runner's ``weight_updater.py:
+  275-278``, ``:300-310``).
 * **Loading.** One request is one ``load_weights`` call over HF names: stacked parts (q/k/v,
   gate/up) are written shard by shard into their fused parameter, in any request
   (``models/qwen3_moe.py:1160-1167``); an architecture's load groups are loaded only when
@@ -22,7 +29,8 @@ Every rule here is SGLang's, next to the line it comes from (paths under ``sglan
   (``managers/scheduler.py:6370-6376``); the distributed path answers 400 with the error
   (``weight_updater.py:201-211``).
 
-Not modelled: ``load_format`` other than None (refused with 400), ``selector``, pausing.
+Not modelled: ``load_format`` other than None and ``flattened_bucket`` (refused with 400),
+``selector``, pausing.
 What SGLang does not do, the stand-in adds only as a report: at the end of each session it
 names the served tensors that session did not update (and the group halves it dropped), so
 a push that silently left weights behind is visible in its log and to its callers.
@@ -31,19 +39,21 @@ Owns decoding, the session and loading into the Megatron model; does not own HTT
 
 from __future__ import annotations
 
-import base64
 import io
 import pickle
+import time
 from dataclasses import dataclass, field
 
+import pybase64
 import torch
 
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, fuse, split
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, write_part
 from megatron_rl.rollout.sglang.loader_rules import (
     load_group,
     loader_rules,
     unknown_name_outcome,
 )
+from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.sections import ModelConfig
 
 NO_SESSION = "{call} must run between begin_weight_update() and end_weight_update()"
@@ -60,10 +70,10 @@ ALLOWED_GLOBALS = frozenset({
     ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
     ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
     ("collections", "OrderedDict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"),
-    *_TORCH_TYPES,
+    ("types", "SimpleNamespace"), *_TORCH_TYPES,
 })
 """The part of ``SafeUnpickler.ALLOWED_GLOBALS`` (utils/common.py:3148-3359) that torch's pickling of
-CPU tensors names; every entry is SGLang's (tests/unit/test_sglang_conformance.py reads its set)."""
+CPU tensors names, and a flattened bucket's metadata; every entry is SGLang's (tests/unit/test_sglang_conformance.py reads its set)."""
 
 
 class SchedulerCrash(RuntimeError):
@@ -89,20 +99,49 @@ class SafeUnpickler(pickle.Unpickler):
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
-def decode_entries(entries: list, tp_size: int) -> list[tuple[str, torch.Tensor]]:
-    """The named tensors TP rank 0 reads from ``serialized_named_tensors``.
+def decode_entries(entries: list, tp_size: int, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The named tensors of ``serialized_named_tensors``: every server rank r decodes entry r,
+    as SGLang's ranks do; the stand-in loads rank 0's.
 
     Raises:
         SchedulerCrash: what SGLang raises there uncaught (too few entries, bad base64, a
-            blocked global, a storage ``torch.load(weights_only=True)`` refuses).
+            blocked global, a storage ``torch.load(weights_only=True)`` refuses, a flattened
+            bucket without its keys or with metadata it cannot view).
     """
     if len(entries) < tp_size:
         raise SchedulerCrash(f"IndexError: {len(entries)} serialized_named_tensors entries for tp_size {tp_size}")
     try:
-        raw = base64.b64decode(entries[0], validate=True) if isinstance(entries[0], str) else bytes(entries[0])
-        return SafeUnpickler(io.BytesIO(raw)).load()
+        decoded = [SafeUnpickler(io.BytesIO(pybase64.b64decode(entry, validate=True))).load()
+                   for entry in entries[:tp_size]]
+        if load_format != FLATTENED_BUCKET:
+            return decoded[0]
+        # weight_updater.py:383-409 and tensor_bucket.py:118-135: views of the one buffer.
+        flat = decoded[0]["flattened_tensor"]
+        return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in decoded[0]["metadata"]]
     except Exception as err:  # noqa: BLE001 - any of them kills SGLang's scheduler
         raise SchedulerCrash(f"{type(err).__name__}: {err}") from None
+
+
+def flat_receive_layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[tuple]:
+    """``(name, dtype, shape, start, end)`` of an announced flattened bucket, checked as SGLang
+    checks it before it receives (``FlattenedTensorBucket.empty``, tensor_bucket.py:86-116).
+
+    Raises:
+        ValueError: SGLang's words: a negative dimension, an offset the dtype cannot view, no tensor.
+    """
+    layout, offset = [], 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype, shape = getattr(torch, dtype_name), torch.Size(shape)
+        if any(dim < 0 for dim in shape):
+            raise ValueError(f"Negative dimension in received tensor {name}: {shape}")
+        if offset % dtype.itemsize:
+            raise ValueError(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = shape.numel() * dtype.itemsize
+        layout.append((name, dtype, shape, offset, offset + size))
+        offset += size
+    if not layout:
+        raise ValueError("Cannot create empty tensor bucket")
+    return layout
 
 
 @dataclass
@@ -117,6 +156,21 @@ class SessionReport:
     """Unknown names skipped."""
     not_updated: list[str] = field(default_factory=list)
     """Served names the session did not write (filled at its end)."""
+    requests: int = 0
+    """Update requests that loaded tensors."""
+    bytes: int = 0
+    """Bytes of the tensors they carried."""
+    decode_s: float = 0.0
+    """Seconds spent decoding tensor payloads (base64 and unpickling)."""
+    receive_s: float = 0.0
+    """Seconds spent receiving broadcasts."""
+    load_s: float = 0.0
+    """Seconds spent writing received tensors into the model."""
+
+    def timings(self) -> str:
+        """One line of what the session moved and where its time went."""
+        return (f"requests={self.requests} bytes={self.bytes} decode_s={self.decode_s:.3f} "
+                f"receive_s={self.receive_s:.3f} load_s={self.load_s:.3f}")
 
 
 class ServedWeights:
@@ -157,6 +211,7 @@ class ServedWeights:
             KeyError: an unknown name the architecture's loader raises on.
             ValueError: a tensor whose shape is not the served one (SGLang's loaders assert it).
         """
+        started = time.perf_counter()
         writes, pending = [], {}
         for name, tensor in named:
             if name not in self.parts:
@@ -180,12 +235,12 @@ class ServedWeights:
             for name, tensor in writes:
                 self._write(name, tensor)
         self.session.loaded.update(n for n, _ in writes)
+        self.session.requests += 1
+        self.session.bytes += sum(t.numel() * t.element_size() for _, t in named)
+        self.session.load_s += time.perf_counter() - started
         return len(writes)
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one HF tensor into its part of the Megatron parameter (shard by shard)."""
         weight, part = self.parts[name]
-        target = self.params[weight.megatron]
-        pieces = split(weight, target, self.model_cfg)
-        pieces[part] = tensor.to(target.dtype)
-        target.copy_(fuse(weight, pieces, self.model_cfg))
+        write_part(weight, self.params[weight.megatron], part, tensor, self.model_cfg)

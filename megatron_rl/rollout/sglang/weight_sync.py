@@ -54,8 +54,8 @@ from megatron_rl.rollout.sglang.control import (
 )
 from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
 from megatron_rl.rollout.sglang.loader_rules import Bucketer, load_group, loader_rules
-from megatron_rl.rollout.sglang.weight_payload import check_by_value_dtype
 from megatron_rl.rollout.sglang.weight_transport import (
+    BucketStream,
     DistributedTransport,
     Limits,
     Sessions,
@@ -166,10 +166,11 @@ def _split_of(module, name: str, param, expert: bool, gated: bool) -> tuple[int,
 
 
 def _gather(shard: _Shard) -> torch.Tensor:
-    """The whole tensor from the TP shards (stride s: each shard holds s interleaved blocks)."""
+    """The whole tensor from the TP shards (stride s: each shard holds s interleaved blocks); the
+    parameter itself when this rank holds it whole."""
     local = shard.param.detach()
     if shard.group is None:
-        return local.clone()
+        return local
     whole = comm.all_gather_cat(local, shard.group, dim=shard.dim)
     if shard.stride == 1:
         return whole
@@ -222,7 +223,8 @@ def gather_full_params(
     """Every parameter, whole and under its layout-free name, yielded on global rank 0.
 
     A collective over the world: every rank must iterate it to the end (other ranks yield
-    nothing). Rank 0 holds one whole tensor at a time.
+    nothing). Rank 0 holds one whole tensor at a time. A tensor its rank holds whole is the
+    parameter itself (not a copy): read it, do not write it.
 
     Args:
         model: this rank's model stage (bare or DDP-wrapped).
@@ -269,6 +271,8 @@ class PushPlan:
     """Buckets the push sends (the last carries the version)."""
     group_sizes: dict[str, int]
     """Members of each load group."""
+    largest_bucket: int
+    """Bytes of the largest bucket (the size of the stream's buffers)."""
 
 
 class WeightSync:
@@ -289,7 +293,7 @@ class WeightSync:
         self.model, self.groups, self.cfg, self.model_config = model, groups, cfg, model_config
         self.urls = [u.rstrip("/") for u in urls]
         table = ARCHITECTURES.get(architecture)
-        self.name_map = hf_name_map(table, model_config)
+        self.name_map = hf_name_map(table, model_config, copy=False)  # the bucket's flattening copies them
         self.served = hf_tensor_shapes(table, model_config)
         self.rules = loader_rules(architecture)
         self.limits = Limits(cfg.timeout_s, cfg.hang_check_after_s, cfg.health_timeout_s)
@@ -311,7 +315,7 @@ class WeightSync:
 
         Raises:
             WeightSyncError: a name the served architecture does not load, one sent twice or
-                not at all, a shape the server does not have, or a dtype the payload cannot carry.
+                not at all, or a shape the server does not have.
         """
         named = [pair for name in gather.order for pair in
                  self.name_map(name, torch.empty(gather.meta[name][0], dtype=gather.meta[name][1], device="meta"))]
@@ -327,17 +331,14 @@ class WeightSync:
         if problems:
             raise WeightSyncError(f"weight sync: {len(problems)} tensors do not match the served architecture "
                                   f"{self.rules.architecture!r}: " + "; ".join(problems[:5]))
-        by_reference = self.cfg.by_reference if self.cfg.by_reference is not None else gather.device.type == "cuda"
-        if self.cfg.mode == "tensor" and not by_reference:
-            for name, tensor in named:
-                check_by_value_dtype(name, tensor.dtype)
         group_sizes: dict[str, int] = {}
         for name, _ in named:
             if (group := self._group(name)) is not None:
                 group_sizes[group] = group_sizes.get(group, 0) + 1
         bucketer = Bucketer(self.cfg.bucket_bytes, self._group, group_sizes)
-        buckets = sum(len(bucketer.add(n, t)) for n, t in named) + len(bucketer.finish())
-        return PushPlan(buckets=buckets, group_sizes=group_sizes)
+        buckets = [b for n, t in named for b in bucketer.add(n, t)] + bucketer.finish()
+        return PushPlan(buckets=len(buckets), group_sizes=group_sizes,
+                        largest_bucket=max((sum(t.numel() * t.element_size() for _, t in b) for b in buckets), default=0))
 
     def _open(self, reconnect: bool) -> None:
         """Rank 0: the servers are live (and right), a session is open on each."""
@@ -368,46 +369,48 @@ class WeightSync:
         """Plan, open, gather, send and verify; a collective that raises on every rank if rank 0
         failed (rank 0 its own error, the others :class:`~megatron_rl.parallel.comm.RankFailed`).
 
-        Every rank runs the gather to its end even after rank 0 failed, so that no rank is left
-        waiting in a collective; the failure is then agreed on.
+        Rank 0 streams: a bucket is sent (serialized, posted, broadcast) on a worker thread
+        while the next one is gathered (:class:`~megatron_rl.rollout.sglang.weight_transport.
+        BucketStream`). Every rank runs the gather to its end even after rank 0 failed, so that
+        no rank is left waiting in a collective; the failure is then agreed on.
 
         Args:
             version: the version the servers report once every bucket has landed.
             reconnect: servers restarted since the last sync: check them and rebuild the transport.
         """
-        error, push, bucketer, sent = None, None, None, 0
+        error, stream, bucketer = None, None, None
         gather = plan_gather(self.model, self.groups)
         if self.transport is not None:
             try:
                 push = self.plan(gather)
                 bucketer = Bucketer(self.cfg.bucket_bytes, self._group, push.group_sizes)
                 self._open(reconnect)
+                stream = BucketStream(self.transport, push.largest_bucket, gather.device, push.buckets, str(version))
             except Exception as err:  # noqa: BLE001 - reported to every rank below
                 error = err
         with torch.no_grad():
             for name, tensor in gather_full_params(self.model, self.groups, plan=gather):
-                if self.transport is None or error is not None:
+                if stream is None or error is not None:
                     continue
                 try:
                     for server_name, server_tensor in self.name_map(name, tensor):
                         for bucket in bucketer.add(server_name, server_tensor):
-                            sent = self._send(bucket, sent, push.buckets, version)
+                            stream.put(bucket)
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
                     error = err
-            if self.transport is not None and error is None:
+            if stream is not None:
                 try:
-                    for bucket in bucketer.finish():
-                        sent = self._send(bucket, sent, push.buckets, version)
-                    self.sessions.end()
-                    self._verify(str(version))
+                    if error is None:
+                        for bucket in bucketer.finish():
+                            stream.put(bucket)
+                        stream.finish()
+                        self.sessions.end()
+                        self._verify(str(version))
                 except Exception as err:  # noqa: BLE001 - reported to every rank below
                     error = err
+                finally:
+                    stream.close()
         comm.raise_first_failure(error, self.groups.world, f"weight sync to version {version}")
-
-    def _send(self, bucket: list, sent: int, total: int, version: int) -> int:
-        """Send bucket number ``sent`` (of ``total``); the last one carries the version."""
-        self.transport.send(bucket, version=str(version) if sent == total - 1 else None)
-        return sent + 1
 
     def _verify(self, version: str) -> None:
         for url in self.urls:

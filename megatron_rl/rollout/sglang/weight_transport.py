@@ -29,23 +29,30 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.world import free_port
-from megatron_rl.rollout.sglang.control import hung_problem, watched_request
+from megatron_rl.rollout.sglang.control import (
+    EncodedJSON,
+    hung_problem,
+    watched_request,
+)
 from megatron_rl.rollout.sglang.ledger import ServerHungError
 from megatron_rl.rollout.sglang.weight_payload import (
+    FlatBucket,
     NamedTensors,
     begin_weight_update_body,
     destroy_group_body,
     distributed_update_body,
     end_weight_update_body,
+    flatten,
     init_group_body,
     serialize_by_reference,
     serialize_by_value,
@@ -116,12 +123,13 @@ class Sessions:
 
 
 class TensorTransport:
-    """Buckets through ``/update_weights_from_tensor``.
+    """Flattened buckets through ``/update_weights_from_tensor``.
 
     Args:
         urls: server base URLs.
         tp_size: TP ranks of every server (entries per request).
-        by_reference: CUDA IPC handles (None: when the bucket's tensors are on CUDA).
+        by_reference: CUDA IPC handles, the server being colocated; False: the bytes, base64 in
+            the request; None: handles for a bucket on CUDA, bytes for one on the CPU.
         limits: time limits.
     """
 
@@ -131,24 +139,88 @@ class TensorTransport:
     def start(self) -> None:
         """Nothing to prepare: every request stands alone."""
 
-    def entries(self, bucket: NamedTensors) -> list[str]:
+    def buffer(self, nbytes: int, device: torch.device) -> None:
+        """None: every bucket gets a buffer of its own. Bytes are pickled from a storage of exactly
+        the bucket's size (pickling writes the whole storage); a CUDA buffer may still be read by
+        the server's copies after it answered, and torch's IPC reference counts keep a fresh
+        buffer from being recycled before they end."""
+        return None
+
+    def entries(self, bucket: FlatBucket) -> list[bytes]:
         """The ``serialized_named_tensors`` of one bucket, one per server TP rank."""
-        by_reference = bucket[0][1].is_cuda if self.by_reference is None else self.by_reference
-        if by_reference:
+        if bucket.flat.is_cuda if self.by_reference is None else self.by_reference:
             return [serialize_by_reference(bucket) for _ in range(self.tp_size)]
         # Bytes carry no per-rank state (unlike IPC handles): every rank may read the same entry.
         return [serialize_by_value(bucket)] * self.tp_size
 
-    def send(self, bucket: NamedTensors, *, version: str | None) -> None:
-        """Load one bucket on every server; ``version`` (last bucket only) also sets their version."""
-        post_all(self.urls, "/update_weights_from_tensor", tensor_update_body(self.entries(bucket), version=version),
+    def post(self, entries: list[bytes], *, version: str | None) -> None:
+        """Load one bucket's entries on every server; ``version`` (last bucket only) also sets their version."""
+        post_all(self.urls, "/update_weights_from_tensor", EncodedJSON(tensor_update_body(entries, version=version)),
                  self.limits)
+
+    def send(self, bucket: FlatBucket, *, version: str | None) -> None:
+        """Serialize and post one bucket."""
+        self.post(self.entries(bucket), version=version)
 
     def reset(self) -> None:
         """Nothing to rebuild."""
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+class BucketStream:
+    """Rank 0's pipeline of one push: each bucket is flattened on the calling thread (the one
+    that gathers; the bucket's one copy) and sent on a worker thread, so bucket k travels while
+    bucket k + 1 is gathered. At most two buckets are in flight, each in its own buffer.
+
+    Args:
+        transport: sends the buckets (:class:`TensorTransport` or :class:`DistributedTransport`).
+        buffer_bytes: the largest bucket's bytes.
+        device: where the gathered tensors are (and the buffers).
+        buckets: how many buckets the push sends (the last sets the version).
+        version: the version the last bucket sets.
+    """
+
+    def __init__(self, transport, buffer_bytes: int, device: torch.device, buckets: int, version: str) -> None:
+        self.transport, self.device, self.buckets, self.version = transport, device, buckets, version
+        self.buffers = [transport.buffer(buffer_bytes, device) for _ in range(2)]
+        self.in_flight: list[Future | None] = [None, None]
+        self.sent = 0
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-sync-send")
+
+    def put(self, named: NamedTensors) -> None:
+        """Flatten one bucket into a free buffer and hand it to the worker; raises the error of a
+        send that failed."""
+        for future in self.in_flight:
+            if future is not None and future.done():
+                future.result()
+        slot = self.sent % 2
+        self._settle(slot)
+        bucket = flatten(named, self.buffers[slot], self.device)
+        if bucket.flat.is_cuda:  # the server (another process) reads the buffer
+            torch.cuda.current_stream(bucket.flat.device).synchronize()
+        version = self.version if self.sent == self.buckets - 1 else None
+        self.in_flight[slot] = self.worker.submit(self.transport.send, bucket, version=version)
+        self.sent += 1
+
+    def _settle(self, slot: int) -> None:
+        future, self.in_flight[slot] = self.in_flight[slot], None
+        if future is not None:
+            future.result()
+
+    def finish(self) -> None:
+        """Wait for every bucket to land; raises the first failure."""
+        self._settle(self.sent % 2)  # the older of the two in flight first
+        self._settle((self.sent + 1) % 2)
+        if self.sent != self.buckets:
+            raise WeightSyncError(f"weight sync sent {self.sent} buckets, its plan had {self.buckets}")
+
+    def close(self) -> None:
+        """Wait for what is still in flight (its errors are the caller's already) and free the buffers."""
+        wait([f for f in self.in_flight if f is not None])
+        self.worker.shutdown(wait=True)
+        self.in_flight, self.buffers = [None, None], [None, None]
 
 
 def init_custom_group(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
@@ -248,15 +320,19 @@ class DistributedTransport:
         if self.group is None:
             self._open()
         post_all(self.urls, "/update_weights_from_distributed",
-                 distributed_update_body([], group_name=self.group_name, version=None), self.limits)
+                 distributed_update_body(None, group_name=self.group_name, version=None), self.limits)
 
-    def send(self, bucket: NamedTensors, *, version: str | None) -> None:
-        """Announce one bucket to every server and broadcast its tensors in order, watching both."""
+    def buffer(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A bucket buffer to reuse: a broadcast has ended when it returns (NCCL's on the stream
+        the next bucket's copies run on)."""
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def send(self, bucket: FlatBucket, *, version: str | None) -> None:
+        """Announce one bucket to every server and broadcast its buffer, watching both."""
         path = "/update_weights_from_distributed"
         body = distributed_update_body(bucket, group_name=self.group_name, version=version)
         announces = _background(call_all, self.urls, path, lambda _: body, self.limits)
-        tensors = [t.contiguous() for _, t in bucket]
-        broadcast = _background(lambda: [comm.broadcast(t, 0, self.group) for t in tensors])
+        broadcast = _background(comm.broadcast, bucket.flat, 0, self.group)
         try:
             self._watch(announces, broadcast, path)
         except BaseException:
