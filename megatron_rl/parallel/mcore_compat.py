@@ -17,7 +17,7 @@ instance internals we read, override or rewrite (``TopKRouter.routing``,
 module flags we correct, private (underscore) names, and facts about Megatron's on-disk
 checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the versions it
 is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
-build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
+build fixes, checkpoint format, the training state's storages) give their reason in their docstring and hold for 0.16.1 and
 0.19.2 unless it says otherwise. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
@@ -104,7 +104,7 @@ INTERNAL_ATTRIBUTES = frozenset({
     "global_router_replay_instances", "get_replay_topk", "replay_backward_list", "target_topk_idx",
     "router_replay_action", "set_router_replay_action", "clear_router_replay_action", "record_indices",
     "HAVE_TE", "TELinear", "te_general_gemm", "prepend_axis_num", "merge_fn", "unique_key",
-    "is_mtp_layer",
+    "is_mtp_layer", "chained_optimizers", "expert_parallel_buffers", "param_data", "grad_data",
 })
 """Instance and module internals that only this module (and ``cpu_platform``) may touch."""
 
@@ -461,3 +461,20 @@ def is_megatron_object(base_key: str) -> bool:
 def return_unexpected() -> Any:
     """``dist_checkpointing.load(strict=...)`` value that returns the absent keys as a 3-tuple."""
     return __getattr__("StrictHandling").RETURN_UNEXPECTED
+
+
+# ------------------------------------------------------------------------ training state
+
+
+def optimizer_members(optimizer: Any) -> list[Any]:
+    """The optimizers a ``ChainedOptimizer`` runs (dense, then experts when EP > 1), or ``[optimizer]``."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def ddp_buffers(ddp: Any) -> list[tuple[Any, Any]]:
+    """``(grad_data, param_data)`` of each of DDP's buffers, dense then expert-parallel
+    (0.16.1 ``distributed_data_parallel.py:291-302``): every ``param.main_grad`` is a view of a
+    ``grad_data``; ``param_data`` exists with the distributed optimizer only, and then every
+    ``param.data`` is a view of it (``param_and_grad_buffer.py:795-835``), else it is None.
+    0.16.1 (0.19.2 not checked)."""
+    return [(b.grad_data, b.param_data) for b in [*ddp.buffers, *ddp.expert_parallel_buffers]]
