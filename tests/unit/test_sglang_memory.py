@@ -1,0 +1,102 @@
+"""Colocated runs' memory protocol: the stand-in dies where SGLang 0.5.23 dies, and our client
+refuses first (the rules and their SGLang lines: ``rollout/sglang/memory.py``,
+``rollout/sglang/standin_memory.py``; the texts against SGLang's source:
+``test_sglang_conformance.py``). The order of calls in a run: ``tests/e2e/test_colocated.py``."""
+
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.config_loading import ConfigError
+from megatron_rl.rollout.sglang.memory import TAGS, MemoryProtocolError, ServerMemory
+from megatron_rl.rollout.sglang.standin_memory import TAGS as STANDIN_TAGS
+from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, parse_tags
+from megatron_rl.rollout.sglang.standin_weights import SchedulerCrash
+from megatron_rl.rollout.sglang.weight_transport import Limits
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def test_the_stand_in_dies_where_sglang_dies():
+    occupation = MemoryOccupation(memory_saver=True)
+    with pytest.raises(SchedulerCrash, match="AssertionError: release_memory_occupation should be called only when"):
+        occupation.release(None, idle=False)
+    with pytest.raises(SchedulerCrash, match="KeyError: 'weights'"):
+        occupation.resume(["weights"])
+    assert occupation.release(["weights"], idle=True) == ["weights"]
+    assert occupation.fault(["weights"]) and occupation.fault(["kv_cache"]) is None
+    with pytest.raises(SchedulerCrash, match="Cannot pause allocation that is not active"):
+        occupation.release(None, idle=True)  # [] / None mean all three, weights among them
+
+
+def test_release_and_resume_by_tag_and_the_report():
+    occupation = MemoryOccupation(memory_saver=True)
+    assert occupation.release([], idle=True) == list(STANDIN_TAGS)
+    assert occupation.resume(["weights"]) == ["weights"]
+    report = occupation.report(paused=True)
+    assert report["regions"] == {"kv_cache": "released", "weights": "resident", "cuda_graph": "released"}
+    assert report["offload_tags"] == ["cuda_graph", "kv_cache"] and report["generation_paused"]
+    assert occupation.resume(["kv_cache", "cuda_graph"]) == ["kv_cache", "cuda_graph"]
+    assert occupation.report(paused=False)["regions"] == dict.fromkeys(STANDIN_TAGS, "resident")
+    partly = MemoryOccupation(memory_saver=True)
+    partly.release(None, idle=True)
+    partly.resume(["weights"])
+    with pytest.raises(SchedulerCrash, match="KeyError: 'weights'"):
+        partly.resume(None)  # all three, weights resumed already
+
+
+def test_without_the_memory_saver_only_the_tags_change():
+    occupation = MemoryOccupation(memory_saver=False)
+    assert occupation.release(None, idle=True) == [] and occupation.release(None, idle=True) == []
+    assert occupation.fault(STANDIN_TAGS) is None
+    assert occupation.resume(["weights"]) == []
+    with pytest.raises(SchedulerCrash, match="KeyError"):
+        occupation.resume(["weights"])
+
+
+def test_tags_must_be_null_or_strings():
+    assert parse_tags({}) is None and parse_tags({"tags": ["weights"]}) == ["weights"]
+    with pytest.raises(ValueError, match="tags must be null or a list of strings"):
+        parse_tags({"tags": "weights"})
+
+
+def test_our_client_refuses_before_the_server_would_die():
+    memory = ServerMemory(["http://127.0.0.1:1"], Limits(1.0, 1.0, 1.0), released=True)
+    assert TAGS == STANDIN_TAGS
+    with pytest.raises(MemoryProtocolError, match="generate while the SGLang servers' memory is released"):
+        memory.check_generate()
+    with pytest.raises(MemoryProtocolError, match="weight push while the SGLang servers' weights are released"):
+        memory.check_push()
+    with pytest.raises(MemoryProtocolError, match="released already"):
+        memory.check_release(0)
+    memory.mark_resumed(["weights"])
+    memory.check_push()
+    with pytest.raises(MemoryProtocolError, match=r"\['weights'\] not released .*KeyError"):
+        memory.check_resume(["weights"])
+    with pytest.raises(MemoryProtocolError, match="unknown tags"):
+        memory.check_resume(["kv"])
+    with pytest.raises(MemoryProtocolError, match="generation paused"):
+        memory.check_generate()  # the KV cache is still released
+    memory.mark_resumed(["kv_cache", "cuda_graph"])
+    memory.check_generate()
+    assert memory.describe() == "resident"
+    with pytest.raises(MemoryProtocolError, match="with 2 generation.* in flight.*weight_updater.py:339-341"):
+        memory.check_release(2)
+
+
+@pytest.mark.parametrize("overrides, culprit", [
+    (["rollout.engine=megatron"], "rollout.engine=megatron"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://h:1]", "rollout.max_staleness=1"],
+     "rollout.max_staleness=1"),
+    (["rollout.engine=sglang", "rollout.sglang.urls=[http://h:1]", "rollout.sglang.weight_sync=none"],
+     "rollout.sglang.weight_sync=none"),
+])
+def test_colocated_placement_refuses_what_cannot_take_turns(overrides, culprit):
+    with pytest.raises(ConfigError, match=f"rollout.placement: colocated with {culprit}"):
+        load_config(CONFIGS / "demo_cpu.yaml", ["rollout.placement=colocated", *overrides])
+
+
+def test_colocated_placement_with_the_hf_engine_is_accepted():
+    cfg = load_config(CONFIGS / "demo_cpu.yaml", ["rollout.placement=colocated", "rollout.engine=hf"])
+    assert cfg.rollout.placement == "colocated"
