@@ -3,13 +3,21 @@ refuses first (the rules and their SGLang lines: ``rollout/sglang/memory.py``,
 ``rollout/sglang/standin_memory.py``; the texts against SGLang's source:
 ``test_sglang_conformance.py``). The order of calls in a run: ``tests/e2e/test_colocated.py``."""
 
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.rollout.sglang.memory import TAGS, MemoryProtocolError, ServerMemory
+from megatron_rl.rollout.sglang.memory import (
+    TAGS,
+    MemoryProtocolError,
+    ServerMemory,
+    release_servers,
+)
 from megatron_rl.rollout.sglang.standin_memory import TAGS as STANDIN_TAGS
 from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, parse_tags
 from megatron_rl.rollout.sglang.standin_weights import SchedulerCrash
@@ -100,3 +108,46 @@ def test_colocated_placement_refuses_what_cannot_take_turns(overrides, culprit):
 def test_colocated_placement_with_the_hf_engine_is_accepted():
     cfg = load_config(CONFIGS / "demo_cpu.yaml", ["rollout.placement=colocated", "rollout.engine=hf"])
     assert cfg.rollout.placement == "colocated"
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    """A server that answers ``/server_info`` with ``saver`` and records every POST."""
+
+    saver = False
+    posts: list = []
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _answer(self, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._answer({"enable_memory_saver": type(self).saver} if self.path == "/server_info" else {})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"null")
+        type(self).posts.append([self.path, body])
+        self._answer(None)
+
+
+def test_servers_without_the_memory_saver_are_refused_and_the_others_paused_then_released():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    limits = Limits(10.0, 10.0, 10.0)
+    try:
+        with pytest.raises(MemoryProtocolError, match=f"{url} run without --enable-memory-saver"):
+            release_servers([url], limits)
+        assert _Recorder.posts == []
+        _Recorder.saver = True
+        release_servers([url], limits)
+        assert _Recorder.posts == [["/pause_generation", {"mode": "abort"}],
+                                   ["/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}]]
+    finally:
+        server.shutdown()
