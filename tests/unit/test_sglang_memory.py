@@ -12,6 +12,7 @@ import pytest
 
 from megatron_rl.config import load_config
 from megatron_rl.config_loading import ConfigError
+from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.memory import (
     TAGS,
     MemoryProtocolError,
@@ -141,6 +142,7 @@ def test_servers_without_the_memory_saver_are_refused_and_the_others_paused_then
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     limits = Limits(10.0, 10.0, 10.0)
+    _Recorder.saver, _Recorder.posts = False, []
     try:
         with pytest.raises(MemoryProtocolError, match=f"{url} run without --enable-memory-saver"):
             release_servers([url], limits)
@@ -151,3 +153,37 @@ def test_servers_without_the_memory_saver_are_refused_and_the_others_paused_then
                                    ["/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}]]
     finally:
         server.shutdown()
+
+
+def test_the_engine_sends_nothing_the_rules_refuse():
+    from megatron_rl.rollout.sglang.client import RouteShape, SGLangClientConfig
+    from megatron_rl.rollout.sglang.engine import SGLangEngine
+
+    _Recorder.saver, _Recorder.posts = True, []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    memory = ServerMemory([url], Limits(10.0, 10.0, 10.0), released=True)
+    engine = SGLangEngine(SGLangClientConfig(urls=[url]), RouteShape(num_layers=2, topk=2, num_experts=4),
+                          memory=memory)
+    try:
+        with pytest.raises(MemoryProtocolError, match="generate while"):
+            engine.generate([[1, 2]], SamplingParams(max_new_tokens=1), seed=0)
+        with pytest.raises(MemoryProtocolError, match="generate while"):
+            engine.start_generate([[1, 2]], SamplingParams(max_new_tokens=1), seed=0)
+        engine.resume_memory(["weights"])
+        with pytest.raises(MemoryProtocolError, match="not released"):
+            engine.resume_memory(["weights"])
+        engine.resume_memory(["kv_cache", "cuda_graph"])
+        engine.pending.add(0)  # a batch start_generate began and finish_generate has not ended
+        with pytest.raises(MemoryProtocolError, match="in flight"):
+            engine.release_memory()
+        engine.pending.clear()
+        engine.release_memory()
+    finally:
+        server.shutdown()
+    assert _Recorder.posts == [["/resume_memory_occupation", {"tags": ["weights"]}],
+                               ["/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}],
+                               ["/continue_generation", {}], ["/pause_generation", {"mode": "abort"}],
+                               ["/release_memory_occupation", {"tags": ["kv_cache", "weights", "cuda_graph"]}]]
+    assert memory.describe().startswith("released")
