@@ -42,7 +42,9 @@ def _loss_fn(mb, logits_1TV):
 
 
 def _snapshot(model, opt) -> list[torch.Tensor]:
-    members = getattr(opt, "chained_optimizers", [opt])
+    from megatron_rl.parallel.mcore_compat import optimizer_members
+
+    members = optimizer_members(opt)
     return [t.detach().clone() for t in [*model.parameters(), *(v for m in members for s in m.optimizer.state.values()
                                                                for v in s.values() if torch.is_tensor(v))]]
 
