@@ -27,10 +27,12 @@ Each node runs this once (``srun --ntasks-per-node=1`` does that under Slurm, se
    config, ``128 + signal`` for a stop. The agent and the server wrapper get SIGTERM from
    the kernel if this process dies outright, so a killed launcher leaves nothing running.
 
-With ``--sglang ARGS`` each node also runs one SGLang server (``megatron_rl.rollout.
-sglang_server ARGS``) for the run's rollouts, colocated with its workers: the trainer is
-pointed at the launch's URL directory and takes weights through
-``/update_weights_from_tensor``; the server is stopped when the agent exits.
+With ``--sglang ARGS`` each node also runs one SGLang server (``megatron_rl.rollout.sglang.
+server ARGS``) for the run's rollouts beside its workers: the trainer is pointed at the
+launch's URL directory and takes weights through ``/update_weights_from_tensor``; the server
+is stopped when the agent exits. With ``rollout.placement: colocated`` the server starts with
+``--enable-memory-saver`` and the two take turns on the GPUs (``megatron_rl.train.colocate``);
+otherwise each keeps its memory (a static split, ``--mem-fraction-static``).
 
 It does not own the training itself (the entry module, ``megatron_rl.train.main`` by
 default, reads the same config under torchrun's environment) nor NCCL settings, which
@@ -183,7 +185,8 @@ def check_memory(cfg: RunConfig, plan: LaunchPlan, gpu_memory: int, host_memory:
         gpu_memory: bytes per GPU.
         host_memory: bytes of host memory per node (None: not checked).
         gpus_per_node: GPUs per node.
-        shares_gpus: ``--sglang`` runs a server on the trainer's GPUs beside it (no offload).
+        shares_gpus: ``--sglang`` runs a server on the trainer's GPUs beside it, both resident
+            (a ``rollout.placement: colocated`` run is planned with its offload instead).
 
     Raises:
         ConfigError: ``memory: <phase, its need, the biggest term>``.
@@ -398,8 +401,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # With --sglang the engine is SGLang whatever the config says: plan the launch without
         # another engine's checks, then validate the run with the SGLang section below.
-        planning = args.overrides + (["rollout.engine=megatron", "rollout.max_staleness=0"]
-                                     if args.sglang is not None else [])
+        planning = args.overrides + (["rollout.engine=megatron", "rollout.max_staleness=0",
+                                      "rollout.placement=disaggregated"] if args.sglang is not None else [])
         cfg = load_run_config(args.config, planning)
         check_inputs(cfg)
         gpus = _gpus_on_node()
@@ -409,10 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             server_cmd, extra = colocated_sglang(plan, cfg, args.sglang)
             plan.overrides += extra
             cfg = load_run_config(args.config, plan.overrides)  # validates the SGLang section too
+            if cfg.rollout.placement == "colocated":  # the servers release their memory between turns
+                server_cmd.insert(server_cmd.index("--url-file"), "--enable-memory-saver")
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)
         if gpus > 0 or args.gpu_memory:
             gpu_memory, host_memory = _memory_sizes(args, gpus)
-            check_memory(cfg, plan, gpu_memory, host_memory, gpus or plan.nproc_per_node, args.sglang is not None)
+            check_memory(cfg, plan, gpu_memory, host_memory, gpus or plan.nproc_per_node,
+                         args.sglang is not None and cfg.rollout.placement != "colocated")
     except ConfigError as err:
         print(f"megatron-rl-launch: error: {err}", file=sys.stderr, flush=True)
         return CONFIG_ERROR_EXIT

@@ -16,6 +16,9 @@ endpoints) with two test endpoints:
 * ``GET /_test/stats``: ``generate_requests`` (received), ``responses`` (answered 200),
   ``faults_fired`` by kind, the served ``weight_version``, ``sessions`` ended and the last
   session's report (``not_updated``, ``dropped``, ``skipped`` names, ``loaded`` count).
+* ``GET /_test/calls``: the memory, generation-control and weight-update calls received, in
+  order, each ``[path, tags]`` (``tags`` of a release or resume, else null), with one
+  ``["/generate", n]`` for each run of ``n`` generate requests (the order of a colocated turn).
 * ``GET /_test/weights``: the SHA-256 of every served tensor under its HF name, as the
   stand-in holds it now (pushed weights compared tensor by tensor).
 
@@ -57,12 +60,32 @@ class FaultInjectingServer(ProtocolServer):
         self.requests = 0
         self.responses = 0
         self.fired: dict[str, int] = {}
+        self.calls: list[list] = []
+        """What ``/_test/calls`` answers."""
 
     def app(self) -> web.Application:
         app = super().app()
+        app.middlewares.append(self._log_call)
         app.add_routes([web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.stats),
-                        web.get("/_test/weights", self.weights)])
+                        web.get("/_test/weights", self.weights), web.get("/_test/calls", self.call_log)])
         return app
+
+    @web.middleware
+    async def _log_call(self, request: web.Request, handler):
+        path = request.path
+        if path == "/generate":
+            if self.calls and self.calls[-1][0] == path:
+                self.calls[-1][1] += 1
+            else:
+                self.calls.append([path, 1])
+        elif path.endswith(("_memory_occupation", "_generation", "_weight_update")) or path.startswith("/update_weights"):
+            body = await request.json() if request.body_exists and path.endswith("_occupation") else {}
+            self.calls.append([path, body.get("tags") if isinstance(body, dict) else None])
+        return await handler(request)
+
+    async def call_log(self, request: web.Request) -> web.Response:
+        """The calls received so far (see the module docstring)."""
+        return web.json_response(self.calls)
 
     async def arm_fault(self, request: web.Request) -> web.Response:
         """Make the next ``times`` ``/generate`` requests fail as ``kind``."""

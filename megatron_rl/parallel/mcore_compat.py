@@ -17,9 +17,9 @@ instance internals we read, override or rewrite (``TopKRouter.routing``,
 module flags we correct, private (underscore) names, and facts about Megatron's on-disk
 checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the versions it
 is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
-build fixes, checkpoint format; the optimizer helpers live in its optimizer half,
-:mod:`megatron_rl.parallel.mcore_optimizer`, under the same rule) give their reason in their docstring and hold for 0.16.1 and
-0.19.2 unless it says otherwise. ``test_mcore_contract.py`` checks every one of them.
+build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
+0.19.2 unless it says otherwise; the optimizer and training-state helpers live in its
+optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
 Megatron-Core: the checkpoint-format constants serve the input checks, which run before
@@ -105,7 +105,8 @@ INTERNAL_ATTRIBUTES = frozenset({
     "global_router_replay_instances", "get_replay_topk", "replay_backward_list", "target_topk_idx",
     "router_replay_action", "set_router_replay_action", "clear_router_replay_action", "record_indices",
     "HAVE_TE", "TELinear", "te_general_gemm", "prepend_axis_num", "merge_fn", "unique_key",
-    "is_mtp_layer", "chained_optimizers", "ddp_config", "HAVE_APEX_OR_TE",
+    "is_mtp_layer", "chained_optimizers", "ddp_config", "HAVE_APEX_OR_TE", "expert_parallel_buffers",
+    "param_data", "grad_data",
 })
 """Instance and module internals that only this module (its optimizer half ``mcore_optimizer``, and
 ``cpu_platform``) may touch."""

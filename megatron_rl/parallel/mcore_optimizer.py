@@ -1,5 +1,6 @@
-"""Megatron-Core's optimizers: the distributed optimizer's checkpoint formats, how many
-optimizers Megatron chains for a layout, and the torch-Adam ``step`` fixes.
+"""Megatron-Core's optimizers and training state: the distributed optimizer's checkpoint
+formats, how many optimizers Megatron chains for a layout, the torch-Adam ``step`` fixes,
+and DDP's buffers (what the colocated offload moves).
 
 The optimizer half of :mod:`megatron_rl.parallel.mcore_compat` (same rule, same contract
 tests in ``tests/unit/test_mcore_contract.py``): the classes come from its
@@ -157,3 +158,12 @@ def adam_step_fix(optimizer: Any) -> Iterator[None]:
                 state = member.optimizer.state.get(param)
                 if state and "step" in state:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
+def ddp_buffers(ddp: Any) -> list[tuple[Any, Any]]:
+    """``(grad_data, param_data)`` of each of DDP's buffers, dense then expert-parallel
+    (0.16.1 ``distributed_data_parallel.py:291-302``): every ``param.main_grad`` is a view of a
+    ``grad_data``; ``param_data`` exists with the distributed optimizer only, and then every
+    ``param.data`` is a view of it (``param_and_grad_buffer.py:795-835``), else it is None.
+    0.16.1 (0.19.2 not checked)."""
+    return [(b.grad_data, b.param_data) for b in [*ddp.buffers, *ddp.expert_parallel_buffers]]

@@ -10,33 +10,27 @@ that fit, best first (``megatron_rl.plan.search``). Exit status: 0 fits, 1 does 
 2 a bad config or argument.
 
 The config is read as ``megatron-rl-train`` reads it (``init_checkpoint``'s config.json
-supplies the model), except that ``rollout.placement: colocated``, which the trainer does
-not run yet, is planned instead of refused. An entry point: the planner itself
-(:mod:`megatron_rl.plan`) is arithmetic below the config layer.
+supplies the model). An entry point: the planner itself (:mod:`megatron_rl.plan`) is
+arithmetic below the config layer.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Sequence
 
-from megatron_rl.config import RunConfig, read_preset
-from megatron_rl.config_loading import ConfigError, from_dict, merge, parse_overrides
+from megatron_rl.config import RunConfig
+from megatron_rl.config_loading import ConfigError
 from megatron_rl.plan.machine import Machine, parse_bytes
 from megatron_rl.plan.report import format_plan, layout_from_config, make_plan
 from megatron_rl.plan.search import format_search, search
-from megatron_rl.rollout.config import RolloutConfig
 from megatron_rl.train.prepare import load_run_config
 
 
 def load_plan_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The run config as the trainer reads it, with a colocated placement kept (and planned)."""
-    data = merge(read_preset(path) if path else {}, parse_overrides(overrides))
-    placement = from_dict(RolloutConfig, dict(data.get("rollout") or {}), prefix="rollout").placement
-    cfg = load_run_config(path, [*overrides, "rollout.placement=disaggregated"])
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, placement=placement))
+    """The run config as the trainer reads it."""
+    return load_run_config(path, list(overrides))
 
 
 def _parser() -> argparse.ArgumentParser:

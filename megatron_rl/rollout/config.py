@@ -48,9 +48,10 @@ class RolloutConfig:
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers and weight sync (used when ``engine`` is sglang)."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
-    """disaggregated: the rollout servers run on GPUs of their own; colocated: the trainer and
-    SGLang take turns on the same GPUs, each moving its state out while the other works (not
-    built yet: refused at validation; ``megatron-rl-plan`` already plans it)."""
+    """disaggregated: the rollout engine keeps its memory (SGLang servers on GPUs of their own;
+    the HF replica beside the trainer); colocated: the trainer and the engine (SGLang or hf)
+    take turns on the same devices, each moving its memory out while the other works
+    (``megatron_rl.train.colocate``; the servers need ``--enable-memory-saver``)."""
     env: EnvConfig = field(default_factory=EnvConfig)
     """Multi-turn rollouts against an environment (``env.name``; None: one response per prompt)."""
 
@@ -66,15 +67,24 @@ def check_rollout_section(r: RolloutConfig) -> None:
     if r.engine == "sglang":
         check_sglang_section(r.sglang)
     check_staleness(r)
-    check_placement_built(r)
+    check_placement(r)
 
 
-def check_placement_built(r: RolloutConfig) -> None:
-    """Refuse what ``rollout.placement`` names but the trainer cannot do yet (no silent fallback)."""
-    require(r.placement != "colocated", "rollout.placement",
-            "colocated (the trainer offloading its state while SGLang generates on the same GPUs) is not built "
-            "yet; use disaggregated, or megatron-rl-launch --sglang for a server sharing the GPUs with a static "
-            "memory split")
+def check_placement(r: RolloutConfig) -> None:
+    """Rules of ``rollout.placement: colocated``: an engine with memory of its own to release,
+    turns that never overlap, and weights the trainer pushes after every resume."""
+    if r.placement != "colocated":
+        return
+    if r.engine == "megatron":
+        raise ConfigError("rollout.placement: colocated with rollout.engine=megatron: the embedded engine generates "
+                          "with the trainer's own model, so there is nothing to take turns with; use sglang or hf")
+    if r.max_staleness > 0:
+        raise ConfigError(f"rollout.placement: colocated with rollout.max_staleness={r.max_staleness}: the trainer and "
+                          "the engine take turns on the same GPUs, so no batch can be generated while a step trains; "
+                          "use rollout.max_staleness=0")
+    if r.engine == "sglang" and r.sglang.weight_sync == "none":
+        raise ConfigError("rollout.placement: colocated with rollout.sglang.weight_sync=none: the servers' weights "
+                          "are released between generations and must be pushed again before each one")
 
 
 def check_staleness(r: RolloutConfig) -> None:

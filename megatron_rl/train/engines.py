@@ -2,15 +2,17 @@
 
 Owns choosing and building the engine (``rollout.engine``: the embedded Megatron engine,
 the HF replica, or SGLang servers with weight sync) and finding the servers (``urls`` or
-``url_dir``) and checking that every one answers before the model is built. It does not own
-generation itself (``megatron_rl.rollout``) nor when the trainer calls it.
+``url_dir``) and checking that every one answers before the model is built; in colocated runs
+(``rollout.placement: colocated``) the servers then release their memory, so that the
+trainer's model has the GPUs. It does not own generation itself (``megatron_rl.rollout``)
+nor when the trainer calls it (``megatron_rl.train.colocate`` orders the colocated turns).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatron_rl.parallel.comm import raise_first_failure
+from megatron_rl.parallel.comm import raise_first_failure, rank
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -21,8 +23,9 @@ if TYPE_CHECKING:
 
 
 def rollout_urls(cfg: RunConfig, group: ProcessGroup) -> list[str]:
-    """The SGLang servers' URLs, each checked to answer ``/ping`` (none for the local engines);
-    collective over ``group`` (every rank: ``ParallelGroups.world``)."""
+    """The SGLang servers' URLs, each checked to answer ``/ping`` (none for the local engines),
+    their memory released when they share the trainer's GPUs; collective over ``group``
+    (every rank: ``ParallelGroups.world``)."""
     if cfg.rollout.engine != "sglang":
         return []
     from megatron_rl.rollout.sglang.server import read_url_files
@@ -30,7 +33,26 @@ def rollout_urls(cfg: RunConfig, group: ProcessGroup) -> list[str]:
     s = cfg.rollout.sglang
     urls = list(s.urls) or read_url_files(s.url_dir, s.num_servers, s.server_wait_s)
     probe_rollout_servers(cfg, urls, group)
+    if cfg.rollout.placement == "colocated":
+        from megatron_rl.rollout.sglang.memory import release_servers
+
+        error = None
+        if rank(group) == 0:
+            try:
+                release_servers(urls, _control_limits(cfg))
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = err
+        raise_first_failure(error, group, "releasing the colocated SGLang servers' memory")
     return urls
+
+
+def _control_limits(cfg: RunConfig):
+    """Time limits of the servers' control calls (memory release and resume)."""
+    from megatron_rl.rollout.sglang.weight_transport import Limits
+
+    s = cfg.rollout.sglang
+    return Limits(request_s=s.request_timeout_s, hang_check_after_s=s.hang_check_after_s,
+                  liveness_s=s.health_timeout_s)
 
 
 def probe_rollout_servers(cfg: RunConfig, urls: list[str], group: ProcessGroup) -> None:
@@ -83,4 +105,9 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
                                 server_tp_size=s.server_tp_size, backend=s.weight_sync_backend,
                                 master_address=s.weight_sync_master_address, server_wait_s=s.retry_budget_s,
                                 hang_check_after_s=s.hang_check_after_s, health_timeout_s=s.health_timeout_s)
-    return sglang_engine(ddp, groups, client, sync, architecture=architecture, model_config=cfg.model)
+    memory = None
+    if cfg.rollout.placement == "colocated":
+        from megatron_rl.rollout.sglang.memory import ServerMemory
+
+        memory = ServerMemory(urls, _control_limits(cfg), released=True)  # by rollout_urls
+    return sglang_engine(ddp, groups, client, sync, architecture=architecture, model_config=cfg.model, memory=memory)

@@ -6,7 +6,9 @@ starting or resuming it, one RL step after the rollouts, evaluation, checkpoints
 HF export. The rollouts themselves (data draw, sampling rounds, rewards, dynamic sampling)
 are :mod:`megatron_rl.train.rollouts`; with ``rollout.max_staleness: 1`` the next step's
 first round is generated while a step trains (:mod:`megatron_rl.train.async_rollouts`);
-0 keeps the synchronous loop. With ``rollout.env`` each sample is a multi-turn trajectory
+0 keeps the synchronous loop. With ``rollout.placement: colocated`` the engine and the trainer
+take turns on the devices around every generation (:mod:`megatron_rl.train.colocate`). With
+``rollout.env`` each sample is a multi-turn trajectory
 (:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens the policy
 generated, and the environment's tokens stay in the context only.
 
@@ -66,6 +68,7 @@ from megatron_rl.train.checkpoint import (
     publish_checkpoint,
     write_checkpoint,
 )
+from megatron_rl.train.colocate import EngineTurns
 from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.train.engines import (
     build_engine,
@@ -108,6 +111,7 @@ class Trainer:
         self.ddp = wrap_for_training(self.model, cfg.optim)
         self.optimizer = build_optimizer(self.ddp, cfg.optim)
         self.engine = build_engine(cfg, self.ddp, groups, self.rollout_urls, self.hf_architecture())
+        self.turns = EngineTurns(cfg, self.ddp, self.optimizer, self.engine)
         self.reference = None
         self.rank0 = rank(groups.world) == 0
         # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
@@ -204,7 +208,7 @@ class Trainer:
         state.weight_version += 1
         if self.ahead is None:
             with phase_timer(metrics, "weight_sync"):
-                self.engine.update_weights(state.weight_version)  # asynchronous: pushed by ahead.take/settle
+                self.turns.weights_changed(state.weight_version)  # asynchronous: pushed by ahead.take/settle
         tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
         if self.groups.dp_size > 1:
             all_reduce(tokens, self.groups.dp)
@@ -215,7 +219,8 @@ class Trainer:
         """This rank's groups of step ``step``; asynchronous, the first round is the one
         generated ahead, and step ``step + 1``'s is launched meanwhile."""
         if self.ahead is None:
-            return self.rollouts.collect(step, state, metrics)
+            with self.turns.generating(metrics):
+                return self.rollouts.collect(step, state, metrics)
         first = self.ahead.take(step, state, metrics)
         # Without dynamic sampling a step has one round: once it is here the servers owe
         # this step nothing, so the next batch starts before this one is even scored.
@@ -336,14 +341,17 @@ class Trainer:
         mine = self.rollouts.mine(records)
         n = e.num_samples
         asked = [r for r in mine for _ in range(n)]
-        samples = self.rollouts.respond(asked, e.temperature, self.cfg.seed, return_routes=False)
+        greedy = None
+        with self.turns.generating():
+            samples = self.rollouts.respond(asked, e.temperature, self.cfg.seed, return_routes=False)
+            if e.greedy and e.temperature > 0:
+                greedy = self.rollouts.respond(mine, 0.0, self.cfg.seed, return_routes=False)
         check_versions(samples, self.engine.weight_version)
         rewards = [self.rollouts.total_reward(res, s) for res, s in zip(self.rollouts.score(asked, samples), samples)]
         correct = [sum(reward > 0 for reward in rewards[i * n : (i + 1) * n]) for i in range(len(mine))]
         names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
         sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
-        if e.greedy and e.temperature > 0:
-            greedy = self.rollouts.respond(mine, 0.0, self.cfg.seed, return_routes=False)
+        if greedy is not None:
             names.append("eval/accuracy_greedy")
             sums.append(float(sum(self.rollouts.total_reward(res, s) > 0
                                   for res, s in zip(self.rollouts.score(mine, greedy), greedy))))
@@ -368,7 +376,7 @@ class Trainer:
             ahead = resume_batch(self.rollouts, path, state, asynchronous=self.ahead is not None)
             if self.ahead is not None:
                 self.ahead.next = ahead
-            self.engine.update_weights(state.weight_version)
+            self.turns.weights_changed(state.weight_version)
             if self.rank0:
                 print(f"resumed from {path} (step {state.step})", flush=True)
             return state
@@ -382,7 +390,7 @@ class Trainer:
             # the weights (a no-op for fp32 weights, which it updates in place).
             self.optimizer.reload_model_params()
             # The warm start changed the weights the engine was built with (same version 0).
-            self.engine.update_weights(state.weight_version)
+            self.turns.weights_changed(state.weight_version)
         self._save(state)
         return state
 
@@ -435,6 +443,7 @@ class Trainer:
             save_model(self.model, ref_dir)
         self.reference = build_model(self.cfg.model, self.cfg.parallel, **transformer_config_fields(self.cfg.fp8))
         load_model(self.reference, ref_dir)
+        self.turns.add_frozen(self.reference)
 
     def _engine_metrics(self) -> dict[str, torch.Tensor]:
         """The SGLang client's counters since the last call (``sglang/attempts``, ``retries``,

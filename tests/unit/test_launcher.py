@@ -229,3 +229,16 @@ def test_sglang_option_is_validated_with_the_run(no_processes, capsys):
     err = capsys.readouterr().err
     assert "rollout.sglang.hf_architecture: the model cannot be exported as qwen3_moe" in err
     assert "qwen3_moe routes with softmax scores" in err
+
+
+def test_a_colocated_config_starts_its_servers_with_the_memory_saver(no_processes, capsys, tmp_path):
+    argv = ["--config", str(DEMO), f"train.run_dir={tmp_path}", "--rdzv-id", "job8", "--dry-run",
+            "--sglang", "--model-path /ckpt/hf", "rollout.placement=colocated"]
+    assert launcher.main(argv) == 0
+    out = capsys.readouterr().out
+    server = next(line for line in out.splitlines() if line.startswith("launch: SGLang server:"))
+    assert "-m megatron_rl.rollout.sglang.server --enable-memory-saver --url-file" in server
+    assert "--enable-weights-cpu-backup" not in server  # the trainer pushes the weights after every resume
+    argv[argv.index("rollout.placement=colocated")] = "rollout.placement=disaggregated"
+    assert launcher.main(argv) == 0
+    assert "--enable-memory-saver" not in capsys.readouterr().out

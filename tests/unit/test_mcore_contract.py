@@ -423,3 +423,16 @@ def test_ddp_sync_hooks():
         expect(callable(getattr(ddp, name, None)), f"DistributedDataParallel.{name}", "a method")
     expect("self.ddp_config" in inspect.getsource(ddp.__init__), "DistributedDataParallel.ddp_config",
            "the DistributedDataParallelConfig it was built with")
+
+
+def test_training_state_storages():
+    """``mcore_optimizer.ddp_buffers`` and ``optimizer_members`` (the colocated offload walks them)."""
+    ddp = inspect.getsource(importlib.import_module("megatron.core.distributed.distributed_data_parallel"))
+    for name in ("self.buffers", "self.expert_parallel_buffers"):
+        expect(name in ddp, f"DistributedDataParallel.{name[5:]}", "the dense / expert-parallel buffer lists")
+    buffers = inspect.getsource(importlib.import_module("megatron.core.distributed.param_and_grad_buffer"))
+    for name in ("self.grad_data = ", "self.param_data = None"):
+        expect(name in buffers, f"_ParamAndGradBuffer.{name.split()[0][5:]}", "a buffer attribute (None: no param buffer)")
+    chained = importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer
+    expect("self.chained_optimizers" in inspect.getsource(chained.__init__), "ChainedOptimizer.chained_optimizers",
+           "the member optimizers' list")

@@ -117,11 +117,6 @@ def test_recompute_and_smaller_token_budgets_lower_the_update_peak():
     assert update_peak(micro_batch_tokens=1024) < update_peak()
 
 
-def test_colocated_placement_is_refused_until_built():
-    with pytest.raises(ConfigError, match="rollout.placement: colocated .* is not built yet"):
-        load_config(CONFIGS / "demo_cpu.yaml", ["rollout.placement=colocated"])
-
-
 def test_the_one_node_preset_fits_eight_h100s_colocated():
     cfg = load_plan_config(str(CONFIGS / "qwen3_30b_a3b_1node.yaml"), ON_CPU)
     assert cfg.rollout.placement == "colocated"

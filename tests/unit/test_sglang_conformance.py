@@ -263,3 +263,32 @@ def test_launch_settings_and_probes_exist_in_sglang():
                                                                                    deterministic_inference=True))
     batch_info = ast.unparse(_function("sampling/sampling_batch_info.py", "from_schedule_batch"))
     assert "if enable_deterministic else None" in batch_info  # seeds are ignored without the flag
+
+
+def test_the_stand_ins_memory_rules_are_sglangs():
+    """Item 9: tags, the idle assert, the KeyError of a resume, the pause, the flags (release/resume)."""
+    from megatron_rl.rollout.sglang import memory, standin_memory
+
+    constants = _source("constants.py")
+    all_types = re.search(r"GPU_MEMORY_ALL_TYPES = \[(.*?)\]", constants, re.S).group(1)
+    names = [re.search(rf'^{n.strip()} = "(\w+)"', constants, re.M).group(1) for n in all_types.split(",") if n.strip()]
+    assert tuple(names) == standin_memory.TAGS == memory.TAGS
+    updater = "managers/scheduler_components/weight_updater.py"
+    release = ast.unparse(_function(updater, "release_memory_occupation"))
+    assert f"'{standin_memory.NOT_IDLE}'" in release and "ignore_waiting=scheduler is not None and scheduler._engine_paused" in release
+    assert "if tags is None or len(tags) == 0:\n        tags = GPU_MEMORY_ALL_TYPES" in release
+    resume = ast.unparse(_function(updater, "resume_memory_occupation"))
+    assert "self.offload_tags.remove(tag)" in resume  # KeyError for a tag not released
+    tokenizer = _source("managers/tokenizer_manager.py")
+    assert "await self.is_pause_cond.wait_for(lambda: not self.is_pause)" in tokenizer  # requests wait while paused
+    http = _source("entrypoints/http_server.py")
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert f'@app.api_route("{path}", methods=["GET", "POST"])' in http
+    for path in ("/pause_generation", "/continue_generation"):
+        assert f'@app.post("{path}")' in http
+    exec_fields = _source("arg_groups/fields/exec_.py")
+    assert re.search(r"^    enable_memory_saver: A\[", exec_fields, re.M)
+    assert re.search(r"^    enable_weights_cpu_backup: A\[", exec_fields, re.M)
+    assert "--enable-memory-saver" in build_command(SGLangServerConfig(model_path="m", enable_memory_saver=True))
+    adapter = _source("utils/torch_memory_saver_adapter.py")
+    assert "_TorchMemorySaverAdapterReal() if enable else _TorchMemorySaverAdapterNoop()" in adapter

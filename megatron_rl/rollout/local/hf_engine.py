@@ -30,8 +30,13 @@ Multi-turn rollouts (``prefix_cache=True``): each rank keeps the KV of the respo
 generated, and a later prompt that extends one (the next turn of a trajectory) prefills
 only its new tokens; routes of the cached positions come from the pass that computed them
 (``hf_prefix_cache``). A prompt another rank of the group generated last turn misses the
-cache and is recomputed whole, which changes speed, never which positions' routes return. Does not own sampling math (``sampling``), the HF name table
-or when pushes happen (the trainer).
+cache and is recomputed whole, which changes speed, never which positions' routes return.
+
+Colocated runs (``rollout.placement: colocated``): the replica's memory is freed while the
+trainer works (:meth:`HFEngine.release_memory`: its parameters' storages, and the prefix
+cache's KV) and re-allocated before the next generation (:meth:`HFEngine.resume_memory`),
+when the trainer pushes its weights into it again. Does not own sampling math
+(``sampling``), the HF name table or when pushes happen (the trainer).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ import torch
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
+from megatron_rl.parallel.offload import StorageSet
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
 from megatron_rl.rollout.local.hf_generate import check_lengths, generate
 from megatron_rl.rollout.local.hf_model import (
@@ -97,6 +103,8 @@ class HFEngine:
         self._loader = HFWeightLoader(self.hf_model, architecture)
         self.prefix_cache = PrefixCache() if prefix_cache else None
         self.weight_version = -1
+        self.released: StorageSet | None = None
+        """The replica's storages while its memory is released (None: resident)."""
         self.update_weights(0)
 
     # ------------------------------------------------------------------ weights
@@ -104,6 +112,8 @@ class HFEngine:
     @torch.no_grad()
     def update_weights(self, version: int) -> None:
         """Collective over the world: load the Megatron model's weights into every replica as ``version``."""
+        if self.released is not None:
+            raise RuntimeError("HF engine: weights pushed while its memory is released (resume_memory first)")
         for name, full in gather_full_params(self.model, self.groups, everywhere=True):
             for hf_name, tensor in self._name_map(name, full):
                 self._loader.load(hf_name, tensor)
@@ -132,12 +142,39 @@ class HFEngine:
         """Release the replica."""
         self.hf_model = None
 
+    # ------------------------------------------------------------------ colocated runs
+
+    def release_memory(self) -> None:
+        """Free the replica's parameters and the prefix cache's KV (nothing is copied: the
+        next :meth:`resume_memory` is followed by a push of the trainer's weights)."""
+        if self.released is not None:
+            raise RuntimeError("HF engine: its memory is released already")
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        device = next(self.hf_model.parameters()).device
+        self.released = StorageSet((p, False) for p in self.hf_model.parameters())
+        self.released.offload()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def resume_memory(self, tags: Sequence[str] = ("weights", "kv_cache")) -> None:
+        """Re-allocate the replica's parameters (zeroed, and stale until :meth:`update_weights`)
+        when ``tags`` name ``weights``; its KV cache is allocated per generation anyway."""
+        if "weights" not in tags:
+            return
+        if self.released is None:
+            raise RuntimeError("HF engine: resume_memory without release_memory")
+        self.released.restore()
+        self.released = None
+
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  return_routed_experts: bool = True, seed: int = 0,
                  routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
         """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group)."""
+        if self.released is not None:
+            raise RuntimeError("HF engine: generate while its memory is released (resume_memory first)")
         check_lengths(prompts, params.max_new_tokens, self.max_length)
         starts = check_routes_from(prompts, routes_from)
         mp = self.groups.mp

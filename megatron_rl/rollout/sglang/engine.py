@@ -4,7 +4,10 @@ Owns what is collective about SGLang rollouts: model-parallel leaders send the r
 and share the samples with their peers, weights are pushed with a version every sample
 must then carry, servers found behind that version (restarted) get the weights again
 before their samples are asked for again, and the client's counters become step metrics.
-Does not own HTTP, retries or the ledger (the client), nor how weights travel
+In colocated runs it also releases and resumes the servers' memory, collectively, by the
+rules of :mod:`~megatron_rl.rollout.sglang.memory` (refusing, on every rank alike, what would
+kill a server: a release with generations in flight, a generation or push into released
+memory). Does not own HTTP, retries or the ledger (the client), nor how weights travel
 (:mod:`~megatron_rl.rollout.sglang.weight_sync`).
 """
 
@@ -28,6 +31,7 @@ from megatron_rl.rollout.sglang.client import (
     SGLangClientConfig,
     StaleWeightVersionError,
 )
+from megatron_rl.rollout.sglang.memory import ServerMemory
 from megatron_rl.rollout.sglang.wire import GenerateResult
 
 if TYPE_CHECKING:  # the engine is usable without Megatron (a single process, no trainer)
@@ -114,11 +118,16 @@ class SGLangEngine:
         groups: this rank's parallel groups (None: a single process, no trainer).
         weight_sync: pushes weights to the servers; it runs before the first ``generate``
             too, so servers never serve weights the trainer does not hold.
+        memory: the servers' memory, for colocated runs (:meth:`release_memory`,
+            :meth:`resume_memory`); None: the servers keep theirs.
     """
 
     def __init__(self, cfg: SGLangClientConfig, routes: RouteShape, *, groups: ParallelGroups | None = None,
-                 weight_sync: WeightSyncer | None = None) -> None:
+                 weight_sync: WeightSyncer | None = None, memory: ServerMemory | None = None) -> None:
         self.cfg, self.routes, self.groups, self.weight_sync = cfg, routes, groups, weight_sync
+        self.memory = memory
+        self.pending: set[int] = set()
+        """``id`` of each batch :meth:`start_generate` began and :meth:`finish_generate` has not ended."""
         self.weight_version = 0
         self.synced = False
         self.stats = ClientStats()
@@ -130,6 +139,8 @@ class SGLangEngine:
 
     def update_weights(self, version: int) -> None:
         """Push the trainer's weights tagged ``version`` (collective when ``weight_sync`` is set)."""
+        if self.memory is not None:
+            self.memory.check_push()
         if self.weight_sync is not None:
             self.weight_sync.sync(version)
             self.synced = True
@@ -139,6 +150,36 @@ class SGLangEngine:
         """Release the weight-sync transport (collective like ``update_weights``)."""
         if self.weight_sync is not None:
             self.weight_sync.close()
+
+    # ------------------------------------------------------------------ colocated runs
+
+    def release_memory(self) -> None:
+        """Collective over the world: pause generation and release every memory region of every
+        server (global rank 0 sends), once no generation of this engine is in flight."""
+        self.memory.check_release(len(self.pending))
+        self._on_rank0(self.memory.send_release, "releasing the SGLang servers' memory")
+        self.memory.mark_released()
+
+    def resume_memory(self, tags: Sequence[str]) -> None:
+        """Collective over the world: resume ``tags`` on every server (generation continues once
+        all are resident; the weights come back empty: push them next)."""
+        self.memory.check_resume(tags)
+        self._on_rank0(lambda: self.memory.send_resume(tags), f"resuming the SGLang servers' {list(tags)}")
+        self.memory.mark_resumed(tags)
+
+    def _on_rank0(self, call: Callable[[], None], what: str) -> None:
+        """``call`` on global rank 0; its failure raised on every rank."""
+        error = None
+        if self._rank0():
+            try:
+                call()
+            except Exception as err:  # noqa: BLE001 - reported to every rank below
+                error = err
+        if self.groups is None:
+            if error is not None:
+                raise error
+            return
+        comm.raise_first_failure(error, self.groups.world, what)
 
     def _leader(self) -> bool:
         return self.groups is None or comm.rank(self.groups.mp) == 0
@@ -158,6 +199,8 @@ class SGLangEngine:
         and over the world when ``weight_sync`` is set); ``routes_from``: each request's
         ``routed_experts_start_len``."""
         routes_from = check_routes_from(prompts, routes_from)
+        if self.memory is not None:
+            self.memory.check_generate()
         if self.weight_sync is not None and not self.synced:
             self.update_weights(self.weight_version)
         self.stats = ClientStats()
@@ -216,6 +259,8 @@ class SGLangEngine:
         ``on_samples`` (leader only) gets what the round got, in the thread, as soon as it has
         it (the trainer scores them there); samples asked for again at the join are not in it.
         """
+        if self.memory is not None:
+            self.memory.check_generate()
         if self.weight_sync is not None and not self.synced:
             self.update_weights(self.weight_version)
         pending = PendingGeneration(list(prompts), params, return_routed_experts, self._seeds(seed, len(prompts)),
@@ -225,6 +270,7 @@ class SGLangEngine:
             pending.thread = threading.Thread(target=pending.run, args=(self,), daemon=True,
                                               name="megatron-rl-async-rollouts")
             pending.thread.start()
+        self.pending.add(id(pending))
         return pending
 
     def finish_generate(self, pending: "PendingGeneration", version: int) -> list[RolloutSample]:
@@ -239,6 +285,7 @@ class SGLangEngine:
         """
         if pending.thread is not None:
             pending.thread.join()
+        self.pending.discard(id(pending))
         if pending.error is not None:
             raise pending.error
         self.stats = pending.stats

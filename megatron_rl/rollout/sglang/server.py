@@ -9,7 +9,10 @@
 Owns: the command line from a typed :class:`SGLangServerConfig` (routed experts on, no
 tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
 ``--quantization fp8`` and KV cache ``--kv-cache-dtype fp8_e4m3``, initial
-``--weight-version``, ``--enable-deterministic-inference`` for seeded sampling), in an
+``--weight-version``, ``--enable-deterministic-inference`` for seeded sampling,
+``--enable-memory-saver`` for a colocated run, whose servers release and resume their memory
+around the trainer's turns and take the weights again after each resume, so without
+``--enable-weights-cpu-backup``), in an
 environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (:data:`SERVER_ENV`: log-probs of the raw
 logits at every temperature, the trainer's convention; SGLang reads it once at start,
 ``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
@@ -83,6 +86,8 @@ class SGLangServerConfig:
     deterministic_inference: bool = False
     """``--enable-deterministic-inference``: each request's ``sampling_seed`` decides its
     sample (SGLang ignores the seed otherwise); costs throughput."""
+    enable_memory_saver: bool = False
+    """``--enable-memory-saver``: ``/release_memory_occupation`` frees the GPU memory (colocated runs)."""
     extra_args: list[str] = field(default_factory=list)
     """Further ``sglang.launch_server`` flags, appended verbatim."""
     python: str = sys.executable
@@ -113,6 +118,8 @@ def build_command(cfg: SGLangServerConfig) -> list[str]:
         cmd += ["--random-seed", str(cfg.random_seed)]
     if cfg.deterministic_inference:
         cmd.append("--enable-deterministic-inference")
+    if cfg.enable_memory_saver:
+        cmd.append("--enable-memory-saver")
     return cmd + list(cfg.extra_args)
 
 
@@ -361,6 +368,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--deterministic-inference", action="store_true",
                         help="--enable-deterministic-inference: sampling_seed decides each sample")
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="release and resume GPU memory around a colocated trainer's turns")
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed")
     parser.add_argument("--log-file", default=None)
@@ -376,7 +385,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
         mem_fraction_static=args.mem_fraction_static, quantization="fp8" if args.fp8 else None,
         kv_cache_dtype="fp8_e4m3" if args.fp8_kv_cache else "auto", weight_version=args.weight_version,
         base_gpu_id=args.base_gpu_id, python=args.python, extra_args=list(args.extra),
-        deterministic_inference=args.deterministic_inference,
+        deterministic_inference=args.deterministic_inference, enable_memory_saver=args.enable_memory_saver,
     )
     return args, cfg
 
@@ -386,7 +395,8 @@ def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
     return [cfg.python, "-m", "megatron_rl.rollout.sglang.standin", "--config", cfg.model_path,
             "--host", cfg.host, "--port", str(cfg.port), "--weight-version", cfg.weight_version,
             "--tp-size", str(cfg.tp_size),
-            *(["--enable-deterministic-inference"] if cfg.deterministic_inference else []), *cfg.extra_args]
+            *(["--enable-deterministic-inference"] if cfg.deterministic_inference else []),
+            *(["--enable-memory-saver"] if cfg.enable_memory_saver else []), *cfg.extra_args]
 
 
 class _Stopped(BaseException):

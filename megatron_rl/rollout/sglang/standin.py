@@ -2,7 +2,8 @@
 
     python -m megatron_rl.rollout.sglang.standin --config configs/demo_cpu.yaml --port 30000 \\
         [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
-        [--weight-version default] [--max-batch N] [--token-latency-s S] [key=value ...]
+        [--weight-version default] [--max-batch N] [--token-latency-s S] [--enable-memory-saver]
+        [--enable-weights-cpu-backup] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
@@ -25,8 +26,12 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) and 503 after (``entrypoints/http_server.py:218``,
   ``:721-799``); ``/ping`` and ``/ready`` a flag check (``:714-718``, ``:2190-2199``);
 * ``/server_info`` with the launch settings (``tp_size``, ``dp_size``,
-  ``enable_deterministic_inference``, ...; ``:863-894``), ``/model_info`` with SGLang's keys
-  (``:812-850``).
+  ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``),
+  ``/model_info`` with SGLang's keys (``:812-850``);
+* ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
+  ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
+  dying where SGLang dies (:mod:`~megatron_rl.rollout.sglang.standin_memory`), and
+  ``GET /memory_occupation`` (the stand-in's own) reporting what it holds.
 
 Requests are batched by :mod:`~megatron_rl.rollout.sglang.standin_batching`. On stop it prints
 one line of what it did. Owns the endpoints and the command line.
@@ -51,6 +56,7 @@ from aiohttp import web
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
 from megatron_rl.rollout.sglang.standin_engine import EngineHost
+from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.rollout.sglang.standin_weights import (
     NO_SESSION,
     SchedulerCrash,
@@ -80,7 +86,7 @@ class ServerCounters:
     """Weight-update sessions ended."""
 
 
-class ProtocolServer:
+class ProtocolServer(MemoryRoutes):
     """The HTTP application over an :class:`~megatron_rl.rollout.sglang.standin_engine.EngineHost`.
 
     A subclass may extend it: :meth:`app` returns the application before it starts (more
@@ -97,11 +103,12 @@ class ProtocolServer:
         model_path: reported by ``/model_info``.
         token_latency_s: modelled GPU decode time per token
             (:class:`~megatron_rl.rollout.sglang.standin_batching.ContinuousBatcher`).
+        memory: its memory occupation (``--enable-memory-saver``, ``--enable-weights-cpu-backup``).
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", tp_size: int = 1,
                  deterministic: bool = False, batch_window_s: float = 0.01, max_batch: int = 256,
-                 model_path: str = "", token_latency_s: float = 0.0) -> None:
+                 model_path: str = "", token_latency_s: float = 0.0, memory: MemoryOccupation | None = None) -> None:
         self.host, self.model_path, self.weight_version = host, model_path, weight_version
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
@@ -109,6 +116,12 @@ class ProtocolServer:
                                          token_latency_s=token_latency_s, alone=deterministic)
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self._seeds = random.Random()
+        self.memory = memory or MemoryOccupation()
+        self.in_flight = 0
+        """``/generate`` requests in the scheduler (not the ones waiting while generation is paused)."""
+        self.running = asyncio.Event()
+        """Set unless generation is paused."""
+        self.running.set()
 
     def app(self) -> web.Application:
         """The aiohttp application (the batcher runs while it serves)."""
@@ -125,6 +138,7 @@ class ProtocolServer:
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_group),
+            *self.memory_routes(),
         ])
         app.cleanup_ctx.append(self.batcher.running)
         return app
@@ -189,10 +203,17 @@ class ProtocolServer:
             start = self._routes_start(body, prompt)
         except ValueError as err:
             return _error(400, str(err))
+        await self.running.wait()  # tokenizer_manager.py:938-939
+        fault = self.memory.fault(("weights", "kv_cache", "cuda_graph"))
+        if fault is not None:
+            self._crash(SchedulerCrash(fault))
+        self.in_flight += 1
         try:
             sample = await self.batcher.submit(prompt, params, want_routes, seed)
         except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
             return _error(500, f"{type(err).__name__}: {err}")
+        finally:
+            self.in_flight -= 1
         routes = sample.routed_experts if sample.routed_experts is None else sample.routed_experts[start:]
         if routes is not None and self.host.model_cfg.num_dense_layers:
             # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
@@ -238,6 +259,8 @@ class ProtocolServer:
         return web.json_response({
             "model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1,
             "enable_deterministic_inference": self.deterministic, "enable_return_routed_experts": True,
+            "enable_memory_saver": self.memory.memory_saver,
+            "enable_weights_cpu_backup": self.memory.weights_cpu_backup,
             "skip_tokenizer_init": True, "weight_version": self.launch_version, "version": SGLANG_VERSION,
             "internal_states": [{}],
         })
@@ -288,6 +311,8 @@ class ProtocolServer:
         if load_format not in (None, FLATTENED_BUCKET):
             return self._result(False, f"load_format {load_format!r} is not supported by the stand-in")
 
+        self._weights_mapped()
+
         def update() -> tuple[bool, str]:
             if self.host.weights.session is None:
                 return False, NO_SESSION.format(call="update_weights_from_tensor")
@@ -332,6 +357,7 @@ class ProtocolServer:
         """``POST /update_weights_from_distributed``: session and group checked before the broadcast."""
         b = await request.json()
         name = b.get("group_name", "weight_update_group")
+        self._weights_mapped()
 
         def update() -> tuple[bool, str]:
             if self.host.weights.session is None:
@@ -390,6 +416,10 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=256, help="most requests per engine call")
     parser.add_argument("--token-latency-s", type=float, default=0.0,
                         help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
+    parser.add_argument("--enable-memory-saver", action="store_true",
+                        help="release and resume memory for real (else only the tags change), as SGLang's flag")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="released weights come back as they were (else NaN until pushed again)")
     parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. model.num_layers=2")
     return parser
 
@@ -415,7 +445,8 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
                       logprobs_after_temperature=not original)
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
-                         token_latency_s=args.token_latency_s)
+                         token_latency_s=args.token_latency_s,
+                         memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
     try:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}: {architecture}, "
               f"{host.engine_kind} engine, {'raw' if original else 'temperature-scaled'} log-probs", flush=True)

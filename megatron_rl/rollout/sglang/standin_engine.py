@@ -5,8 +5,10 @@ live there; every Megatron call runs on it), a generator over it (the HF engine,
 transformers replica with its own numerics, refreshed when a weight-update session ends;
 or the Megatron model itself, exact), and :class:`~megatron_rl.rollout.sglang.
 standin_weights.ServedWeights`, which writes pushed HF tensors into the model by SGLang's
-loader rules. Joins weight-update groups (gloo) and receives their broadcasts. Does not own
-HTTP or SGLang's request rules (:mod:`~megatron_rl.rollout.sglang.standin`).
+loader rules. Joins weight-update groups (gloo) and receives their broadcasts. Frees and
+re-allocates the served weights when the server releases and resumes them (colocated runs,
+:mod:`~megatron_rl.rollout.sglang.standin_memory`). Does not own HTTP or SGLang's request
+rules (:mod:`~megatron_rl.rollout.sglang.standin`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel.comm import broadcast
+from megatron_rl.parallel.offload import StorageSet
 from megatron_rl.rollout.sglang.standin_weights import (
     ServedWeights,
     flat_receive_layout,
@@ -54,6 +57,10 @@ class EngineHost:
         self._stack = contextlib.ExitStack()
         self._executor.submit(self._start, seed, micro_batch_sequences).result()
         self.update_groups: dict[str, dist.ProcessGroup] = {}
+        self.released: StorageSet | None = None
+        """The served model's weights while released."""
+        self.backup = False
+        """Their bytes were kept (``--enable-weights-cpu-backup``)."""
 
     def _start(self, seed: int, micro_batch_sequences: int) -> None:
         from megatron_rl.checkpoint.megatron_io import named_weights
@@ -89,6 +96,31 @@ class EngineHost:
         its weights at ``end_weight_update`` too)."""
         if self.engine_kind == "hf":
             self.engine.update_weights(self.engine.weight_version + 1)
+
+    def release_weights(self, backup: bool) -> None:
+        """Free the served weights (the model's parameters, and the HF replica's); ``backup``:
+        keep a host copy (``--enable-weights-cpu-backup``). The model's buffers stay, as SGLang
+        stashes and restores them."""
+        self.released, self.backup = StorageSet((p, backup) for p in self.model.parameters()), backup
+        self.released.offload()
+        if self.engine_kind == "hf":
+            self.engine.release_memory()
+
+    def resume_weights(self) -> None:
+        """Map the served weights again: as they were with a backup, else NaN (SGLang's are
+        undefined until the next push)."""
+        self.released.restore()
+        self.released = None
+        if self.engine_kind == "hf":
+            self.engine.resume_memory()
+        if self.backup:
+            if self.engine_kind == "hf":
+                self.refresh()  # the replica is rebuilt from the kept weights
+            return
+        replica = self.engine.hf_model.parameters() if self.engine_kind == "hf" else ()
+        with torch.no_grad():
+            for p in [*self.model.parameters(), *replica]:
+                p.fill_(float("nan"))
 
     def receive(self, group: dist.ProcessGroup, names: list[str], dtypes: list[str], shapes: list[list[int]],
                 load_format: str | None = None) -> list[tuple[str, torch.Tensor]]:

@@ -54,6 +54,7 @@ from megatron_rl.rollout.sglang.control import (
 )
 from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
 from megatron_rl.rollout.sglang.loader_rules import Bucketer, load_group, loader_rules
+from megatron_rl.rollout.sglang.memory import ServerMemory
 from megatron_rl.rollout.sglang.weight_transport import (
     BucketStream,
     DistributedTransport,
@@ -428,14 +429,16 @@ class WeightSync:
 
 
 def sglang_engine(model: torch.nn.Module, groups: ParallelGroups, client: SGLangClientConfig,
-                  sync: WeightSyncConfig | None, *, architecture: str, model_config: ModelConfig) -> SGLangEngine:
+                  sync: WeightSyncConfig | None, *, architecture: str, model_config: ModelConfig,
+                  memory: ServerMemory | None = None) -> SGLangEngine:
     """The SGLang rollout engine for a trainer's model, with weight sync when ``sync`` is set.
 
     Call on every rank (parallel state initialized); ``sync=None`` leaves the servers'
-    weights to someone else and skips version checks.
+    weights to someone else and skips version checks; ``memory``: the servers' memory of a
+    colocated run.
     """
     weight_sync = None
     if sync is not None:
         weight_sync = WeightSync(model, groups, client.urls, sync, architecture=architecture,
                                  model_config=model_config)
-    return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync)
+    return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync, memory=memory)
