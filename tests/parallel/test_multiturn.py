@@ -29,7 +29,9 @@ model's at the version they carry (Megatron's forward under that version's weigh
 the transformers-numerics tolerance of the hf engine above, and measurably not the next
 version's), and the masking is the
 synchronous one: the loss mask is exactly the generated tokens, and the environment's tokens
-take the old policy's log-probs as their rollout log-probs (neutral corrections).
+take the old policy's log-probs as their rollout log-probs (neutral corrections). That run
+also uses per-turn credit (``objective.turn_credit: turn``, discount 0.9): the trainer's
+advantages equal docs/agentic.md's formula written out here in plain floats.
 
 In the same world, the trainer runs one RL step of ``configs/demo_tools.yaml`` (calculator
 tool calls over several turns, hf engine with its prefix cache, R3 replaying the stitched
@@ -40,6 +42,7 @@ agreement per turn, correct tool use, the shares of end reasons.
 """
 
 import math
+import statistics
 import time
 from pathlib import Path
 
@@ -83,6 +86,9 @@ ASYNC = [
     "objective.dynamic_sampling=false", "rollout.env.name=feedback", "rollout.env.max_turns=2",
     "rollout.engine=sglang", "rollout.sglang.weight_sync=tensor", "rollout.max_staleness=1",
     "objective.entropy_coef=0.01",  # every update changes the weights, even when a group's rewards are all equal
+    "objective.turn_credit=turn", "objective.turn_discount=0.9",
+    # The length penalty makes trajectory rewards differ when the tiny model answers none right.
+    "objective.overlong_penalty_max_len=100", "objective.overlong_penalty_cache_len=96",
 ]
 
 
@@ -113,7 +119,8 @@ def _async_run(run_dir: str, url: str) -> dict:
         def recording_batch(chosen, metrics):
             out = make_batch(chosen, metrics)
             step = max(steps)
-            steps[step].update(samples=[s for group in chosen.samples for s in group], batch=out)
+            steps[step].update(samples=[s for group in chosen.samples for s in group], batch=out,
+                               rewards=torch.cat(chosen.rewards).tolist())
             return out
 
         trainer.rl_step, trainer._batch = recording_step, recording_batch
@@ -142,6 +149,9 @@ def _async_run(run_dir: str, url: str) -> dict:
                 "env_rollout_lp_is_old": torch.equal(batch.rollout_logprobs_T[env_T], batch.old_logprobs_T[env_T]),
                 "behaviour_diff": behaviour_diff(version),
                 "behaviour_diff_next": behaviour_diff(version + 1) if version + 1 in snapshots else None,
+                "rewards": rec["rewards"], "advantages": batch.advantages_T.tolist(),
+                "turn_spans": [s.turns for s in samples], "turn_rewards": [s.turn_rewards for s in samples],
+                "lengths": [len(s.output_ids) for s in samples],
             }
     return {"history": history, "checks": checks}
 
@@ -287,3 +297,38 @@ def test_staleness_one_multi_turn_trajectories_carry_their_version_and_mask_like
             assert check["behaviour_diff"] <= 1e-4, (step, check)
             assert check["behaviour_diff_next"] >= 1e-2, (step, check)
     assert any(check["env_tokens"] > 0 for got in results for check in got["async"]["checks"].values())
+
+
+def _per_turn_grpo(check: dict, group_size: int, discount: float, eps: float) -> list[float]:
+    """docs/agentic.md's per-turn credit written out: turn rewards (the last takes what the
+    trajectory reward leaves), discounted returns term by term, GRPO within (prompt, turn)."""
+    returns = []
+    for spans, env, total in zip(check["turn_spans"], check["turn_rewards"], check["rewards"]):
+        env = (list(env) + [0.0] * len(spans))[:len(spans)]
+        r = env[:-1] + [total - sum(env[:-1])]
+        returns.append([sum(discount ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))])
+    peers: dict = {}
+    for i, g in enumerate(returns):
+        for k, value in enumerate(g):
+            peers.setdefault((i // group_size, k), []).append(value)
+    expected = []
+    for i, (g, spans, n) in enumerate(zip(returns, check["turn_spans"], check["lengths"])):
+        ends = [start for start, _ in spans[1:]] + [n]
+        for k, ((start, _), end) in enumerate(zip(spans, ends)):
+            others = peers[(i // group_size, k)]
+            std = statistics.stdev(others) if len(others) > 1 else 0.0
+            value = 0.0 if std == 0 else (g[k] - statistics.fmean(others)) / (std + eps)
+            expected += [value] * (end - start)
+    return expected
+
+
+def test_per_turn_credit_in_the_trainer_follows_the_documented_formula(results):
+    from megatron_rl.algos import get_preset
+
+    eps, informative = get_preset("grpo").adv_std_eps, 0
+    for got in results:
+        for step, check in got["async"]["checks"].items():
+            expected = _per_turn_grpo(check, group_size=4, discount=0.9, eps=eps)
+            assert check["advantages"] == pytest.approx(expected, rel=1e-5, abs=1e-6), step
+            informative += sum(abs(a) > 0.1 for a in check["advantages"])
+    assert informative > 0  # not all advantages zero: the check above compared numbers
