@@ -49,6 +49,8 @@ class Case:
     name: str
     argv: list[str]
     expect: str
+    import_from: str | None = None
+    """A directory put first on PYTHONPATH (a user's module the case imports)."""
 
 
 def _truncate(path: Path, keep: float) -> None:
@@ -88,6 +90,7 @@ def build_inputs(root: Path) -> dict[str, Path]:
     (root / "exists").mkdir()
     (root / "bad.yaml").write_text("train:\n  steps: [1, 2\n")
     (root / "prompts_bad.json").write_text("[[1, 2, 3], [4, 5")
+    (root / "broken_envs.py").write_text("raise RuntimeError('no sandbox credentials')\n")
 
     tokenizer = AutoTokenizer.from_pretrained(str(ASSET), local_files_only=True)
     tokenizer.add_tokens([f"<extra_{i}>" for i in range(600)])
@@ -205,6 +208,25 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: max_staleness=1, no weight sync", [*train, "rollout.max_staleness=1", "rollout.engine=sglang",
                                                         "rollout.sglang.urls=[http://127.0.0.1:9]",
                                                         "rollout.sglang.weight_sync=none"], "weight_sync=none"),
+        Case("train: unknown rollout.env", [*train, "rollout.env.name=calculater"],
+             "rollout.env.name: 'calculater' is neither a built-in environment"),
+        Case("train: env module does not import", [*train, "rollout.env.name=no_such_module:Env"],
+             "rollout.env.name: cannot import 'no_such_module'"),
+        Case("train: env module raises on import", [*train, "rollout.env.name=broken_envs:Env"],
+             "rollout.env.name: cannot import 'broken_envs': RuntimeError", import_from=str(root)),
+        Case("train: env class missing", [*train, "rollout.env.name=megatron_rl.rollout.envs.builtin:Nope"],
+             "has no attribute 'Nope'"),
+        Case("train: env args not accepted", [*train, "rollout.env.name=calculator", "rollout.env.args.digits=3"],
+             "rollout.env.args: calculator does not accept"),
+        Case("train: env max_turns=0", [*train, "rollout.env.name=calculator", "rollout.env.max_turns=0"],
+             "rollout.env.max_turns: must be >= 1"),
+        Case("train: env max_total_tokens over the model", [*train, "rollout.env.name=calculator",
+                                                            "rollout.env.max_total_tokens=4096"],
+             "rollout.env.max_total_tokens: 4096 exceeds"),
+        Case("train: env step_timeout_s=inf", [*train, "rollout.env.name=calculator", "rollout.env.step_timeout_s=inf"],
+             "rollout.env.step_timeout_s: must be a finite number > 0"),
+        Case("train: env limit, no rollout.env.name", [*train, "rollout.env.max_turns=0"],
+             "rollout.env.max_turns: 0 is set, but rollout.env.name is null"),
         Case("launch: missing YAML file", ["megatron-rl-launch", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("launch: bad YAML file", ["megatron-rl-launch", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("launch: nproc does not match world", [*launch, "--nproc-per-node", "3"], "parallel.world_size"),
@@ -253,6 +275,8 @@ def run_case(case: Case, run_dir: Path, timeout_s: float) -> dict:
         argv.append(f"train.run_dir={run_dir}")
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("MEGATRON_RL_TRACEBACK", None)
+    if case.import_from is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (case.import_from, env.get("PYTHONPATH")) if p)
     start = time.monotonic()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env, cwd=REPO)

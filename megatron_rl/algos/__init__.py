@@ -13,7 +13,7 @@ Tensors and floats in, tensors out: no ``torch.distributed``, no Megatron, no I/
 Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``batch`` (TokenBatch,
 the packed inputs and their checks), ``loss`` (entry point),
 ``surrogate`` (ratio units and gates), ``weights`` (RSPO, TIS/MIS/IcePop), ``masks``
-(overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``shaping``,
+(overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``turn_credit`` (per-turn returns), ``shaping``,
 ``segments`` (packed-axis kernels), ``log_ratio`` (the overflow-safe exp of every ratio),
 ``validation``.
 """
@@ -36,6 +36,7 @@ from .masks import build_loss_mask
 from .presets import OBJECTIVE_PRESETS, get_preset
 from .segments import seq_ids_from_cu_seqlens
 from .shaping import dynamic_sampling_keep_S, soft_overlong_penalty_S
+from .turn_credit import TurnLayout
 from .validation import InputError
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "ObjectiveConfig",
     "ObjectiveConfigError",
     "TokenBatch",
+    "TurnLayout",
     "aggregate_loss",
     "build_loss_mask",
     "compute_advantages",

@@ -25,6 +25,10 @@ Conventions, chosen and documented once here:
   estimators per token and the group estimators as the sequence total
   ``R_i + sum_t penalty_t`` before the baseline.
 
+* Per-turn credit (``turn_credit='turn'``): the estimator runs on the turns of a
+  ``TurnLayout`` as if they were sequences, with each turn's discounted return as its
+  reward and (prompt, turn position) as its group (``algos.turn_credit``).
+
 This module does not touch the policy loss; apart from the optional input check it never
 synchronises with the host.
 
@@ -43,6 +47,13 @@ from torch import Tensor
 from ..registry import Registry
 from .kl import kl_reward_penalty_T
 from .segments import segment_count, segment_first_index, segment_sum
+from .turn_credit import (
+    TurnLayout,
+    check_turn_layout,
+    discounted_returns_U,
+    split_rewards_U,
+    turn_groups_U,
+)
 from .validation import (
     InputError,
     check_shapes,
@@ -62,6 +73,8 @@ class AdvantageSettings(Protocol):
     adv_std_eps: float
     whiten_eps: float
     kl_in_reward_coef: float
+    turn_credit: Literal["trajectory", "turn"]
+    turn_discount: float
     check_inputs: bool
 
 
@@ -273,8 +286,12 @@ def compute_advantages(
     num_groups: int,
     old_logprobs_T: Tensor | None = None,
     ref_logprobs_T: Tensor | None = None,
+    turns: TurnLayout | None = None,
 ) -> Tensor:
     """Per-token advantages with the estimator named by ``cfg.advantage``.
+
+    With ``cfg.turn_credit == 'turn'`` the estimator runs on the turns of ``turns`` instead
+    of the sequences (``_per_turn``; formulas in ``algos.turn_credit``).
 
     With ``cfg.kl_in_reward_coef > 0`` the k1 penalty ``-beta (log pi_old - log pi_ref)`` is
     added per token (token estimators: into the reward-to-go; group estimators: summed
@@ -289,6 +306,7 @@ def compute_advantages(
         num_groups: G.
         old_logprobs_T: [T] needed for KL in the reward.
         ref_logprobs_T: [T] needed for KL in the reward.
+        turns: the turns of each sequence; required by (and only read under) per-turn credit.
 
     Returns:
         [T] advantages, detached, in the dtype of ``rewards_S``.
@@ -312,6 +330,11 @@ def compute_advantages(
             old_logprobs_T if use_kl else None,
             ref_logprobs_T if use_kl else None,
         )
+    per_turn = cfg.turn_credit == "turn"
+    if per_turn and turns is None:
+        raise InputError("turns (a TurnLayout) is required by ObjectiveConfig.turn_credit='turn'")
+    if per_turn and cfg.check_inputs:
+        check_turn_layout(turns, seq_ids_T, num_seqs)
     token_rewards_T = (
         kl_reward_penalty_T(old_logprobs_T, ref_logprobs_T, cfg.kl_in_reward_coef)
         if use_kl
@@ -325,7 +348,28 @@ def compute_advantages(
         loss_mask_T=loss_mask_T.bool(),
         token_rewards_T=token_rewards_T,
     )
+    if per_turn:
+        batch = _per_turn(batch, turns, cfg.turn_discount)
     return estimator(batch, cfg).detach()
+
+
+def _per_turn(batch: AdvantageBatch, turns: TurnLayout, discount: float) -> AdvantageBatch:
+    """The batch whose "sequences" are the turns: reward G_{i,k} (the turn's discounted
+    return-to-go, KL penalty summed per turn), group (prompt, turn position)."""
+    num_seqs = batch.rewards_S.numel()
+    rewards_U = split_rewards_U(batch.rewards_S, turns)
+    if batch.token_rewards_T is not None:
+        kept_T = torch.where(batch.loss_mask_T, batch.token_rewards_T, torch.zeros_like(batch.token_rewards_T))
+        rewards_U = rewards_U + segment_sum(kept_T, turns.turn_ids_T, rewards_U.numel()).to(rewards_U.dtype)
+    group_ids_U, num_turn_groups = turn_groups_U(batch.group_ids_S, turns, num_seqs)
+    return AdvantageBatch(
+        rewards_S=discounted_returns_U(rewards_U, turns.turn_seq_ids_U, num_seqs, discount),
+        group_ids_S=group_ids_U,
+        num_groups=num_turn_groups,
+        seq_ids_T=turns.turn_ids_T,
+        loss_mask_T=batch.loss_mask_T,
+        token_rewards_T=None,
+    )
 
 
 def _check_advantage_inputs(

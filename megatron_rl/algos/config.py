@@ -28,6 +28,7 @@ MISMATCH_LEVELS = ("token", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 STD_ESTIMATORS = ("sample", "population")
 RSPO_APPLY = ("before_clip", "after_clip")
+TURN_CREDITS = ("trajectory", "turn")
 
 # Paper defaults of the (low, high) band per mismatch mode (objectives.md §16, §17, §19.10).
 MISMATCH_DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.5, 2.0), "icepop": (0.5, 5.0)}
@@ -125,6 +126,10 @@ class ObjectiveConfig:
     """GRPO: advantage = (R - mean) / (std + adv_std_eps)."""
     whiten_eps: float = 1e-8
     """REINFORCE++ whitening: (x - mean) * rsqrt(var + whiten_eps), as verl's masked_whiten."""
+    turn_credit: Literal["trajectory", "turn"] = "trajectory"
+    """Multi-turn credit: one reward per trajectory, or per turn a discounted return (``algos.turn_credit``)."""
+    turn_discount: float = 1.0
+    """gamma of the per-turn returns G_k = sum_{j >= k} gamma^(j - k) r_j; in (0, 1]."""
     dynamic_sampling: bool = False
     """DAPO dynamic sampling: the trainer keeps only groups whose rewards are not all equal."""
     overlong_penalty_max_len: int | None = None
@@ -165,6 +170,7 @@ class ObjectiveConfig:
             "std_estimator": STD_ESTIMATORS,
             "rspo_apply": RSPO_APPLY,
             "advantage": ADVANTAGE_ESTIMATORS.names(),
+            "turn_credit": TURN_CREDITS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
@@ -224,6 +230,7 @@ class ObjectiveConfig:
                 f"must be in (0, 1], got {self.stapo_tau_p}",
             )
         _require(0 < self.stapo_q <= 1, "stapo_q", f"must be in (0, 1], got {self.stapo_q}")
+        _require(0 < self.turn_discount <= 1, "turn_discount", f"must be in (0, 1], got {self.turn_discount}")
         for name in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "adv_std_eps", "whiten_eps"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         if self.overlong_penalty_max_len is not None:

@@ -17,6 +17,9 @@ finished trajectory is a :class:`~megatron_rl.rollout.engine.RolloutSample` whos
 cover ``[N - 1, L, K]`` like a single-turn sample's, because a trajectory always ends
 with a model turn.
 
+Also owns :func:`turn_layout`, the turns of a batch of samples as the objective's per-turn
+credit reads them (``megatron_rl.algos.turn_credit``).
+
 Does not own running the turns or environments (``megatron_rl.rollout.multiturn``) nor
 rendering messages into ids (``megatron_rl.data.chat``).
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_rl.algos import TurnLayout
 from megatron_rl.rollout.engine import RolloutSample
 
 END_REASONS = (
@@ -172,3 +176,24 @@ def turn_of_positions(prompt_length: int, turns: list[tuple[int, int]], num_posi
     """
     ends = torch.tensor([prompt_length + end - 1 for _, end in turns])
     return torch.searchsorted(ends, torch.arange(num_positions), right=True) + 1
+
+
+def turn_layout(samples: list[RolloutSample]) -> TurnLayout:
+    """The turns of ``samples`` packed as the trainer packs their output tokens (per-turn
+    credit, ``objective.turn_credit='turn'``): each output token belongs to the model turn it
+    was generated in or, for an environment's tokens, the turn they answer; a single-turn
+    sample is one turn. A turn the environment gave no reward for (it failed) has reward 0."""
+    rewards: list[float] = []
+    seq_ids: list[int] = []
+    turn_ids = []
+    for i, s in enumerate(samples):
+        turns = s.turns or [(0, len(s.output_ids))]
+        starts = torch.tensor([start for start, _ in turns])
+        local = torch.searchsorted(starts, torch.arange(len(s.output_ids)), right=True) - 1
+        turn_ids.append(local.clamp(min=0) + len(rewards))
+        given = list(s.turn_rewards or [])[:len(turns)]
+        rewards.extend(given + [0.0] * (len(turns) - len(given)))
+        seq_ids.extend([i] * len(turns))
+    return TurnLayout(turn_rewards_U=torch.tensor(rewards, dtype=torch.float64),
+                      turn_seq_ids_U=torch.tensor(seq_ids, dtype=torch.int64),
+                      turn_ids_T=torch.cat(turn_ids) if turn_ids else torch.zeros(0, dtype=torch.int64))

@@ -56,7 +56,7 @@ from megatron_rl.parallel.schedule import wrap_for_training
 from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
 from megatron_rl.rewards.pool import RewardScorer
 from megatron_rl.rollout.multiturn import trajectory_stats
-from megatron_rl.rollout.trajectory import turn_of_positions
+from megatron_rl.rollout.trajectory import turn_layout, turn_of_positions
 from megatron_rl.telemetry import GpuTelemetry
 from megatron_rl.train.async_rollouts import AsyncRollouts, resume_batch
 from megatron_rl.train.checkpoint import (
@@ -282,6 +282,7 @@ class Trainer:
             group_ids_S=torch.arange(len(chosen.rewards)).repeat_interleave(G),
             seq_ids_T=seq_ids_T, loss_mask_T=mask_T, num_groups=len(chosen.rewards),
             old_logprobs_T=old.logprobs_T, ref_logprobs_T=ref_lp,
+            turns=turn_layout(samples) if self.objective.turn_credit == "turn" else None,
         )
         routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
         if routes is not None and self.rollouts.multiturn is not None:

@@ -20,6 +20,19 @@ pass over the whole trajectory:
 
 The rollout log-probs of the generated tokens are compared with the old-policy pass too.
 
+In the same world, a 2-step run against the CPU SGLang stand-in serving the demo's model with
+asynchronous rollouts (``rollout.max_staleness: 1``, the feedback environment): step 1's
+trajectories are generated synchronously, step 2's in the background during step 1, so they
+carry weight version 0 while the trainer holds version 1 (``rollout/staleness_max`` 1). For
+both steps the trajectories' rollout log-probs of the generated tokens are the served
+model's at the version they carry (Megatron's forward under that version's weights, within
+the transformers-numerics tolerance of the hf engine above, and measurably not the next
+version's), and the masking is the
+synchronous one: the loss mask is exactly the generated tokens, and the environment's tokens
+take the old policy's log-probs as their rollout log-probs (neutral corrections). That run
+also uses per-turn credit (``objective.turn_credit: turn``, discount 0.9): the trainer's
+advantages equal docs/agentic.md's formula written out here in plain floats.
+
 In the same world, the trainer runs one RL step of ``configs/demo_tools.yaml`` (calculator
 tool calls over several turns, hf engine with its prefix cache, R3 replaying the stitched
 routes, RSPO over the generated tokens, multi-turn evaluation before and after), and the
@@ -29,10 +42,13 @@ agreement per turn, correct tool use, the shares of end reasons.
 """
 
 import math
+import statistics
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from protocol_servers import protocol_server
 
 from megatron_rl.parallel.world import run_world
 
@@ -63,7 +79,84 @@ def _one_rl_step(run_dir: str) -> list[dict]:
         return Trainer(cfg, groups).run()
 
 
-def _worker(run_dir: str) -> dict:
+ASYNC = [
+    "train.steps=2", "train.eval_every=100", "train.save_hf=false", "train.progress=false", "train.mini_batches=1",
+    "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_sampling_rounds=1", "eval.max_prompts=2",
+    "eval.num_samples=1", "eval.pass_k=[1]", "eval.greedy=false", "reward.num_workers=0",
+    "objective.dynamic_sampling=false", "rollout.env.name=feedback", "rollout.env.max_turns=2",
+    "rollout.engine=sglang", "rollout.sglang.weight_sync=tensor", "rollout.max_staleness=1",
+    "objective.entropy_coef=0.01",  # every update changes the weights, even when a group's rewards are all equal
+    "objective.turn_credit=turn", "objective.turn_discount=0.9",
+    # The length penalty makes trajectory rewards differ when the tiny model answers none right.
+    "objective.overlong_penalty_max_len=100", "objective.overlong_penalty_cache_len=96",
+]
+
+
+def _async_run(run_dir: str, url: str) -> dict:
+    """Two steps with asynchronous multi-turn rollouts; per step, the trainer's weight version,
+    the trajectories' versions and turns, and the masking and log-prob checks."""
+    from megatron_rl.parallel.groups import model_parallel
+    from megatron_rl.parallel.logprobs import compute_logprobs
+    from megatron_rl.rollout.sglang.server import health_status
+    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.train.trainer import Trainer
+
+    deadline = time.monotonic() + 300
+    while health_status(url) != 200:
+        assert time.monotonic() < deadline, f"the stand-in at {url} is not healthy after 300 s"
+        time.sleep(0.2)
+    cfg = load_run_config(str(CONFIG), [*ASYNC, f"train.run_dir={run_dir}", f"rollout.sglang.urls=[{url}]"],
+                          world_size=2)
+    with model_parallel(cfg.parallel, cfg.seed) as groups:
+        trainer = Trainer(cfg, groups)
+        snapshots, steps, rl_step, make_batch = {}, {}, trainer.rl_step, trainer._batch
+
+        def recording_step(step, state):
+            snapshots[state.weight_version] = [p.detach().clone() for p in trainer.ddp.parameters()]
+            steps[step] = {"trainer_version": state.weight_version}
+            return rl_step(step, state)
+
+        def recording_batch(chosen, metrics):
+            out = make_batch(chosen, metrics)
+            step = max(steps)
+            steps[step].update(samples=[s for group in chosen.samples for s in group], batch=out,
+                               rewards=torch.cat(chosen.rewards).tolist())
+            return out
+
+        trainer.rl_step, trainer._batch = recording_step, recording_batch
+        history = trainer.run()
+        trainer.scorer.close()
+        checks = {}
+        for step, rec in steps.items():
+            samples, batch = rec["samples"], rec["batch"]
+            generated_T = torch.cat([s.loss_mask() for s in samples])
+
+            def behaviour_diff(version):
+                with torch.no_grad():
+                    for p, w in zip(trainer.ddp.parameters(), snapshots[version]):
+                        p.copy_(w)
+                served_T = compute_logprobs(trainer.ddp, groups, batch.sequences, batch.prompt_lengths,
+                                            **trainer._packing()).logprobs_T
+                return float((batch.rollout_logprobs_T - served_T)[generated_T].abs().max())
+
+            version = samples[0].weight_version
+            env_T = ~batch.loss_mask_T
+            checks[step] = {
+                "trainer_version": rec["trainer_version"], "versions": [s.weight_version for s in samples],
+                "turns": [len(s.turns) for s in samples],
+                "mask_is_generated": torch.equal(batch.loss_mask_T, generated_T),
+                "env_tokens": int(env_T.sum()),
+                "env_rollout_lp_is_old": torch.equal(batch.rollout_logprobs_T[env_T], batch.old_logprobs_T[env_T]),
+                "behaviour_diff": behaviour_diff(version),
+                "behaviour_diff_next": behaviour_diff(version + 1) if version + 1 in snapshots else None,
+                "rewards": rec["rewards"], "advantages": batch.advantages_T.tolist(),
+                "turn_spans": [s.turns for s in samples], "turn_rewards": [s.turn_rewards for s in samples],
+                "lengths": [len(s.output_ids) for s in samples],
+            }
+    return {"history": history, "checks": checks}
+
+
+def _worker(run_dir: str, url: str) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
@@ -112,12 +205,18 @@ def _worker(run_dir: str) -> dict:
                     "cache_hits": getattr(getattr(engine, "prefix_cache", None), "hits", None),
                 }
         out["history"] = _one_rl_step(run_dir)
+        out["async"] = _async_run(run_dir + "_async", url)
     return out
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_world(_worker, 2, str(tmp_path_factory.mktemp("agentic")), timeout_s=900)
+    # The server loads while the world runs the engines' part; the async run waits for it.
+    server = protocol_server(tmp_path_factory.mktemp("server"), config=CONFIG).start()
+    try:
+        return run_world(_worker, 2, str(tmp_path_factory.mktemp("agentic")), server.url, timeout_s=900)
+    finally:
+        server.stop()
 
 
 def test_trajectories_have_several_turns_and_ranks_differ_in_count(results):
@@ -178,3 +277,58 @@ def test_one_agentic_rl_step_logs_the_multi_turn_metrics(results):
     for step in (0, 1):
         for key in ("eval/accuracy", "eval/correct_tool_use", "eval/turns"):
             assert key in rows[step] and 0 <= rows[step][key] <= 3, (step, key)
+
+
+def test_staleness_one_multi_turn_trajectories_carry_their_version_and_mask_like_synchronous_ones(results):
+    for got in results:
+        checks, rows = got["async"]["checks"], {row["step"]: row for row in got["async"]["history"]}
+        print(f"\nasync multi-turn: {checks}")
+        assert sorted(checks) == [1, 2]
+        # Step 1 is generated synchronously at version 0; step 2's batch was generated during
+        # step 1, under version 0, and is trained by weights at version 1.
+        assert checks[1]["trainer_version"] == 0 and set(checks[1]["versions"]) == {0}
+        assert checks[2]["trainer_version"] == 1 and set(checks[2]["versions"]) == {0}
+        assert rows[2]["rollout/staleness_max"] == 1
+        assert any(n > 1 for check in checks.values() for n in check["turns"]), checks
+        for step, check in checks.items():
+            assert check["mask_is_generated"] and check["env_rollout_lp_is_old"], (step, check)
+            # The served model's log-probs at the version the trajectory carries (transformers
+            # numerics), measurably not the next version's.
+            assert check["behaviour_diff"] <= 1e-4, (step, check)
+            assert check["behaviour_diff_next"] >= 1e-2, (step, check)
+    assert any(check["env_tokens"] > 0 for got in results for check in got["async"]["checks"].values())
+
+
+def _per_turn_grpo(check: dict, group_size: int, discount: float, eps: float) -> list[float]:
+    """docs/agentic.md's per-turn credit written out: turn rewards (the last takes what the
+    trajectory reward leaves), discounted returns term by term, GRPO within (prompt, turn)."""
+    returns = []
+    for spans, env, total in zip(check["turn_spans"], check["turn_rewards"], check["rewards"]):
+        env = (list(env) + [0.0] * len(spans))[:len(spans)]
+        r = env[:-1] + [total - sum(env[:-1])]
+        returns.append([sum(discount ** (j - k) * r[j] for j in range(k, len(r))) for k in range(len(r))])
+    peers: dict = {}
+    for i, g in enumerate(returns):
+        for k, value in enumerate(g):
+            peers.setdefault((i // group_size, k), []).append(value)
+    expected = []
+    for i, (g, spans, n) in enumerate(zip(returns, check["turn_spans"], check["lengths"])):
+        ends = [start for start, _ in spans[1:]] + [n]
+        for k, ((start, _), end) in enumerate(zip(spans, ends)):
+            others = peers[(i // group_size, k)]
+            std = statistics.stdev(others) if len(others) > 1 else 0.0
+            value = 0.0 if std == 0 else (g[k] - statistics.fmean(others)) / (std + eps)
+            expected += [value] * (end - start)
+    return expected
+
+
+def test_per_turn_credit_in_the_trainer_follows_the_documented_formula(results):
+    from megatron_rl.algos import get_preset
+
+    eps, informative = get_preset("grpo").adv_std_eps, 0
+    for got in results:
+        for step, check in got["async"]["checks"].items():
+            expected = _per_turn_grpo(check, group_size=4, discount=0.9, eps=eps)
+            assert check["advantages"] == pytest.approx(expected, rel=1e-5, abs=1e-6), step
+            informative += sum(abs(a) > 0.1 for a in check["advantages"])
+    assert informative > 0  # not all advantages zero: the check above compared numbers

@@ -50,6 +50,7 @@ def bad_inputs(tmp_path_factory):
         "def two_args(prompt, response):\n    return 0.0\n"
     )
     (root / "my_envs.py").write_text("class NoStep:\n    def reset(self, row):\n        return None\n")
+    (root / "broken_envs.py").write_text("raise RuntimeError('no sandbox credentials')\n")
     from megatron_rl.config_loading import to_dict
     from megatron_rl.train.prepare import load_run_config
 
@@ -135,6 +136,22 @@ CASES = {
     "no turn allowed": (["rollout.env.name=calculator", "rollout.env.max_turns=0"], "rollout.env.max_turns"),
     "trajectory longer than the model": (["rollout.env.name=calculator", "rollout.env.max_total_tokens=4096"],
                                          "rollout.env.max_total_tokens: 4096 exceeds"),
+    "unknown environment": (["rollout.env.name=calculater"],
+                            "rollout.env.name: 'calculater' is neither a built-in environment (calculator, feedback, "
+                            "http) nor an import path 'package.module:Class'"),
+    "environment module raises on import": (["rollout.env.name=broken_envs:Env"],
+                                            "rollout.env.name: cannot import 'broken_envs': RuntimeError: no sandbox "
+                                            "credentials"),
+    "environment class missing": (["rollout.env.name=my_envs:Nope"],
+                                  "rollout.env.name: module 'my_envs' has no attribute 'Nope'"),
+    "no room for a turn": (["rollout.env.name=calculator", "rollout.env.max_total_tokens=16"],
+                           "rollout.env.max_total_tokens: 16 leaves no room for a prompt"),
+    "environment step never times out": (["rollout.env.name=calculator", "rollout.env.step_timeout_s=inf"],
+                                         "rollout.env.step_timeout_s: must be a finite number > 0"),
+    "http retries forever": (["rollout.env.name=http", "rollout.env.http.url=http://127.0.0.1:9",
+                              "rollout.env.http.backoff_s=inf"], "rollout.env.http.backoff_s: must be a finite"),
+    "environment limit without environment": (["rollout.env.max_turns=0"],
+                                              "rollout.env.max_turns: 0 is set, but rollout.env.name is null"),
     "environment without chat template": (["rollout.env.name=calculator", "tokenizer.chat_template=false"],
                                           "rollout.env.name: multi-turn rollouts render"),
 }

@@ -4,7 +4,8 @@ its arguments (an import) is ``megatron_rl.rollout.envs.load``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from megatron_rl.config_loading import require
@@ -54,10 +55,17 @@ class EnvConfig:
 def check_env_section(env: EnvConfig, max_position_embeddings: int, max_new_tokens: int) -> None:
     """The section's own rules (the class and its arguments are checked by ``envs.load``)."""
     if env.name is None:
+        # Single-turn rollouts read no other key of the section: one that is set would be ignored.
+        default = EnvConfig()
+        for f in fields(EnvConfig):
+            require(getattr(env, f.name) == getattr(default, f.name), f"rollout.env.{f.name}",
+                    f"{getattr(env, f.name)!r} is set, but rollout.env.name is null (single-turn rollouts "
+                    "use no environment); set rollout.env.name or leave the key out")
         return
     require(bool(env.name.strip()), "rollout.env.name", "must be a built-in name or 'package.module:Class'")
     require(env.max_turns >= 1, "rollout.env.max_turns", "must be >= 1")
-    require(env.step_timeout_s > 0, "rollout.env.step_timeout_s", "must be > 0")
+    # An unbounded wait is the hang the limit exists to prevent (and overflows the thread timeouts).
+    require(0 < env.step_timeout_s < math.inf, "rollout.env.step_timeout_s", "must be a finite number > 0")
     require(env.max_parallel >= 1, "rollout.env.max_parallel", "must be >= 1")
     require(env.max_errors_printed >= 0, "rollout.env.max_errors_printed", "must be >= 0")
     if env.max_total_tokens is not None:
@@ -69,6 +77,7 @@ def check_env_section(env: EnvConfig, max_position_embeddings: int, max_new_toke
         h = env.http
         require(h.url.startswith(("http://", "https://")), "rollout.env.http.url",
                 f"{h.url!r} is not an http:// or https:// URL")
-        require(h.request_timeout_s > 0, "rollout.env.http.request_timeout_s", "must be > 0")
+        require(0 < h.request_timeout_s < math.inf, "rollout.env.http.request_timeout_s",
+                "must be a finite number > 0")
         require(h.retries >= 0, "rollout.env.http.retries", "must be >= 0")
-        require(h.backoff_s >= 0, "rollout.env.http.backoff_s", "must be >= 0")
+        require(0 <= h.backoff_s < math.inf, "rollout.env.http.backoff_s", "must be a finite number >= 0")
