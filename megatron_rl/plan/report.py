@@ -131,6 +131,8 @@ def format_plan(plan: Plan) -> str:
         plain = max(p.peak for p in plan.phases if p.name == "train")
         lines.append(f"optimizer: Megatron's plain optimizer (train peak {gib(plain)} GiB); the distributed "
                      f"optimizer would make it {gib(plan.train_peak_distributed)} GiB")
+    else:
+        lines.append("optimizer: Megatron's distributed optimizer (optim.distributed)")
     verdict = "FITS" if plan.fits else "DOES NOT FIT"
     lines.append(f"{verdict}: margin {gib(plan.margin)} GiB per {unit} "
                  f"({100 * plan.margin / machine.gpu_memory:.1f}% of {gib(machine.gpu_memory)} GiB)"

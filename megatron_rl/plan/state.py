@@ -69,13 +69,8 @@ def optimizer_bytes_per_param(optim: OptimConfig, params_dtype: str, distributed
 
 
 def distributed_optimizer(cfg: RunConfig) -> bool:
-    """Whether the run builds Megatron's distributed optimizer.
-
-    Not yet: ``parallel.optim.build_optimizer`` and ``parallel.schedule.wrap_for_training``
-    pass ``use_distributed_optimizer=False``; the planner prints the distributed figures
-    beside the plain ones (``megatron_rl.plan.phases``) until a config key chooses it.
-    """
-    return False
+    """Whether the run builds Megatron's distributed optimizer (``optim.distributed``)."""
+    return cfg.optim.distributed
 
 
 def uses_reference(cfg: RunConfig) -> bool:
