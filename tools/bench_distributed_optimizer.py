@@ -49,10 +49,10 @@ def _loss_fn(mb, logits_1TV):
 
 def _state_bytes(model, ddp, optimizer) -> int:
     """Bytes of every storage of weights, gradient buffers, main weights and Adam state, once each."""
-    from megatron_rl.parallel.mcore_optimizer import optimizer_members
+    from megatron_rl.parallel.mcore_optimizer import ddp_buffers, optimizer_members
 
     storages = {}
-    tensors = [*model.parameters(), *(b.grad_data for b in ddp.buffers + ddp.expert_parallel_buffers)]
+    tensors = [*model.parameters(), *(buffers[0] for buffers in ddp_buffers(ddp))]  # (gradients, weights)
     for member in optimizer_members(optimizer):
         for group in member.optimizer.param_groups:
             for param in group["params"]:

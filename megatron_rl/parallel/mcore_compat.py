@@ -191,6 +191,12 @@ OPTIMIZER_KEY = re.compile(r"^(chained_\d+\.)?optimizer\.")
 per member of a ChainedOptimizer (0.16.1-0.19.2; tests/parallel/test_trainer_export.py)."""
 
 
+RANK_IMPORTS = ("megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+                "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel")
+"""The Megatron-Core modules a rank of ours imports (seconds on CPU), which the forkserver of
+``parallel/world.py`` imports once for every rank."""
+
+
 def __getattr__(name: str) -> Any:
     internal = INTERNALS.get(name)
     if internal is None:

@@ -15,9 +15,9 @@ Lifetime: every rank leads its own process group, so stopping a rank reaches wha
 started (reward pool workers and their forkserver) and the terminal's Ctrl-C reaches only
 the parent. However ``run_world`` ends (results, failure, an exception such as
 :class:`Stopped`), no rank or rank child outlives it: ranks still running are sent
-SIGTERM, then SIGKILL, group by group. A caller that dies abruptly (SIGKILL, OOM killer)
-takes its forkserver along (it exits when the caller's end of its pipe closes), and each
-rank, re-parented, kills its own group within a second (:func:`exit_with_parent`). Entry points turn
+SIGTERM, then SIGKILL, group by group. When the caller dies abruptly (SIGKILL, OOM killer)
+every rank kills its own group at once (:func:`exit_with_process`); the forkserver exits
+when its last client has. Entry points turn
 SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
 
 The other two ways a default process group comes to be live here too: :func:`world_of_one`
@@ -32,6 +32,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import select
 import signal
 import socket
 import threading
@@ -43,6 +44,7 @@ import psutil
 import torch
 
 from megatron_rl.parallel import comm
+from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
 
 
 class WorldError(RuntimeError):
@@ -136,6 +138,25 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def exit_with_process(pid: int) -> None:
+    """Kill this process, with its process group when it leads one, once process ``pid`` has
+    ended: a daemon thread waits on a pidfd of it (no polling, no confusion with a later
+    process that reuses the pid)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        pidfd = None  # gone already
+
+    def watch() -> None:
+        if pidfd is not None:
+            select.select([pidfd], [], [])
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="exit-with-caller", daemon=True).start()
+
+
 @contextlib.contextmanager
 def world_of_one() -> Iterator[torch.distributed.ProcessGroup]:
     """The default process group as a gloo world of this process alone (an in-memory store:
@@ -216,6 +237,7 @@ def _rank_main(
     world_size: int,
     port: int,
     threads: int,
+    caller_pid: int,
     environment: dict[str, str],
     fn: Callable,
     args: tuple,
@@ -223,9 +245,8 @@ def _rank_main(
     backend: str = "gloo",
 ) -> None:
     os.setpgid(0, 0)
-    # The parent is the forkserver, which exits when the caller does (then this rank is
-    # re-parented and ends with its group).
-    exit_with_parent(os.getppid())
+    # Not the parent (the forkserver, which outlives the caller while any rank lives).
+    exit_with_process(caller_pid)
     # The forkserver's environment is the caller's when it started; a rank gets the
     # caller's environment of now, as a spawned process would.
     os.environ.clear()
@@ -253,22 +274,18 @@ def _rank_main(
             torch.distributed.destroy_process_group()
 
 
-RANK_PRELOAD = ("torch", "torch.distributed", "megatron.core.models.gpt", "megatron.core.optimizer",
-                "megatron.core.distributed", "megatron.core.dist_checkpointing", "megatron.core.pipeline_parallel")
-"""What the forkserver imports once, so that a rank, a fork of it, starts in a tenth of a
-second instead of importing torch and Megatron-Core (seconds per rank, every world)."""
-
-
 def _rank_context() -> Any:
     """Ranks are forks of a forkserver (Python's, one per process, started by the first world
-    and kept for the next) that preloaded :data:`RANK_PRELOAD`: like spawn, a rank inherits no
+    and kept for the next) that imported torch and Megatron-Core's heavy modules
+    (``mcore_compat.RANK_IMPORTS``) once, so a rank starts in a tenth of a second instead of
+    importing them (seconds per rank, every world). Like spawn, a rank inherits no
     threads, locks or CUDA state of the caller, and re-imports its ``__main__``. Where the
     caller started the forkserver already (a reward pool, with its own preload) the ranks
     import what the preload lacks themselves. Spawn where there is no forkserver."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(RANK_PRELOAD))
+    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS])
     return ctx
 
 
@@ -302,7 +319,7 @@ def run_world(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, dict(os.environ), fn, args, results, backend),
+            args=(rank, world_size, port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results, backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)

@@ -20,12 +20,14 @@ each name cited from TE's source). One spawned 2-process gloo world checks:
   checkpoint.
 """
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
 import te_standins
 import torch
 
+import megatron_rl.parallel.world as world_module
 from megatron_rl.parallel.world import run_world
 
 pytestmark = pytest.mark.parallel
@@ -191,7 +193,11 @@ def _te_world(tmp: str) -> dict:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("te_spec")
-    return run_world(_te_world, 2, str(tmp))[0]
+    # Spawned ranks: the stand-ins go in before Megatron-Core is imported, which the
+    # forkserver's preloaded ranks have done already.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(world_module, "_rank_context", lambda: multiprocessing.get_context("spawn"))
+        return run_world(_te_world, 2, str(tmp))[0]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -1,6 +1,7 @@
 """The reward layer: built-ins, import-path resolution, error policy, timeouts, pool parity."""
 
 import logging
+import multiprocessing.forkserver
 import subprocess
 import sys
 import threading
@@ -56,6 +57,10 @@ def _item(behaviour, response="42", ground_truth="42", sample_id=None, **metadat
 
 @pytest.fixture(scope="module")
 def pool_scorer():
+    # A process has one forkserver, started by whoever needs it first with their preload: in
+    # this test process that may be the gloo worlds' (torch, Megatron-Core), which a trainer
+    # rank's pool never sees (a rank starts its own). Stopped so the pool starts its own.
+    multiprocessing.forkserver._forkserver._stop()
     cfg = RewardConfig(function=f"{FIXTURES}:by_behaviour", num_workers=2, timeout_s=POOL_TIMEOUT_S)
     with RewardScorer(cfg) as scorer:
         yield scorer
