@@ -29,20 +29,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.distributed import ProcessGroup
 
 from megatron_rl.parallel import comm
-from megatron_rl.parallel.checkpoint import (
-    has_optimizer_state,
-    load_training_state,
-    optimizer_sharding,
-    save_training_state,
-)
-from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.train.disk_space import reporting_a_full_disk
+
+if TYPE_CHECKING:
+    from megatron_rl.parallel.groups import ParallelGroups
 
 
 @dataclass
@@ -99,6 +95,14 @@ def write_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState,
     ahead, :mod:`megatron_rl.train.async_rollouts`). ``layout`` (:func:`parallel_layout`) is
     recorded for the resume check; ``sharding`` is the distributed optimizer's checkpoint
     format (``optim.checkpoint_sharding``)."""
+    # Megatron is imported where a checkpoint is written or read: the entry point's own
+    # process, which only looks for the latest one, imports none (seconds at every start).
+    from megatron_rl.parallel.checkpoint import (
+        has_optimizer_state,
+        optimizer_sharding,
+        save_training_state,
+    )
+
     root = _checkpoint_root(run_dir)
     path = root / f"step_{state.step:06d}"
     rank = comm.rank(group)
@@ -149,6 +153,8 @@ def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, 
 def load_checkpoint(path: Path, model, optimizer, group: ProcessGroup) -> TrainerState:
     """Collectively (over ``group``, every rank) load a checkpoint (written under any layout
     its optimizer format reshards to) into model and optimizer."""
+    from megatron_rl.parallel.checkpoint import load_training_state
+
     body = json.loads((path / "trainer_state.json").read_text())
     # Checkpoints from before the flag: only step 0 (saved right after the warm start, before
     # the first RL step) was written by an optimizer without state.

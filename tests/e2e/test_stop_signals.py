@@ -104,7 +104,9 @@ def _stop(proc: subprocess.Popen, sig: int, run_dir: Path, log: Path) -> None:
     _assert_all_gone(kids, run_dir)
 
 
-def test_sigterm_stops_every_rank_and_a_second_run_into_the_dir_is_refused(tmp_path):
+def test_sigterm_and_sigint_stop_every_rank_and_a_second_run_into_the_dir_is_refused(tmp_path):
+    """SIGTERM stops a run (a second run into its directory refused while it lives); the
+    directory resumes from its last checkpoint, and SIGINT (Ctrl-C) stops the resumed run alike."""
     run_dir = tmp_path / "run"
     first = _start(run_dir, tmp_path / "first", 50, "reward.num_workers=1")
     try:
@@ -117,19 +119,16 @@ def test_sigterm_stops_every_rank_and_a_second_run_into_the_dir_is_refused(tmp_p
         _stop(first, signal.SIGTERM, run_dir, tmp_path / "first")
     finally:
         first.kill()
-    _resume(run_dir, tmp_path)
-
-
-def test_sigint_stops_every_rank_with_one_line(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, tmp_path / "run", 50)
-    try:
-        _wait_for(lambda: _latest_step(run_dir) is not None, proc, tmp_path / "run")
-        _stop(proc, signal.SIGINT, run_dir, tmp_path / "run")
-    finally:
-        proc.kill()
     latest = _latest_step(run_dir)
     assert (run_dir / "checkpoints" / f"step_{latest:06d}" / "trainer_state.json").exists()
+    log = tmp_path / "resumed"
+    resumed = _start(run_dir, log, 50)
+    try:
+        _wait_for(lambda: _latest_step(run_dir) > latest, resumed, log)
+        assert f"(step {latest})" in _output(log)[0]
+        _stop(resumed, signal.SIGINT, run_dir, log)
+    finally:
+        resumed.kill()
 
 
 def test_sigkill_of_the_main_process_mid_save_takes_the_ranks_along_and_the_dir_resumes(tmp_path):
