@@ -142,14 +142,19 @@ def exit_with_parent(parent_pid: int, poll_s: float = 0.5) -> None:
 def exit_with_process(pid: int) -> None:
     """Kill this process, with its process group when it leads one, once process ``pid`` has
     ended: a daemon thread waits on a pidfd of it (no polling, no confusion with a later
-    process that reuses the pid)."""
+    process that reuses the pid; kernels before 5.3 poll)."""
     try:
         pidfd = os.pidfd_open(pid)
     except ProcessLookupError:
         pidfd = None  # gone already
+    except OSError:  # a kernel before 5.3: poll instead
+        pidfd = -1
 
     def watch() -> None:
-        if pidfd is not None:
+        if pidfd == -1:
+            while psutil.pid_exists(pid):
+                time.sleep(0.5)
+        elif pidfd is not None:
             select.select([pidfd], [], [])
         if os.getpgrp() == os.getpid():
             os.killpg(os.getpid(), signal.SIGKILL)

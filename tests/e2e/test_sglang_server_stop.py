@@ -66,7 +66,8 @@ def test_sigterm_stops_the_server_and_a_taken_port_is_refused(tmp_path):
     first = _wrapper(port, tmp_path / "first.log")
     try:
         server = _child(first)
-        assert "healthy" in first.stdout.readline()  # blocks until /health answered 200
+        line = first.stdout.readline()  # blocks until /health answered 200
+        assert "healthy" in line, (line, first.poll(), first.stderr.read() if first.poll() is not None else "")
         second = _wrapper(port, tmp_path / "second.log")
         out, err = second.communicate(timeout=60)
         assert second.returncode == 1 and "healthy" not in out, out + err
