@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import io
 import multiprocessing as mp
-import multiprocessing.forkserver
 import os
 import queue
 import select
@@ -293,13 +292,6 @@ def _rank_context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS])
     return ctx
-
-
-def start_rank_forkserver() -> None:
-    """Start the forkserver that the next world's ranks fork from now: its imports (seconds)
-    then run while this process does other work, e.g. checks a run's inputs."""
-    if _rank_context().get_start_method() == "forkserver":
-        mp.forkserver.ensure_running()
 
 
 def run_world(

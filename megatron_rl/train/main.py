@@ -40,7 +40,6 @@ from megatron_rl.parallel.world import (  # noqa: E402
     raise_on_stop_signals,
     rank_processes,
     run_world,
-    start_rank_forkserver,
 )
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
 from megatron_rl.train.prepare import check_inputs, load_run_config  # noqa: E402
@@ -146,10 +145,6 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
     lock, busy = None, None
     try:
         cfg = load_run_config(args.config, args.overrides, world_size=world_size)
-        if not launched:
-            # The ranks' warning filter, and their imports while this process checks the files.
-            os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
-            start_rank_forkserver()
         summary = check_inputs(cfg)
         if rank0:
             lock = RunDirLock(cfg.train.run_dir).acquire()
@@ -168,6 +163,7 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
             print(summary.describe(), flush=True)
         if launched:
             return _run_launched(cfg, busy)
+        os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
         nproc = cfg.parallel.world_size or 1
         validate(cfg, world_size=nproc)
         try:
