@@ -19,8 +19,15 @@ holds the local math in static methods and never communicates; the autograd Func
 ``_VocabParallelLogProbEntropy`` interleaves it with two all-reduces per chunk: a MAX of the
 local maxima, then one SUM of the packed ``[3, C]`` partial statistics.
 
-Math per token, with ``m`` the max logit over the whole vocabulary, ``s = sum_v exp(z_v - m)``
-and ``p = softmax(z)``::
+Temperature: with ``temperature_T`` each token's distribution is ``softmax(z / T)`` for its own
+``T > 0`` (the policy a rollout engine sampled from; per token, so samples of different
+temperatures share one call). Every shard divides its own logits by ``T`` (as SGLang's sampler
+does, ``logits.div_(temperatures)``), which commutes with the MAX all-reduce (division by a
+positive number keeps the order, in floating point too), so nothing is gathered; the math below
+then holds for ``z / T``, and backward divides the gradient by ``T`` once more (chain rule).
+
+Math per token, with ``z`` the (temperature-divided) logits, ``m`` their max over the whole
+vocabulary, ``s = sum_v exp(z_v - m)`` and ``p = softmax(z)``::
 
     logprob = z_target - m - log s
     entropy = log s - sum_v exp(z_v - m) (z_v - m) / s
@@ -33,8 +40,8 @@ shard treats its columns at global ids ``>= V`` as ``-inf`` logits inside its lo
 they add nothing to ``m``, ``s`` or the entropy, and their gradient is exactly zero, so the
 results are those of the unpadded ``V``-way softmax.
 
-Saved for backward: a reference to the input logits (no copy), the targets, and two ``[T]``
-vectors in the compute dtype: the log-normalizer ``lse = m + log s`` and the entropy (the
+Saved for backward: a reference to the input logits (no copy), the targets, the temperatures
+when given, and two ``[T]`` vectors in the compute dtype: the log-normalizer ``lse = m + log s`` and the entropy (the
 latter only when the entropy needs a gradient). The softmax is not kept; backward
 recomputes it chunk by chunk as ``p = exp(z - lse)``, which is local to the shard, so the
 backward pass needs no collectives. Both upstream gradients are applied in one pass.
@@ -51,6 +58,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from megatron_rl.parallel.vocab_parallel_checks import check_inputs, check_temperatures
 
 __all__ = ["VocabParallelLogProbMath", "vocab_parallel_logprobs_entropy"]
 
@@ -114,16 +123,27 @@ class VocabParallelLogProbMath:
 
     @staticmethod
     def chunk_max(
-        logits_CV: torch.Tensor, compute_dtype: torch.dtype, num_valid: int | None = None
+        logits_CV: torch.Tensor,
+        compute_dtype: torch.dtype,
+        num_valid: int | None = None,
+        temperature_C: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Per-token max over this shard's real ids, shape [C], in ``compute_dtype``.
+        """Per-token max over this shard's real ids of ``z / T``, shape [C], in ``compute_dtype``.
 
-        The max is exact in any dtype, so only the [C] result is cast, not the chunk. A
+        The max is exact in any dtype, so only the [C] result is cast, not the chunk; dividing
+        it by ``T`` gives the max of the divided chunk bit for bit (rounding is monotone). A
         shard of padding only gives ``-inf``, which the MAX all-reduce over shards ignores.
         """
         if num_valid == 0:
             return logits_CV.new_full((logits_CV.shape[0],), float("-inf"), dtype=compute_dtype)
-        return logits_CV[:, :num_valid].amax(dim=-1).to(compute_dtype)
+        max_C = logits_CV[:, :num_valid].amax(dim=-1).to(compute_dtype)
+        return max_C if temperature_C is None else max_C.div_(temperature_C)
+
+    @staticmethod
+    def scaled_copy_(scratch_CV: torch.Tensor, logits_CV: torch.Tensor, temperature_C: torch.Tensor | None):
+        """``z / T`` of the chunk in the scratch buffer (compute dtype); returns it."""
+        scratch_CV.copy_(logits_CV)
+        return scratch_CV if temperature_C is None else scratch_CV.div_(temperature_C[:, None])
 
     @staticmethod
     def chunk_partial_stats(
@@ -134,6 +154,7 @@ class VocabParallelLogProbMath:
         scratch_CV: torch.Tensor,
         entropy_scratch_CV: torch.Tensor | None = None,
         num_valid: int | None = None,
+        temperature_C: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """This shard's share of the per-token statistics, packed for one SUM all-reduce.
 
@@ -146,13 +167,16 @@ class VocabParallelLogProbMath:
             entropy_scratch_CV: a second such buffer, or ``None`` to skip the entropy term
                 (row 1 is then zero).
             num_valid: leading columns that are real ids; padding adds nothing to any row.
+            temperature_C: per-token temperature ``T > 0`` (``z`` is then ``logits / T``), or
+                ``None`` for ``T = 1``.
 
         Returns:
             Shape [3, C] in ``max_C``'s dtype: row 0 ``sum_v exp(z_v - m)``, row 1
-            ``sum_v exp(z_v - m) (z_v - m)``, row 2 the target's logit (0 where another
+            ``sum_v exp(z_v - m) (z_v - m)``, row 2 the target's ``z`` (0 where another
             shard holds the target). Summed over shards, each row is the full-vocabulary value.
         """
-        shifted_CV = scratch_CV.copy_(logits_CV).sub_(max_C[:, None])
+        math = VocabParallelLogProbMath
+        shifted_CV = math.scaled_copy_(scratch_CV, logits_CV, temperature_C).sub_(max_C[:, None])
         VocabParallelLogProbMath.mask_padding_(shifted_CV, num_valid)
         if entropy_scratch_CV is None:
             sum_exp_C = shifted_CV.exp_().sum(dim=-1)
@@ -164,6 +188,8 @@ class VocabParallelLogProbMath:
             sum_exp_C = exp_CV.sum(dim=-1)
             weighted_C = exp_CV.mul_(shifted_CV).sum(dim=-1)
         target_logit_C = logits_CV.gather(1, local_ids_C[:, None]).squeeze(1).to(max_C.dtype)
+        if temperature_C is not None:
+            target_logit_C = target_logit_C / temperature_C  # rounded as the scratch's copy is
         target_logit_C = target_logit_C.masked_fill(~in_shard_C, 0.0)
         return torch.stack([sum_exp_C, weighted_C, target_logit_C])
 
@@ -199,8 +225,9 @@ class VocabParallelLogProbMath:
         grad_entropy_C: torch.Tensor | None = None,
         entropy_scratch_CV: torch.Tensor | None = None,
         num_valid: int | None = None,
+        temperature_C: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Gradient of the chunk's logits: ``g_lp (onehot - p) - g_H p (log p + H)``.
+        """Gradient of the chunk's logits: ``(g_lp (onehot - p) - g_H p (log p + H)) / T``.
 
         Args:
             logits_CV: this shard's logits for the chunk, shape [C, V_local].
@@ -216,11 +243,13 @@ class VocabParallelLogProbMath:
             entropy_scratch_CV: a second buffer like ``scratch_CV``; only with
                 ``grad_entropy_C``.
             num_valid: leading columns that are real ids; padding columns get exactly 0.
+            temperature_C: per-token temperature of the forward (``None``: 1).
 
         Returns:
             The gradient, shape [C, V_local] in the compute dtype, in one of the scratch buffers.
         """
-        log_probs_CV = scratch_CV.copy_(logits_CV).sub_(lse_C[:, None])
+        math = VocabParallelLogProbMath
+        log_probs_CV = math.scaled_copy_(scratch_CV, logits_CV, temperature_C).sub_(lse_C[:, None])
         VocabParallelLogProbMath.mask_padding_(log_probs_CV, num_valid)
         if grad_entropy_C is None:
             grad_CV = log_probs_CV.exp_().mul_(-grad_logprobs_C[:, None])
@@ -235,7 +264,7 @@ class VocabParallelLogProbMath:
         grad_CV.index_put_(
             (rows, local_ids_C[rows]), grad_logprobs_C[rows].to(grad_CV.dtype), accumulate=True
         )
-        return grad_CV
+        return grad_CV if temperature_C is None else grad_CV.div_(temperature_C[:, None])
 
 
 def _scratch(
@@ -270,6 +299,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         compute_entropy: bool,
         entropy_requires_grad: bool,
         vocab_size: int,
+        temperature_T: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         math = VocabParallelLogProbMath
         tp_rank, tp_size = _group_rank_and_size(tp_group)
@@ -277,6 +307,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         vocab_start = tp_rank * v_local
         num_valid = math.valid_columns(vocab_start, v_local, vocab_size)
         dtype = _compute_dtype(logits_TV.dtype)
+        if temperature_T is not None:
+            temperature_T = temperature_T.to(device=logits_TV.device, dtype=dtype)
         logprobs_T = logits_TV.new_empty(num_tokens, dtype=dtype)
         lse_T = logits_TV.new_empty(num_tokens, dtype=dtype)
         entropy_T = logits_TV.new_empty(num_tokens if compute_entropy else 0, dtype=dtype)
@@ -286,12 +318,14 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             chunk = slice(start, min(start + chunk_tokens, num_tokens))
             logits_CV = logits_TV[chunk]
             local_ids_C, in_shard_C = math.local_targets(targets_T[chunk], vocab_start, v_local)
-            max_C = math.chunk_max(logits_CV, dtype, num_valid)
+            temperature_C = None if temperature_T is None else temperature_T[chunk]
+            max_C = math.chunk_max(logits_CV, dtype, num_valid, temperature_C)
             if tp_size > 1:
                 dist.all_reduce(max_C, op=dist.ReduceOp.MAX, group=tp_group)
             buffers = [buf[: chunk.stop - start] for buf in scratch]
             stats_3C = math.chunk_partial_stats(
-                logits_CV, max_C, local_ids_C, in_shard_C, *buffers, num_valid=num_valid
+                logits_CV, max_C, local_ids_C, in_shard_C, *buffers, num_valid=num_valid,
+                temperature_C=temperature_C,
             )
             if tp_size > 1:
                 dist.all_reduce(stats_3C, op=dist.ReduceOp.SUM, group=tp_group)
@@ -307,7 +341,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         ctx.num_valid = num_valid
         ctx.entropy_grad = compute_entropy and entropy_requires_grad
         ctx.save_for_backward(
-            logits_TV, targets_T, lse_T, entropy_T if ctx.entropy_grad else None
+            logits_TV, targets_T, lse_T, entropy_T if ctx.entropy_grad else None, temperature_T
         )
         if not ctx.entropy_grad:
             ctx.mark_non_differentiable(entropy_T)
@@ -316,7 +350,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs_T: torch.Tensor, grad_entropy_T: torch.Tensor | None):
         math = VocabParallelLogProbMath
-        logits_TV, targets_T, lse_T, entropy_T = ctx.saved_tensors
+        logits_TV, targets_T, lse_T, entropy_T, temperature_T = ctx.saved_tensors
         num_tokens, v_local = logits_TV.shape
         grad_TV = torch.empty_like(logits_TV, memory_format=torch.contiguous_format)
         dtype = lse_T.dtype
@@ -349,58 +383,11 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
                 buffers[0],
                 **entropy_terms,
                 num_valid=ctx.num_valid,
+                temperature_C=None if temperature_T is None else temperature_T[chunk],
             )
             if result_CV.data_ptr() != grad_CV.data_ptr():
                 grad_CV.copy_(result_CV)  # also casts back to the logits' dtype
-        return grad_TV, None, None, None, None, None, None
-
-
-def _check_inputs(
-    logits_TV: torch.Tensor,
-    targets_T: torch.Tensor,
-    tp_size: int,
-    chunk_tokens: int,
-    vocab_size: int | None,
-) -> int:
-    """The true vocabulary size; raises naming the offending tensor (and token)."""
-    # All ranks see the same shapes, targets and sizes, so all raise alike.
-    if not isinstance(logits_TV, torch.Tensor) or logits_TV.dim() != 2:
-        shape = tuple(logits_TV.shape) if isinstance(logits_TV, torch.Tensor) else type(logits_TV)
-        raise ValueError(f"logits_TV must be a 2-D tensor [T, V_local]; got {shape}")
-    if not logits_TV.is_floating_point():
-        raise TypeError(f"logits_TV must be floating point; got {logits_TV.dtype}")
-    if not isinstance(targets_T, torch.Tensor) or targets_T.dim() != 1:
-        shape = tuple(targets_T.shape) if isinstance(targets_T, torch.Tensor) else type(targets_T)
-        raise ValueError(f"targets_T must be a 1-D tensor [T]; got {shape}")
-    if targets_T.is_floating_point() or targets_T.is_complex() or targets_T.dtype == torch.bool:
-        raise TypeError(f"targets_T must hold integer token ids; got {targets_T.dtype}")
-    if targets_T.shape[0] != logits_TV.shape[0]:
-        raise ValueError(
-            f"targets_T has {targets_T.shape[0]} tokens but logits_TV has "
-            f"{logits_TV.shape[0]} (shape {tuple(logits_TV.shape)})"
-        )
-    if targets_T.device != logits_TV.device:
-        raise ValueError(
-            f"targets_T is on {targets_T.device} but logits_TV is on {logits_TV.device}"
-        )
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens <= 0:
-        raise ValueError(f"chunk_tokens must be a positive int; got {chunk_tokens!r}")
-    columns = logits_TV.shape[1] * tp_size
-    if vocab_size is not None and (isinstance(vocab_size, bool) or not 0 < vocab_size <= columns):
-        raise ValueError(
-            f"vocab_size must be an int in [1, {columns}] (V_local {logits_TV.shape[1]} x tp_size "
-            f"{tp_size}); got {vocab_size!r}"
-        )
-    vocab = columns if vocab_size is None else vocab_size
-    outside_T = (targets_T < 0) | (targets_T >= vocab)
-    if outside_T.any():
-        token = int(outside_T.nonzero()[0, 0])
-        padding = f", {columns - vocab} padding columns after it" if vocab < columns else ""
-        raise ValueError(
-            f"targets_T[{token}] = {int(targets_T[token])} is outside the vocabulary "
-            f"[0, {vocab}) (V_local {logits_TV.shape[1]} x tp_size {tp_size}{padding})"
-        )
-    return vocab
+        return grad_TV, None, None, None, None, None, None, None
 
 
 def vocab_parallel_logprobs_entropy(
@@ -412,6 +399,7 @@ def vocab_parallel_logprobs_entropy(
     compute_entropy: bool = True,
     entropy_requires_grad: bool = False,
     vocab_size: int | None = None,
+    temperature_T: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probability of the target and full-vocabulary entropy, vocab-parallel.
 
@@ -432,6 +420,9 @@ def vocab_parallel_logprobs_entropy(
         vocab_size: the true vocabulary V when Megatron's is padded (``V_local * tp_size >
             V``): ids ``>= V`` take no part in the softmax, the entropy or the gradient.
             ``None``: every column is a real id.
+        temperature_T: per-token temperature ``T > 0``, shape [T]: the log-prob, the entropy
+            and their gradients are those of ``softmax(logits / T)``, the distribution a rollout
+            engine samples at temperature ``T``. ``None``: ``T = 1`` (the same numbers as all ones).
 
     Returns:
         ``(logprobs_T, entropy_T)``: shape [T] each, fp32 (fp64 for fp64 logits);
@@ -440,12 +431,14 @@ def vocab_parallel_logprobs_entropy(
 
     Raises:
         ValueError: a tensor of the wrong shape, a target outside ``[0, V)`` (the message
-            names the first such token and its id), a non-positive ``chunk_tokens``, or a
-            ``vocab_size`` outside ``[1, V_local * tp_size]``.
+            names the first such token and its id), a non-positive ``chunk_tokens``, a
+            ``vocab_size`` outside ``[1, V_local * tp_size]``, or a temperature that is not
+            finite and positive (naming the token).
         TypeError: non-float logits or non-integer targets.
     """
     _, tp_size = _group_rank_and_size(tp_group)
-    vocab = _check_inputs(logits_TV, targets_T, tp_size, chunk_tokens, vocab_size)
+    vocab = check_inputs(logits_TV, targets_T, tp_size, chunk_tokens, vocab_size)
+    check_temperatures(temperature_T, logits_TV.shape[0])
     logprobs_T, entropy_T = _VocabParallelLogProbEntropy.apply(
         logits_TV,
         targets_T.long(),
@@ -454,5 +447,6 @@ def vocab_parallel_logprobs_entropy(
         compute_entropy,
         entropy_requires_grad,
         vocab,
+        temperature_T,
     )
     return logprobs_T, (entropy_T if compute_entropy else None)

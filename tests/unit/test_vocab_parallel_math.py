@@ -353,3 +353,73 @@ def test_saved_for_backward_is_the_input_and_two_token_vectors():
 def test_bad_inputs_raise_naming_the_culprit(logits, targets, kwargs, error, match):
     with pytest.raises(error, match=match):
         vocab_parallel_logprobs_entropy(logits, targets, **kwargs)
+
+
+def _temperatures(num_tokens, seed=5):
+    """Per-token temperatures in [0.3, 1.7] (samples of different temperatures share a call)."""
+    return 0.3 + 1.4 * torch.rand(num_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logprob", "logprob+entropy"])
+def test_per_token_temperature_is_the_softmax_of_logits_over_t(entropy_grad):
+    """log_softmax(z / T) and its entropy, and their gradient w.r.t. z, per token."""
+    logits_TV, targets_T, weights_T = make_problem()
+    temperature_T = _temperatures(logits_TV.shape[0])
+    entropy_weights_T = torch.linspace(-1.0, 1.0, logits_TV.shape[0], dtype=torch.float64) if entropy_grad else None
+    logprobs_T, entropy_T = vocab_parallel_logprobs_entropy(logits_TV, targets_T, chunk_tokens=8,
+                                                            temperature_T=temperature_T)
+    ref_logprobs_T, ref_entropy_T = reference(logits_TV / temperature_T[:, None], targets_T)
+    assert (logprobs_T - ref_logprobs_T).abs().max() <= 1e-12
+    assert (entropy_T - ref_entropy_T).abs().max() <= 1e-12
+    assert (ref_logprobs_T - reference(logits_TV, targets_T)[0]).abs().max() > 0.5, "T must matter here"
+    grad = library_grad(logits_TV, targets_T, weights_T, entropy_weights_T, chunk_tokens=8, temperature_T=temperature_T)
+    # The reference differentiates through the division: d/dz = (d/dx) / T.
+    logits = logits_TV.detach().clone().requires_grad_(True)
+    lp, ent = reference(logits / temperature_T[:, None], targets_T)
+    ((weights_T * lp).sum() + (0 if entropy_weights_T is None else (entropy_weights_T * ent).sum())).backward()
+    assert (grad - logits.grad).abs().max() <= 1e-10
+
+
+def test_temperature_one_is_bit_for_bit_no_temperature():
+    logits_TV, targets_T, weights_T = make_problem(dtype=torch.float32)
+    plain = vocab_parallel_logprobs_entropy(logits_TV, targets_T, chunk_tokens=8)
+    ones = vocab_parallel_logprobs_entropy(logits_TV, targets_T, chunk_tokens=8,
+                                           temperature_T=torch.ones(logits_TV.shape[0]))
+    assert torch.equal(plain[0], ones[0]) and torch.equal(plain[1], ones[1])
+    assert torch.equal(library_grad(logits_TV, targets_T, weights_T),
+                       library_grad(logits_TV, targets_T, weights_T, temperature_T=torch.ones(logits_TV.shape[0])))
+
+
+def test_temperature_composes_over_three_shards_without_collectives():
+    """Each shard divides its own logits: max, sums and gradients combine exactly as at T = 1."""
+    math = VocabParallelLogProbMath
+    logits_TV, targets_T, weights_T = make_problem(vocab=54)
+    temperature_T = _temperatures(logits_TV.shape[0])
+    shards = logits_TV.chunk(3, dim=1)
+    targets = [math.local_targets(targets_T, rank * 18, 18) for rank in range(3)]
+    max_C = torch.stack([math.chunk_max(shard, torch.float64, None, temperature_T) for shard in shards]).amax(dim=0)
+    assert torch.equal(max_C, (logits_TV / temperature_T[:, None]).amax(dim=-1))
+    stats_3C = sum(math.chunk_partial_stats(shard, max_C, *ids, shard.clone(), shard.clone(),
+                                            temperature_C=temperature_T)
+                   for shard, ids in zip(shards, targets))
+    logprobs_C, entropy_C, lse_C = math.finalize(max_C, stats_3C)
+    ref_logprobs_T, ref_entropy_T = reference(logits_TV / temperature_T[:, None], targets_T)
+    assert (logprobs_C - ref_logprobs_T).abs().max() <= 1e-12
+    assert (entropy_C - ref_entropy_T).abs().max() <= 1e-12
+    grads = [math.chunk_grad(shard, lse_C, *ids, weights_T, shard.clone(), temperature_C=temperature_T)
+             for shard, ids in zip(shards, targets)]
+    logits = logits_TV.detach().clone().requires_grad_(True)
+    (weights_T * reference(logits / temperature_T[:, None], targets_T)[0]).sum().backward()
+    assert (torch.cat(grads, dim=1) - logits.grad).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("temperature, match", [
+    (torch.tensor([1.0, 0.0, 1.0, 1.0]), r"temperature_T\[1\] = 0.0: a sampling temperature must be finite and > 0"),
+    (torch.tensor([1.0, 1.0, float("nan"), 1.0]), r"temperature_T\[2\] = nan"),
+    (torch.tensor([1.0, 1.0, 1.0, -0.5]), r"temperature_T\[3\] = -0.5"),
+    (torch.ones(3), r"temperature_T has 3 tokens but logits_TV has 4"),
+    (torch.ones(4, dtype=torch.long), r"temperature_T must be a 1-D float tensor"),
+])
+def test_bad_temperatures_raise_naming_the_token(temperature, match):
+    with pytest.raises(ValueError, match=match):
+        vocab_parallel_logprobs_entropy(torch.zeros(4, 5), torch.zeros(4, dtype=torch.long), temperature_T=temperature)
