@@ -159,24 +159,38 @@ def local_ids_per_call(
     Returns:
         For each local layer number, one ``[N, K]`` int64 tensor per micro-batch.
     """
+    k = expert_ids_TLK.shape[2]
+    pad_K = torch.arange(k) if pad_ids_K is None else pad_ids_K
+    return local_values_per_call(expert_ids_TLK.to(torch.int64), layer_numbers, local_layer_numbers, micro_batches,
+                                 groups, pad_K.to(torch.int64))
+
+
+def local_values_per_call(
+    values_TLK: torch.Tensor,
+    layer_numbers: Sequence[int],
+    local_layer_numbers: Sequence[int],
+    micro_batches: Sequence,
+    groups,
+    pad_K: torch.Tensor,
+) -> dict[int, list[torch.Tensor]]:
+    """Cut any per-expert values ``[T, L, K]`` (ids, gate weights) into each local router
+    call's ``[N, K]``, padding positions filled with ``pad_K`` (in ``values_TLK``'s dtype)."""
     column = {number: i for i, number in enumerate(layer_numbers)}
     missing = [n for n in local_layer_numbers if n not in column]
     if missing:
         raise ValueError(f"routing data has no entry for MoE layer(s) {missing}")
-    k = expert_ids_TLK.shape[2]
-    if pad_ids_K is None:
-        pad_ids_K = torch.arange(k)
+    k = values_TLK.shape[2]
     tp_size = groups.tp_size if groups.sequence_parallel else 1
     out: dict[int, list[torch.Tensor]] = {n: [] for n in local_layer_numbers}
     cu_S1 = sample_cu_seqlens(micro_batches)
     offset = int(cu_S1[-1])
-    if offset != expert_ids_TLK.shape[0]:
+    if offset != values_TLK.shape[0]:
         raise ValueError(
-            f"routing data covers {expert_ids_TLK.shape[0]} tokens but the micro-batches hold {offset}"
+            f"routing data covers {values_TLK.shape[0]} tokens but the micro-batches hold {offset}"
         )
     for mb in micro_batches:
-        rows_TLK = expert_ids_TLK[packed_rows(mb, cu_S1)].to(torch.int64)
-        padded_TLK = pad_ids_K.to(torch.int64).expand(mb.padded_length, len(layer_numbers), k).clone()
+        rows_TLK = values_TLK[packed_rows(mb, cu_S1)]
+        padded_TLK = pad_K.to(values_TLK.dtype).expand(mb.padded_length, len(layer_numbers), k).clone()
         padded_TLK[mb.real_rows] = rows_TLK
         if mb.cp_size > 1:
             padded_TLK = padded_TLK[mb.local_rows]

@@ -80,6 +80,7 @@ def response_logprobs_entropy(
     logits_1TV: torch.Tensor,
     prompt_lengths: Sequence[int],
     groups,
+    temperature_R: torch.Tensor | None = None,
     **vocab_parallel_kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``[R]`` log-probs and entropies of the micro-batch's response rows, on every CP rank.
@@ -89,6 +90,7 @@ def response_logprobs_entropy(
         logits_1TV: the model's vocab-parallel logits of this rank's rows ``[1, T_cp, V_local]``.
         prompt_lengths: prompt tokens of each sample of the batch (by sample id).
         groups: ``ParallelGroups`` (TP for the vocabulary, CP for the row).
+        temperature_R: ``[R]`` sampling temperature of each response row (None: 1).
         **vocab_parallel_kwargs: forwarded to ``vocab_parallel_logprobs_entropy``.
 
     Returns:
@@ -98,12 +100,15 @@ def response_logprobs_entropy(
     device = logits_1TV.device
     if mb.cp_size == 1:
         rows_R, targets_R = response_targets(mb, prompt_lengths, device)
-        return vocab_parallel_logprobs_entropy(logits_1TV[0, rows_R], targets_R, groups.tp, **vocab_parallel_kwargs)
+        return vocab_parallel_logprobs_entropy(logits_1TV[0, rows_R], targets_R, groups.tp,
+                                               temperature_T=temperature_R, **vocab_parallel_kwargs)
     rows_R, targets_R = response_targets(mb, prompt_lengths, torch.device("cpu"))  # index math on the host
     local_R = mb.local_position_of_row[rows_R]
     owned = torch.nonzero(local_R >= 0)[:, 0]
     logprobs_O, entropy_O = vocab_parallel_logprobs_entropy(
-        logits_1TV[0, local_R[owned].to(device)], targets_R[owned].to(device), groups.tp, **vocab_parallel_kwargs
+        logits_1TV[0, local_R[owned].to(device)], targets_R[owned].to(device), groups.tp,
+        temperature_T=None if temperature_R is None else temperature_R[owned.to(temperature_R.device)],
+        **vocab_parallel_kwargs
     )
     values_KO = torch.stack([logprobs_O] if entropy_O is None else [logprobs_O, entropy_O])
     values_KR = values_KO.new_zeros(values_KO.shape[0], rows_R.numel()).index_copy(1, owned.to(device), values_KO)

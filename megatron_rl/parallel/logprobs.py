@@ -34,6 +34,7 @@ import torch.distributed as dist
 from megatron_rl.parallel.balance import plan_micro_batches
 from megatron_rl.parallel.comm import all_reduce, broadcast
 from megatron_rl.parallel.context_parallel import response_logprobs_entropy
+from megatron_rl.parallel.gate_replay import replay_for
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.packing import (
     PackedMicroBatch,
@@ -43,9 +44,13 @@ from megatron_rl.parallel.packing import (
 )
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.sections.parallel import thd_row_multiple
-from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
+from moe_routing.layout import (
+    assemble_record,
+    gather_call_field,
+    local_ids_per_call,
+    packed_rows,
+)
 from moe_routing.record import RouterRecorder
-from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.shift import router_shift_TL, rspo_gamma_T
 from moe_routing.stats import routing_metrics
 from moe_routing.types import RouterRecord
@@ -225,6 +230,8 @@ def compute_logprobs(
     replay_ids_TLK: torch.Tensor | None = None,
     replay_layer_numbers: Sequence[int] | None = None,
     old_record: RouterRecord | None = None,
+    temperature_T: torch.Tensor | None = None,
+    replay_gates_TLK: torch.Tensor | None = None,
 ) -> LogProbResult:
     """Response-token log-probs and entropies (and optionally routing) for this DP rank.
 
@@ -242,6 +249,10 @@ def compute_logprobs(
         replay_layer_numbers: layer number of each column of ``replay_ids_TLK``.
         old_record: the old policy's record of the same positions; the pass then measures
             the current router log-probs at its experts and returns RSPO weights.
+        temperature_T: ``[T_resp]`` sampling temperature of each response token, sample order:
+            log-probs and entropies are those of ``softmax(logits / T)``. None: T = 1.
+        replay_gates_TLK: with ``replay_ids_TLK``, the gate weight of each replayed expert
+            (R3w, ``megatron_rl.parallel.gate_replay``; NaN rows keep the router's own gates).
     """
     gpt = unwrap(model)
     vocab = gpt.true_vocab_size
@@ -260,13 +271,12 @@ def compute_logprobs(
         _queue_queries(recorder, old_record, micro_batches, groups)
     replay = None
     if replay_ids_TLK is not None:
-        replay = RoutingReplay(
-            [model],
-            replay_ids_per_call(replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers, micro_batches, groups),
-        )
+        replay = replay_for(model, groups, micro_batches, replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers,
+                            replay_gates_TLK)
+    cu_S1 = response_cu_seqlens(sequences, prompt_lengths)
     with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
         outputs = run_schedule(
-            model, micro_batches, _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab),
+            model, micro_batches, _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab, temperature_T, cu_S1),
             forward_only=True, before_forward=replay.before_forward if replay is not None else None,
         )
     result = _results_in_sample_order(outputs, micro_batches, groups, sequences, prompt_lengths)
@@ -279,12 +289,28 @@ def compute_logprobs(
     return result
 
 
-def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int):
+def response_cu_seqlens(sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """``[S + 1]`` response-token offsets of the samples, in sample order."""
+    lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)], dtype=torch.int64)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    torch.cumsum(lengths, 0, out=cu[1:])
+    return cu
+
+
+def micro_batch_temperatures(temperature_T: torch.Tensor | None, mb: PackedMicroBatch, cu_S1: torch.Tensor,
+                             device: torch.device) -> torch.Tensor | None:
+    """``[R]`` temperatures of a micro-batch's response rows (its samples' tokens in its order)."""
+    return None if temperature_T is None else temperature_T[packed_rows(mb, cu_S1)].to(device)
+
+
+def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int,
+                          temperature_T: torch.Tensor | None, cu_S1: torch.Tensor):
     """The schedule's loss function: each micro-batch's response log-probs and entropies (no loss)."""
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         logprobs, entropy = response_logprobs_entropy(
-            mb, logits_1TV, prompt_lengths, groups, chunk_tokens=chunk_tokens, vocab_size=vocab
+            mb, logits_1TV, prompt_lengths, groups, chunk_tokens=chunk_tokens, vocab_size=vocab,
+            temperature_R=micro_batch_temperatures(temperature_T, mb, cu_S1, logits_1TV.device),
         )
         zero = logits_1TV.new_zeros(())
         return zero, torch.tensor(logprobs.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
@@ -295,10 +321,8 @@ def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int],
 def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicroBatch], groups: ParallelGroups,
                              sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int]) -> LogProbResult:
     """The last stage's per-micro-batch outputs in sample order, on every pipeline stage (no record yet)."""
-    response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
-    total = int(response_lengths.sum())
-    cu = torch.zeros(len(sequences) + 1, dtype=torch.int64)
-    torch.cumsum(response_lengths, 0, out=cu[1:])
+    cu = response_cu_seqlens(sequences, prompt_lengths)
+    total = int(cu[-1])
     packed = torch.empty(2, total, dtype=torch.float32)
     if groups.is_last_stage:
         per_mb = [torch.stack([o["lp"].float(), o["ent"].float()], dim=1).cpu() for o in outputs]

@@ -5,12 +5,15 @@ sample order), T_all prompt+response positions, L MoE layers, K top-K.
 
 ``forward_backward`` takes this DP rank's mini-batch, resolves the routing plan into the
 experts every position is dispatched to (``none``: the router decides; ``R2``: the old
-policy's recorded experts; ``R3``: the experts the rollout engine returned, SGLang layout),
+policy's recorded experts; ``R3``: the experts the rollout engine returned, SGLang layout;
+``R3w``: those experts with the engine's own gate weights, ``parallel.gate_replay``),
 validates them before any forward, optionally runs a forward-only *probe* under the same
 plan (current router log-probabilities at the old experts give the RSPO weights; the same
 pass yields replay agreement, flip rate and router shift; it also gives the current
 log-probs and entropies the 80/20 and STAPO filters select on), and then runs forward and
-backward through Megatron's schedule with the objective from ``megatron_rl.algos``.
+backward through Megatron's schedule with the objective from ``megatron_rl.algos``. Every
+log-prob of the step (probe and training forward) is ``log_softmax(logits / T)`` at each token's
+sampling temperature (``TrainBatch.temperature_T``), the policy the samples were drawn from.
 
 The 80/20 and STAPO filters select over the global mini-batch, as the methods define them:
 with more than one data-parallel rank, every DP rank's filter inputs are gathered over the
@@ -58,21 +61,22 @@ from megatron_rl.parallel.comm import (
 )
 from megatron_rl.parallel.context_parallel import response_logprobs_entropy
 from megatron_rl.parallel.families import moe_layer_numbers
+from megatron_rl.parallel.gate_replay import replay_for
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.logprobs import (
     compute_logprobs,
+    micro_batch_temperatures,
     needs_common_length,
     pack_for_rank,
 )
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from moe_routing.record import find_routers
-from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.stats import gamma_metrics
 from moe_routing.types import RouterRecord
 from moe_routing.validate import RoutingDataError, validate_expert_ids
 
-RoutingMode = Literal["none", "R2", "R3"]
+RoutingMode = Literal["none", "R2", "R3", "R3w"]
 
 
 @dataclass
@@ -99,6 +103,11 @@ class TrainBatch:
     """Old-policy routing record of every position (R2 and RSPO)."""
     rollout_routes: list[torch.Tensor] | None = None
     """R3: per sample the rollout engine's experts ``[len_s - 1, L, K]`` (SGLang layout)."""
+    rollout_gates: list[torch.Tensor] | None = None
+    """R3w: per sample the gate weights the engine gave those experts ``[len_s - 1, L, K]``."""
+    temperature_T: torch.Tensor | None = None
+    """``[T_resp]`` sampling temperature of each response token: every pass scores
+    ``log_softmax(logits / T)``, the policy that drew the token (None: T = 1)."""
 
     def select(self, indices: list[int]) -> "TrainBatch":
         """The mini-batch made of the given samples (per-token tensors follow)."""
@@ -122,6 +131,8 @@ class TrainBatch:
             truncated_S=None if self.truncated_S is None else self.truncated_S[indices],
             old_record=None if self.old_record is None else self.old_record.select_samples(indices),
             rollout_routes=None if self.rollout_routes is None else [self.rollout_routes[i] for i in indices],
+            rollout_gates=None if self.rollout_gates is None else [self.rollout_gates[i] for i in indices],
+            temperature_T=tokens(self.temperature_T),
         )
 
 
@@ -130,7 +141,8 @@ class RoutingPlan:
     """How experts are chosen during the update."""
 
     mode: RoutingMode = "none"
-    """none: the router decides; R2: replay the old record; R3: replay the rollout routes."""
+    """none: the router decides; R2: replay the old record; R3: replay the rollout routes;
+    R3w: replay the rollout routes with the engine's gate weights (``parallel.gate_replay``)."""
     diagnostics: bool = True
     """Run the probe pass for routing metrics even when RSPO is off."""
 
@@ -179,10 +191,11 @@ def replay_ids_for(
         validate_expert_ids(ids, num_experts=num_experts, topk=topk, layer_numbers=batch.old_record.layer_numbers,
                             required_layers=local_layers, num_tokens=total, source="R2 record")
         return ids
-    if plan.mode != "R3":
-        raise ValueError(f"routing plan mode {plan.mode!r} is not one of none, R2, R3")
+    if plan.mode not in ("R3", "R3w"):
+        raise ValueError(f"routing plan mode {plan.mode!r} is not one of none, R2, R3, R3w")
     if batch.rollout_routes is None or len(batch.rollout_routes) != len(batch.sequences):
-        raise RoutingDataError("routing plan R3 needs one rollout route tensor per sample (batch.rollout_routes)")
+        raise RoutingDataError(f"routing plan {plan.mode} needs one rollout route tensor per sample "
+                               "(batch.rollout_routes)")
     parts = []
     for i, (routes, seq) in enumerate(zip(batch.rollout_routes, batch.sequences)):
         n = int(seq.numel())
@@ -200,6 +213,31 @@ def replay_ids_for(
         # dispatch it to the experts of the position before it.
         parts.append(torch.cat([routes.to(torch.int64), routes[-1:].to(torch.int64)]))
     return torch.cat(parts)
+
+
+def replay_gates_for(batch: TrainBatch, plan: RoutingPlan, ids_TLK: torch.Tensor | None) -> torch.Tensor | None:
+    """R3w: the engine's ``[T_all, L, K]`` gate weights beside the replayed ``ids_TLK`` (None otherwise).
+
+    Each sample's ``[len_s - 1, L, K]`` gates must match its routes, be finite and non-negative;
+    the last position (never forwarded by the engine, feeding no loss) takes the one before.
+    """
+    if plan.mode != "R3w":
+        return None
+    if batch.rollout_gates is None or len(batch.rollout_gates) != len(batch.sequences):
+        raise RoutingDataError("routing plan R3w needs the engine's gate weights per sample (batch.rollout_gates; "
+                               "the hf and megatron engines return them, SGLang does not)")
+    parts = []
+    for i, (gates, routes) in enumerate(zip(batch.rollout_gates, batch.rollout_routes)):
+        if gates.shape[0] != routes.shape[0] or gates.shape[2:] != routes.shape[2:]:
+            raise RoutingDataError(f"R3w gates of sample {i}: shape {tuple(gates.shape)} does not match its routes "
+                                   f"{tuple(routes.shape)}")
+        if not bool((torch.isfinite(gates) & (gates >= 0)).all()):
+            raise RoutingDataError(f"R3w gates of sample {i}: a gate weight is negative or not finite")
+        parts.append(torch.cat([gates.float(), gates[-1:].float()]))
+    gates_TLK = torch.cat(parts)
+    if gates_TLK.shape[1] != ids_TLK.shape[1]:
+        raise RoutingDataError(f"R3w gates cover {gates_TLK.shape[1]} layers, the routes {ids_TLK.shape[1]}")
+    return gates_TLK
 
 
 def forward_backward(
@@ -222,6 +260,7 @@ def forward_backward(
         layer_numbers=layer_numbers, local_layers=tuple(find_routers([model])),
         num_model_layers=gpt.config.num_layers,
     )
+    replay_gates = replay_gates_for(batch, plan, replay_ids)
     replay_columns = batch.old_record.layer_numbers if plan.mode == "R2" else layer_numbers
     lengths = torch.tensor([int(s.numel()) - p for s, p in zip(batch.sequences, batch.prompt_lengths)])
     cu_S1 = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -242,7 +281,7 @@ def forward_backward(
         probe = compute_logprobs(
             model, groups, batch.sequences, batch.prompt_lengths,
             micro_batch_sequences=micro_batch_sequences, micro_batch_tokens=micro_batch_tokens,
-            chunk_tokens=chunk_tokens,
+            chunk_tokens=chunk_tokens, temperature_T=batch.temperature_T, replay_gates_TLK=replay_gates,
             replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=batch.old_record,
         )
         gamma_T = probe.rspo_gamma_T
@@ -265,8 +304,8 @@ def forward_backward(
     )
     replay = None
     if replay_ids is not None:
-        local = replay_ids_per_call(replay_ids, replay_columns, tuple(find_routers([model])), micro_batches, groups)
-        replay = RoutingReplay([model], local)
+        replay = replay_for(model, groups, micro_batches, replay_ids, replay_columns, tuple(find_routers([model])),
+                            replay_gates)
     with replay or nullcontext():
         outputs = run_schedule(
             model, micro_batches, loss_fn, forward_only=False,
@@ -357,6 +396,7 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
         logprobs_T, entropy_T = response_logprobs_entropy(
             mb, logits_1TV, batch.prompt_lengths, groups, chunk_tokens=chunk_tokens,
             entropy_requires_grad=objective.entropy_coef > 0, vocab_size=vocab_size,
+            temperature_R=micro_batch_temperatures(batch.temperature_T, mb, cu_S1, device),
         )
         lengths = (cu_S1[samples + 1] - cu_S1[samples]) if samples.numel() else samples
         token_rows = torch.cat([torch.zeros(0, dtype=torch.int64)]

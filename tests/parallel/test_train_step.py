@@ -1,15 +1,19 @@
-"""Routing replay (R2, R3), RSPO router-shift weights and the parallel training step.
+"""Routing replay (R2, R3, R3w), RSPO router-shift weights and the parallel training step.
 
 The single-process world checks replay and RSPO semantics against independent
 computations from hooked router logits; every layout world (TP2+SP, EP2, PP2,
-TP2+SP x EP2) then runs one training step per routing plan (none, R2, R3) with the RSPO
-objective and must reproduce the single-process loss and gradients (1e-5 relative). Each
+TP2+SP x EP2) then runs one training step per routing plan (none, R2, R3, R3w) with the RSPO
+objective and must reproduce the single-process loss and gradients (1e-5 relative). A GRPO
+step at per-sample temperatures (log-probs of ``softmax(logits / T)`` in every pass) is
+layout invariant too, and in the single process its output-layer gradient equals the
+gradient of the T-scaled policy written out by hand from the layer's inputs. Each
 layout world also runs the 80/20 (``entropy_8020``) and STAPO (with the overlong filter)
 objectives: their token selection is over the global mini-batch, so the kept mask, the mask
 metrics, the loss and the router and output-layer gradients must equal the single-process
 step's in the data-parallel layouts too (EP2 and TP2+SP x EP2 have dense DP = 2).
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -24,7 +28,9 @@ pytestmark = pytest.mark.parallel
 MODEL = ModelConfig(vocab_size=256, num_layers=4, num_experts=8, moe_router_topk=2)
 SEQUENCES = random_sequences(8, MODEL.vocab_size, min_len=6, max_len=30, seed=1)
 PROMPTS = [max(1, len(s) // 3) for s in SEQUENCES]
-PLANS = ("none", "R2", "R3")
+PLANS = ("none", "R2", "R3", "R3w")
+TEMPERATURES = [0.5 + 0.1 * i for i in range(8)]
+"""Sampling temperature of each sample of the temperature step (one per sample)."""
 BUDGET = 48
 """Token budget of the token-budget step (sequences are 6-30 tokens: several re-ordered micro-batches)."""
 TRUNCATED = (5,)
@@ -55,6 +61,81 @@ def _rollout_routes(sample: int) -> torch.Tensor:
     n = SEQUENCES[sample].numel() - 1
     scores = torch.rand(n, MODEL.num_layers, MODEL.num_experts, generator=gen)
     return scores.topk(MODEL.moe_router_topk, dim=-1).indices.to(torch.int32)
+
+
+def _rollout_gates(sample: int) -> torch.Tensor:
+    """Arbitrary gate weights (positive, summing to 1 per token) for ``_rollout_routes``' experts."""
+    gen = torch.Generator().manual_seed(2000 + sample)
+    raw = torch.rand(SEQUENCES[sample].numel() - 1, MODEL.num_layers, MODEL.moe_router_topk, generator=gen) + 0.1
+    return raw / raw.sum(-1, keepdim=True)
+
+
+def _temperature_step(model, ddp, groups, mine, capture=False):
+    """One GRPO forward-backward at per-sample temperatures (old and reference log-probs at T too).
+
+    Returns the loss, the gathered router and output-layer gradients and, with ``capture``, what
+    a by-hand gradient needs: the output layer's inputs per micro-batch and the batch itself.
+    """
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.parallel.logprobs import compute_logprobs
+    from megatron_rl.parallel.smoke_worker import _gathered_grads
+    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+
+    seqs, prompts = [SEQUENCES[i] for i in mine], [PROMPTS[i] for i in mine]
+    temperature_T = torch.cat([torch.full((SEQUENCES[i].numel() - PROMPTS[i],), TEMPERATURES[i]) for i in mine])
+    old_T = compute_logprobs(ddp, groups, seqs, prompts, micro_batch_sequences=2, temperature_T=temperature_T).logprobs_T
+    # A reference policy other than the current one, so the KL term has a gradient.
+    ref_T = old_T - 0.3 * torch.rand(old_T.shape, generator=torch.Generator().manual_seed(7))
+    batch = TrainBatch(sequences=seqs, prompt_lengths=prompts, old_logprobs_T=old_T, ref_logprobs_T=ref_T,
+                       advantages_T=torch.cat([_advantages(i) for i in mine]), temperature_T=temperature_T)
+    inputs = []
+    hook = model.output_layer.register_forward_hook(lambda m, i, o: inputs.append(i[0].detach().clone())) if capture else None
+    result = forward_backward(ddp, groups, batch, get_preset("grpo"), RoutingPlan(mode="none", diagnostics=False),
+                              micro_batch_sequences=2)
+    if hook is not None:
+        hook.remove()
+    grads = _gathered_grads(model, groups)
+    out = {"loss": float(result.loss), "grads": grads if groups.tp_rank == 0 else {},
+           "ratio": (float(result.metrics["objective/ratio/min"]), float(result.metrics["objective/ratio/max"]))}
+    if capture:
+        out.update(inputs=inputs, batch=batch, weight=model.output_layer.weight.detach().clone())
+    return out
+
+
+def by_hand_output_layer_grad(step: dict) -> torch.Tensor:
+    """dL/dW of GRPO's loss at ratio 1 for the T-scaled policy, written out (fp64).
+
+    Per response token t of sample i (n_i tokens, S samples, beta = 0.04, k3 KL):
+    dL/dlogp_t = (-A_t + beta (1 - exp(ref_t - logp_t))) / (S n_i)   (the clip is inactive at r = 1),
+    dlogp_t/dz_t = (onehot(y_t) - softmax(z_t / T_i)) / T_i   with z_t = W h_t,
+    dL/dW = sum_t (dL/dz_t)^T h_t.
+    """
+    from megatron_rl.parallel.packing import pack_sequences, response_targets
+
+    batch, weight = step["batch"], step["weight"].double()
+    lengths = [s.numel() - p for s, p in zip(batch.sequences, batch.prompt_lengths)]
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    dlogp_T = torch.cat([
+        (-batch.advantages_T[cu[i]:cu[i + 1]].double()
+         + 0.04 * (1 - torch.exp(batch.ref_logprobs_T[cu[i]:cu[i + 1]].double()
+                                 - batch.old_logprobs_T[cu[i]:cu[i + 1]].double()))) / (len(lengths) * lengths[i])
+        for i in range(len(lengths))])
+    grad = torch.zeros_like(weight)
+    assert len(step["inputs"]) == (len(lengths) + 1) // 2  # GRPO without diagnostics: no probe pass
+    for m, hidden in enumerate(step["inputs"]):
+        ids = list(range(2 * m, min(2 * m + 2, len(lengths))))
+        mb = pack_sequences([batch.sequences[i] for i in ids], sample_ids=ids)
+        rows_R, targets_R = response_targets(mb, batch.prompt_lengths, torch.device("cpu"))
+        h_RH = hidden.reshape(-1, hidden.shape[-1])[rows_R].double()
+        token_rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in ids])
+        temperature_R = batch.temperature_T[token_rows].double()
+        p_RV = torch.softmax((h_RH @ weight.T) / temperature_R[:, None], dim=-1)
+        onehot_RV = torch.nn.functional.one_hot(targets_R, weight.shape[0]).double()
+        dz_RV = dlogp_T[token_rows, None] * (onehot_RV - p_RV) / temperature_R[:, None]
+        grad += dz_RV.T @ h_RH
+    return grad
 
 
 def _perturb_routers(model, scale=0.05):
@@ -141,6 +222,7 @@ def _step_all_plans(model, ddp, groups, mine, old, filters=False):
             advantages_T=torch.cat([_advantages(i) for i in mine]),
             old_record=old.record,
             rollout_routes=[_rollout_routes(i) for i in mine],
+            rollout_gates=[_rollout_gates(i) for i in mine],
         )
         result = forward_backward(ddp, groups, batch, get_preset("rspo"), RoutingPlan(mode=mode),
                                   micro_batch_sequences=2)
@@ -171,8 +253,9 @@ def layout_step_worker(parallel, checkpoint):
         mine = list(range(groups.dp_rank, len(SEQUENCES), groups.dp_size))
         old = compute_logprobs(ddp, groups, [SEQUENCES[i] for i in mine], [PROMPTS[i] for i in mine],
                                micro_batch_sequences=2, record_routing=True)
+        temperature = _temperature_step(model, ddp, groups, mine)
         _perturb_routers(model)
-        return _step_all_plans(model, ddp, groups, mine, old, filters=True)
+        return {**_step_all_plans(model, ddp, groups, mine, old, filters=True), "temperature": temperature}
 
 
 def _hook_router_logits(model):
@@ -227,6 +310,7 @@ def reference_worker(checkpoint):
         hook = model.output_layer.register_forward_hook(lambda m, i, o: output_logits.append(o[0].detach()))
         old = run(record_routing=True)
         ids = old.record.expert_ids_TLK
+        out["temperature"] = _temperature_step(model, ddp, groups, list(range(len(SEQUENCES))), capture=True)
 
         # R2 with unchanged weights, exact by construction: the replay pass packs the same
         # rows, dispatches every real token to the experts it recorded, leaves padding to
@@ -283,6 +367,13 @@ def reference_worker(checkpoint):
             expected = torch.softmax(real.gather(1, chosen), dim=-1)
             gate_err = max(gate_err, float((r3.record.gates_TLK[:, col].double() - expected).abs().max()))
         out["r3_gate_err"] = gate_err
+        # R3w: gates equal to R3's recomputed ones reproduce R3 bit for bit; other gates change the pass.
+        same_gates = run(replay_ids_TLK=r3.record.expert_ids_TLK, replay_layer_numbers=numbers,
+                         replay_gates_TLK=r3.record.gates_TLK)
+        out["r3w_same_gates_equal"] = torch.equal(same_gates.logprobs_T, r3.logprobs_T)
+        gates = torch.cat([torch.cat([_rollout_gates(i), _rollout_gates(i)[-1:]]) for i in range(len(SEQUENCES))])
+        other = run(replay_ids_TLK=routes, replay_layer_numbers=numbers, replay_gates_TLK=gates)
+        out["r3w_other_gates_change"] = float((other.logprobs_T - r3.logprobs_T).abs().max())
 
         out["steps"] = _step_all_plans(model, ddp, groups, list(range(len(SEQUENCES))), old, filters=True)
 
@@ -329,6 +420,11 @@ def layout(checkpoint_dir, reference):
             for key, value in rank["budget:R2"]["grads"].items():
                 budget_grads.setdefault(key, value)
         merged["budget:R2"] = {"loss": [r["budget:R2"]["loss"] for r in per_rank], "grads": budget_grads}
+        temperature_grads = {}
+        for rank in per_rank:
+            for key, value in rank["temperature"]["grads"].items():
+                temperature_grads.setdefault(key, value)
+        merged["temperature"] = {"loss": [r["temperature"]["loss"] for r in per_rank], "grads": temperature_grads}
         for run_name in FILTER_RUNS:
             grads, kept = {}, {}
             for rank in per_rank:
@@ -374,6 +470,33 @@ def test_rspo_gamma_matches_independent_computation(reference):
 def test_r3_dispatches_given_experts_with_restricted_softmax_gates(reference):
     assert reference["r3_dispatch_equals_routes"]
     assert reference["r3_gate_err"] <= 1e-6
+
+
+def test_r3w_replaces_the_gate_values_exactly(reference):
+    assert reference["r3w_same_gates_equal"], "R3w with R3's own gates must reproduce R3 bit for bit"
+    assert reference["r3w_other_gates_change"] > 1e-3
+
+
+def test_grpo_gradient_at_temperature_equals_the_t_scaled_policy_by_hand(reference):
+    step = reference["temperature"]
+    assert step["ratio"] == (1.0, 1.0), "old log-probs at T make the first step on-policy"
+    expected = by_hand_output_layer_grad(step)
+    got = step["grads"]["output_layer"].double()
+    assert expected.abs().max() > 1e-4
+    assert relative_error(got, expected) <= 1e-5, relative_error(got, expected)
+    # The same step scored at T = 1 is a different gradient: the temperature is not a no-op.
+    at_one = dict(step, batch=dataclasses.replace(step["batch"], temperature_T=torch.ones_like(step["batch"].temperature_T)))
+    assert relative_error(by_hand_output_layer_grad(at_one), expected) > 0.05
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_temperature_step_is_layout_invariant(name, layout, reference):
+    ref, got = reference["temperature"], layout(name)["temperature"]
+    for loss in got["loss"]:
+        assert abs(loss - ref["loss"]) <= 1e-5 * max(1e-3, abs(ref["loss"])), (name, loss, ref["loss"])
+    assert set(got["grads"]) == set(ref["grads"])
+    for key, grad in ref["grads"].items():
+        assert relative_error(got["grads"][key], grad) <= 1e-5, (name, key)
 
 
 @pytest.mark.parametrize("mode", PLANS)
