@@ -65,6 +65,7 @@ setup(
             "megatron-rl-export-fp8 = megatron_rl.checkpoint.cli:export_fp8_main",
             "megatron-rl-smoke = megatron_rl.smoke:main",
             "megatron-rl-plan = megatron_rl.plan.cli:main",
+            "megatron-rl-mismatch = megatron_rl.mismatch_cli:main",
         ],
     },
     classifiers=[

@@ -133,10 +133,11 @@ def validate_run(cfg: RunConfig) -> None:
         f"the {objective.advantage!r} advantage is group-relative and needs a group size >= 2",
     )
     require(
-        not (t.routing_replay == "R3" and not r.return_routed_experts),
+        not (t.routing_replay in ("R3", "R3w") and not r.return_routed_experts),
         "train.routing_replay",
-        "R3 replays the rollout engine's routes, but rollout.return_routed_experts is false",
+        f"{t.routing_replay} replays the rollout engine's routes, but rollout.return_routed_experts is false",
     )
+    check_temperature_and_mismatch(cfg)
     check_rollout_section(r)
     check_env_section(r.env, cfg.model.max_position_embeddings, r.max_new_tokens)
     if r.env.name is not None:
@@ -152,6 +153,24 @@ def validate_run(cfg: RunConfig) -> None:
     if t.micro_batch_tokens is not None:
         check_micro_batch_tokens(cfg)
     require(cfg.optim.lr > 0, "optim.lr", "must be > 0")
+
+
+def check_temperature_and_mismatch(cfg: RunConfig) -> None:
+    """The sampled policy needs a temperature; R3w and the breakdown need the engine's gates."""
+    r, t = cfg.rollout, cfg.train
+    require(not (t.policy_temperature == "sampling" and r.temperature == 0), "rollout.temperature",
+            "0 (greedy) draws from no distribution, so train.policy_temperature=sampling has no policy to train; "
+            "sample at a temperature > 0 (or train the T = 1 policy: train.policy_temperature=one)")
+    gates = t.routing_replay == "R3w" or t.mismatch.breakdown
+    what = "train.routing_replay" if t.routing_replay == "R3w" else "train.mismatch.breakdown"
+    require(not (gates and not r.return_routed_experts), what,
+            "needs the engine's routes (rollout.return_routed_experts=true)")
+    require(not (t.routing_replay == "R3w" and r.engine == "sglang"), "train.routing_replay",
+            "R3w replays the engine's gate weights, and SGLang 0.5.23 returns expert ids only; use R3, or "
+            "rollout.engine=hf|megatron")
+    require(not (gates and r.env.name is not None), what,
+            "multi-turn trajectories do not carry the engine's gate weights; use it with single-turn rollouts")
+    require(t.mismatch.worst_tokens >= 0, "train.mismatch.worst_tokens", "must be >= 0")
 
 
 def longest_sequence(cfg: RunConfig) -> int:

@@ -70,6 +70,7 @@ from megatron_rl.parallel.logprobs import (
     pack_for_rank,
 )
 from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.rollout_routes import rollout_gates_TLK, rollout_ids_TLK
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from moe_routing.record import find_routers
 from moe_routing.stats import gamma_metrics
@@ -196,48 +197,16 @@ def replay_ids_for(
     if batch.rollout_routes is None or len(batch.rollout_routes) != len(batch.sequences):
         raise RoutingDataError(f"routing plan {plan.mode} needs one rollout route tensor per sample "
                                "(batch.rollout_routes)")
-    parts = []
-    for i, (routes, seq) in enumerate(zip(batch.rollout_routes, batch.sequences)):
-        n = int(seq.numel())
-        if routes.dim() != 3 or routes.shape[0] != n - 1:
-            raise RoutingDataError(
-                f"R3 routes of sample {i}: expected [{n - 1}, L, K] (prompt+response minus the last "
-                f"token), got {tuple(routes.shape)}"
-            )
-        if routes.dim() == 3 and routes.shape[1] == num_model_layers != len(layer_numbers):
-            # SGLang returns a column per decoder layer; dense layers' columns route nothing.
-            routes = routes[:, [n - 1 for n in layer_numbers]]
-        validate_expert_ids(routes, num_experts=num_experts, topk=topk, layer_numbers=layer_numbers,
-                            required_layers=local_layers, num_tokens=n - 1, source=f"R3 routes of sample {i}")
-        # The last position is never forwarded by the rollout engine and feeds no loss;
-        # dispatch it to the experts of the position before it.
-        parts.append(torch.cat([routes.to(torch.int64), routes[-1:].to(torch.int64)]))
-    return torch.cat(parts)
+    return rollout_ids_TLK(batch.rollout_routes, batch.sequences, num_experts=num_experts, topk=topk,
+                           layer_numbers=layer_numbers, local_layers=local_layers, num_model_layers=num_model_layers)
 
 
 def replay_gates_for(batch: TrainBatch, plan: RoutingPlan, ids_TLK: torch.Tensor | None) -> torch.Tensor | None:
-    """R3w: the engine's ``[T_all, L, K]`` gate weights beside the replayed ``ids_TLK`` (None otherwise).
-
-    Each sample's ``[len_s - 1, L, K]`` gates must match its routes, be finite and non-negative;
-    the last position (never forwarded by the engine, feeding no loss) takes the one before.
-    """
+    """R3w: the engine's ``[T_all, L, K]`` gate weights beside the replayed ``ids_TLK`` (None otherwise;
+    ``parallel.rollout_routes.rollout_gates_TLK``)."""
     if plan.mode != "R3w":
         return None
-    if batch.rollout_gates is None or len(batch.rollout_gates) != len(batch.sequences):
-        raise RoutingDataError("routing plan R3w needs the engine's gate weights per sample (batch.rollout_gates; "
-                               "the hf and megatron engines return them, SGLang does not)")
-    parts = []
-    for i, (gates, routes) in enumerate(zip(batch.rollout_gates, batch.rollout_routes)):
-        if gates.shape[0] != routes.shape[0] or gates.shape[2:] != routes.shape[2:]:
-            raise RoutingDataError(f"R3w gates of sample {i}: shape {tuple(gates.shape)} does not match its routes "
-                                   f"{tuple(routes.shape)}")
-        if not bool((torch.isfinite(gates) & (gates >= 0)).all()):
-            raise RoutingDataError(f"R3w gates of sample {i}: a gate weight is negative or not finite")
-        parts.append(torch.cat([gates.float(), gates[-1:].float()]))
-    gates_TLK = torch.cat(parts)
-    if gates_TLK.shape[1] != ids_TLK.shape[1]:
-        raise RoutingDataError(f"R3w gates cover {gates_TLK.shape[1]} layers, the routes {ids_TLK.shape[1]}")
-    return gates_TLK
+    return rollout_gates_TLK(batch.rollout_gates, batch.rollout_routes, ids_TLK.shape[1])
 
 
 def forward_backward(

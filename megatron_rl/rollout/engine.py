@@ -3,7 +3,9 @@
 Shape legend: N prompt+response tokens of a sample, L MoE layers, K top-K.
 
 An engine turns prompts into :class:`RolloutSample` values carrying the generated tokens,
-their log-probabilities under the engine's policy, and the experts each forwarded position
+their log-probabilities under the distribution the engine sampled them from
+(``log_softmax(logits / T)`` at the sample's temperature, over the whole vocabulary: top-p and
+top-k are not renormalized in, see ``megatron_rl.rollout.sampling``), and the experts each forwarded position
 was routed to in SGLang's layout (``[N - 1, L, K]``: every prompt+response position except
 the last, which no engine forwards; with ``routes_from`` only the positions from there on,
 as SGLang's ``routed_experts_start_len``). R3 replays those routes; train-versus-rollout
@@ -49,13 +51,26 @@ class RolloutSample:
     """Generated token ids (including the stop token, when one was produced)."""
     output_logprobs: torch.Tensor
     """``[len(output_ids)]`` fp32 log-probs of the generated tokens under the engine's policy
-    (NaN at tokens an environment wrote: the policy never sampled them)."""
+    at ``temperature`` (NaN at tokens an environment wrote: the policy never sampled them)."""
     finish_reason: Literal["stop", "length"]
     """Why generation ended ("length": cut at a length limit, for the overlong filter)."""
     weight_version: int
     """Version of the weights that generated it."""
     routed_experts: torch.Tensor | None = None
     """``[N - 1, L, K]`` expert ids per forwarded position (compact integer dtype)."""
+    temperature: float = 1.0
+    """The sampling temperature the tokens were drawn at (``output_logprobs`` are of
+    ``softmax(logits / temperature)``; 0: greedy, whose log-probs are of the raw logits)."""
+    routed_gates: torch.Tensor | None = None
+    """``[N - 1, L, K]`` fp32 gate weights the engine combined those experts with (hf and
+    megatron engines; SGLang returns none): what R3w replays."""
+    routed_probs: torch.Tensor | None = None
+    """``[N - 1, L, K]`` fp32 router probabilities of those experts (softmax over all E), for the
+    mismatch breakdown's router KL (hf and megatron engines)."""
+    truncation_logratio: torch.Tensor | None = None
+    """``[len(output_ids)]`` fp32 ``log pi_top-p/top-k(y) - log pi_T(y) = -log(kept mass)`` at each
+    generated token: what the objective leaves out by scoring the whole T-scaled distribution
+    (local engines, when top-p or top-k truncates; None otherwise)."""
     meta: dict = field(default_factory=dict)
     """Engine-specific extras."""
     generated_mask: torch.Tensor | None = None
@@ -72,6 +87,11 @@ class RolloutSample:
     def tokens(self) -> torch.Tensor:
         """Prompt + response ids as one int64 tensor."""
         return torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.int64)
+
+    def temperatures(self) -> torch.Tensor:
+        """``[len(output_ids)]`` fp32 sampling temperature of each output token (one per sample today;
+        per token is the general form every pass takes)."""
+        return torch.full((len(self.output_ids),), float(self.temperature), dtype=torch.float32)
 
     def loss_mask(self) -> torch.Tensor:
         """``[len(output_ids)]`` bool: the tokens the policy generated (the ones a loss may see)."""

@@ -78,6 +78,8 @@ class TrajectoryBuilder:
     """Why the trajectory ended (None: still running)."""
     meta: dict = field(default_factory=dict)
     """Counters and notes carried to the finished sample's ``meta``."""
+    temperature: float = 1.0
+    """The sampling temperature of the model turns (every turn is drawn at the run's)."""
 
     def __post_init__(self) -> None:
         self.prompt_ids = list(self.prompt_ids)
@@ -109,6 +111,7 @@ class TrajectoryBuilder:
         self.logprobs.append(sample.output_logprobs.float())
         self.turns.append((start, start + len(sample.output_ids)))
         self.versions.append(sample.weight_version)
+        self.temperature = sample.temperature
         self.finish_reason = sample.finish_reason
         if with_routes:
             self._add_routes(sample.routed_experts, routes_from, turn)
@@ -157,7 +160,7 @@ class TrajectoryBuilder:
         return RolloutSample(
             prompt_ids=list(self.prompt_ids), output_ids=output, output_logprobs=torch.cat(self.logprobs),
             finish_reason="length" if self.finish_reason == "length" or self.end_reason == "max_tokens" else "stop",
-            weight_version=min(self.versions), routed_experts=routes,
+            weight_version=min(self.versions), routed_experts=routes, temperature=self.temperature,
             meta={"end_reason": self.end_reason, **self.meta},
             generated_mask=torch.tensor(self.generated, dtype=torch.bool), turns=list(self.turns),
             turn_rewards=list(self.turn_rewards), end_reason=self.end_reason,

@@ -8,6 +8,24 @@ from typing import Literal
 
 
 @dataclass(kw_only=True)
+class MismatchConfig:
+    """The train-vs-rollout log-prob gap split into its causes (``moe_routing.breakdown``)."""
+
+    breakdown: bool = False
+    """Each step, re-run the old-policy pass with the engine's routing replayed in stages (its
+    expert ids, then its gate weights) and log the share of the gap each stage removes, per
+    layer, with flip rates and router KL (``mismatch/breakdown/*``, ``plots/mismatch.png``)."""
+    per_layer: bool = True
+    """Replay layer by layer (2 L extra forward passes for L MoE layers: shares per layer) or
+    every layer at once (2 passes: shares per stage only)."""
+    save_rollouts: bool = False
+    """Write each step's rollouts (tokens, log-probs, temperatures, routes, gates) to
+    ``<run_dir>/rollouts/step_NNNNNN`` for ``megatron-rl-mismatch RUN_DIR``."""
+    worst_tokens: int = 8
+    """Tokens with the largest gap reported each step with their layer and cause."""
+
+
+@dataclass(kw_only=True)
 class TrainerConfig:
     """The RL loop."""
 
@@ -29,8 +47,18 @@ class TrainerConfig:
     selective checkpoints each MoE block (router, dispatch, experts); full checkpoints every
     layer. A checkpointed piece keeps only its input and runs again in backward. Log-prob
     passes store no activations, so it changes only the update's memory and time."""
-    routing_replay: Literal["none", "R2", "R3"] = "R2"
-    """Routing plan during updates."""
+    routing_replay: Literal["none", "R2", "R3", "R3w"] = "R2"
+    """Routing plan during updates: R2 replays the old-policy pass's experts, R3 the rollout
+    engine's, R3w the rollout engine's experts with the gate weights it used (hf and megatron
+    engines; SGLang returns expert ids only)."""
+    policy_temperature: Literal["sampling", "one"] = "sampling"
+    """The policy every pass scores: sampling, ``log_softmax(logits / T)`` at each sample's
+    rollout temperature, the policy that drew the samples (old, new, reference log-probs and
+    entropy; engines report the same); one, ``log_softmax(logits)`` whatever the sampling
+    temperature: the T = 1 objective earlier versions trained, off the sampling policy at T != 1
+    (engines then report raw log-probs; SGLang servers need SGLANG_RETURN_ORIGINAL_LOGPROB=1)."""
+    mismatch: MismatchConfig = field(default_factory=MismatchConfig)
+    """The mismatch breakdown and the saved rollouts it can run on later."""
     routing_diagnostics: bool = True
     """Measure replay agreement, flip rate and router shift each update (one extra forward)."""
     eval_every: int = 5

@@ -78,15 +78,18 @@ def hf_architecture(cfg: RunConfig, init: InitSource | None) -> str:
 def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], architecture: str):
     """The rollout engine the config names over the trained model ``ddp`` (collective: weight
     sync spans every rank); ``urls``: from :func:`rollout_urls`."""
+    # The engines report log-probs of the policy the trainer scores (train.policy_temperature).
+    scaled = cfg.train.policy_temperature == "sampling"
     if cfg.rollout.engine == "megatron":
         from megatron_rl.rollout.local.embedded import EmbeddedEngine
 
-        return EmbeddedEngine(ddp, groups, cfg.train.micro_batch_sequences, cfg.train.micro_batch_tokens)
+        return EmbeddedEngine(ddp, groups, cfg.train.micro_batch_sequences, cfg.train.micro_batch_tokens,
+                              logprobs_after_temperature=scaled)
     if cfg.rollout.engine == "hf":
         from megatron_rl.rollout.local.hf_engine import HFEngine
 
         return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype,
-                        prefix_cache=cfg.rollout.env.name is not None)
+                        prefix_cache=cfg.rollout.env.name is not None, logprobs_after_temperature=scaled)
     # Imported here so that runs with a local engine need no HTTP client.
     from megatron_rl.rollout.sglang.client import SGLangClientConfig
     from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
@@ -97,7 +100,7 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
                                 max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
                                 backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
                                 health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs,
-                                deterministic_inference=s.deterministic_inference)
+                                deterministic_inference=s.deterministic_inference, raw_logprobs=not scaled)
     sync = None
     if s.weight_sync != "none":
         # A sync waits for a restarting server as long as a sample would.

@@ -273,6 +273,8 @@ DEFAULT_PLOTS: dict[str, PlotSpec] = {
         ylabel="gamma",
         keys=("*gamma/min", "*gamma/mean", "*rspo/min", "*rspo/mean"),
     ),
+    "mismatch": PlotSpec(title="Train-vs-rollout log-prob gap by cause (train.mismatch.breakdown)",
+                         ylabel="nats (mean |gap|)", keys=("mismatch/breakdown/gap/*",), stacked=True),
     "time": PlotSpec(title="Time per phase", ylabel="seconds", keys=("time/*",)),
     "phases": PlotSpec(title="Step time by phase (nested phases apart)", ylabel="seconds",
                        keys=("perf/phase/*/seconds",), stacked=True),

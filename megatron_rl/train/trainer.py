@@ -80,6 +80,7 @@ from megatron_rl.train.evaluation import pass_at_k
 from megatron_rl.train.hf_export import HFExportSpec, export_hf
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.metrics import MetricsLogger, progress
+from megatron_rl.train.mismatch import sample_temperatures, save_rollouts, step_breakdown, truncation_metrics
 from megatron_rl.train.phases import StepWatch, phase_timer
 from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 from megatron_rl.train.rollouts import Groups, RolloutSource, check_versions
@@ -202,7 +203,8 @@ class Trainer:
         with phase_timer(metrics, "rollout"):
             chosen = self._rollouts(step, state, metrics)
         chosen = self._balanced(chosen, metrics)
-        batch = self._batch(chosen, metrics)
+        save_rollouts(self.cfg.train, step, [s for g in chosen.samples for s in g], self.groups)
+        batch = self._batch(chosen, metrics, step)
         with phase_timer(metrics, "update"):
             self._update(batch, metrics)
         state.weight_version += 1
@@ -252,13 +254,13 @@ class Trainer:
         t = self.cfg.train
         return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
 
-    def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
-        """Old-policy pass, optional reference pass and advantages for the chosen groups."""
+    def _batch(self, chosen: Groups, metrics: dict, step: int) -> TrainBatch:
+        """Old-policy pass, optional reference pass and advantages for the chosen groups, at their temperatures."""
         G = self.cfg.rollout.group_size
         samples = [s for group in chosen.samples for s in group]
         sequences = [s.tokens for s in samples]
         prompt_lengths = [len(s.prompt_ids) for s in samples]
-        packing = self._packing()
+        packing = {**self._packing(), "temperature_T": sample_temperatures(samples, self.cfg.train.policy_temperature)}
         with phase_timer(metrics, "old_logprobs"):
             old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
         # The loss sees only what the policy generated: a multi-turn trajectory's environment
@@ -270,7 +272,11 @@ class Trainer:
         metrics.update(mean_over({
             "mismatch/train_rollout_abs_diff": diff.abs()[mask_T].mean(),
             "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T)[mask_T].mean(),
+            **truncation_metrics(samples, mask_T),
         }, self.groups.dp))
+        if self.cfg.train.mismatch.breakdown:
+            with phase_timer(metrics, "mismatch_breakdown"):
+                metrics.update(step_breakdown(self.cfg.train, self.ddp, self.groups, step, samples, old))
         ref_lp = None
         if self.reference is not None:
             with phase_timer(metrics, "ref_logprobs"):
@@ -291,8 +297,8 @@ class Trainer:
             sequences=sequences, prompt_lengths=prompt_lengths, old_logprobs_T=old.logprobs_T,
             advantages_T=advantages.float(), loss_mask_T=mask_T, rollout_logprobs_T=rollout_lp,
             ref_logprobs_T=ref_lp, truncated_S=torch.tensor([s.finish_reason == "length" for s in samples]),
-            old_record=old.record, rollout_routes=routes,
-        )
+            old_record=old.record, rollout_routes=routes, temperature_T=packing["temperature_T"],
+            rollout_gates=[s.routed_gates for s in samples] if self.plan.mode == "R3w" else None)
 
     def _route_agreement_per_turn(self, samples, old_record) -> dict[str, torch.Tensor]:
         """``routing/rollout_agreement/turn<k>``: share of (position, layer) pairs whose rollout

@@ -138,18 +138,22 @@ def test_persistent_faults_end_in_clear_errors(server):
         _generate([server.url], too_long)
 
 
-def test_temperature_scaled_logprobs_are_refused_before_any_sample_is_used(server):
+def test_the_logprob_convention_is_the_runs_or_refused_before_any_sample_is_used(server):
     """Item 5: this server runs without SGLANG_RETURN_ORIGINAL_LOGPROB (SGLang's default, as the
-    module's server is launched), so at T = 0.7 it reports log_softmax(logits / T), which the
-    trainer's mismatch metrics and corrections would read as raw; the engine's probe refuses it
-    before the first such batch (the wrapper-launched servers of test_sglang_demo.py pass)."""
-    engine = SGLangEngine(SGLangClientConfig(urls=[server.url], max_retries=1), ROUTES)
-    assert len(engine.generate(_prompts(2), PARAMS)) == 2  # T = 1: both conventions agree, no probe
+    module's server is launched), so at T = 0.7 it reports log_softmax(logits / T), the distribution
+    it samples: what a run of the sampled policy scores, so the probe lets it through; a run of the
+    T = 1 objective (raw_logprobs) would read those as raw, and its probe refuses the server before
+    the first such batch."""
     hot = SamplingParams(temperature=0.7, max_new_tokens=3)
-    with pytest.raises(RolloutRequestError, match=rf"SGLang server {server.url} returns temperature-scaled "
-                                                  r"log-probs.*SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
-        engine.generate(_prompts(2), hot)
-    assert not engine.convention_checked
+    engine = SGLangEngine(SGLangClientConfig(urls=[server.url], max_retries=1), ROUTES)
+    samples = engine.generate(_prompts(2), hot)
+    assert len(samples) == 2 and engine.convention_checked and {s.temperature for s in samples} == {0.7}
+    raw = SGLangEngine(SGLangClientConfig(urls=[server.url], max_retries=1, raw_logprobs=True), ROUTES)
+    assert len(raw.generate(_prompts(2), PARAMS)) == 2  # T = 1: both conventions agree, no probe
+    with pytest.raises(RolloutRequestError, match=rf"SGLang server {server.url} returns scaled log-probs.*"
+                                                  r"train.policy_temperature=one.*SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+        raw.generate(_prompts(2), hot)
+    assert not raw.convention_checked
 
 
 def test_seeds_are_honoured_only_with_deterministic_inference(server):

@@ -84,8 +84,10 @@ def _temperature_step(model, ddp, groups, mine, capture=False):
     seqs, prompts = [SEQUENCES[i] for i in mine], [PROMPTS[i] for i in mine]
     temperature_T = torch.cat([torch.full((SEQUENCES[i].numel() - PROMPTS[i],), TEMPERATURES[i]) for i in mine])
     old_T = compute_logprobs(ddp, groups, seqs, prompts, micro_batch_sequences=2, temperature_T=temperature_T).logprobs_T
-    # A reference policy other than the current one, so the KL term has a gradient.
-    ref_T = old_T - 0.3 * torch.rand(old_T.shape, generator=torch.Generator().manual_seed(7))
+    # A reference policy other than the current one, so the KL term has a gradient (per sample:
+    # data-parallel ranks hold different samples).
+    ref_T = old_T - 0.3 * torch.cat([torch.rand(SEQUENCES[i].numel() - PROMPTS[i],
+                                                generator=torch.Generator().manual_seed(300 + i)) for i in mine])
     batch = TrainBatch(sequences=seqs, prompt_lengths=prompts, old_logprobs_T=old_T, ref_logprobs_T=ref_T,
                        advantages_T=torch.cat([_advantages(i) for i in mine]), temperature_T=temperature_T)
     inputs = []

@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "moe_routing.stats": 0,
     "moe_routing.scores": 0,
     "moe_routing.validate": 0,
+    "moe_routing.breakdown": 0,
     "megatron_rl.sections": 1,
     "megatron_rl.data.config": 1,
     "megatron_rl.rewards.config": 1,
@@ -62,6 +63,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.launcher": 6,
     "megatron_rl.smoke": 6,
     "megatron_rl.plan.cli": 6,
+    "megatron_rl.mismatch_cli": 6,
 }
 """Module (or package) prefix -> layer; the longest matching prefix decides."""
 

@@ -17,8 +17,11 @@ Decoding recomputes the whole prefix each step (no KV cache). This is
 (rollout log-probs and routes are the trainer's own, bit for bit); the default local
 engine is the KV-cached ``hf_engine``, and GPU runs use SGLang. When generation ends, one more pass over
 the full sequences (the log-prob pass, with routing recorded) yields the response
-log-probs and the routed experts in SGLang's layout (from ``routes_from`` on), so the
-trainer treats this engine and SGLang alike.
+log-probs and the routed experts in SGLang's layout (from ``routes_from`` on), with the gate
+weights and router probabilities of those experts (what R3w replays), so the trainer treats
+this engine and SGLang alike. That pass scores ``log_softmax(logits / T)`` at the sampling
+temperature, the trainer's own pass at the trainer's own T: the rollout log-probs equal the
+trainer's old log-probs bit for bit (the same function on the same inputs) at any T.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from megatron_rl.parallel.logprobs import (
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
-from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
+from megatron_rl.rollout.sampling import kept_log_mass, sample_next_tokens
 
 
 class EmbeddedEngine:
@@ -51,9 +54,9 @@ class EmbeddedEngine:
         groups: this rank's parallel groups.
         micro_batch_sequences: sequences per forward micro-batch (without a token budget).
         micro_batch_tokens: token budget per forward micro-batch (balanced token-budget packing).
-        logprobs_after_temperature: report ``log_softmax(logits / T)`` from the decode steps
-            (SGLang's default convention, for the CPU SGLang stand-in) instead of the raw
-            log-probs of the final pass.
+        logprobs_after_temperature: report ``log_softmax(logits / T)``, the distribution each
+            token is drawn from (SGLang's default); False: ``log_softmax(logits)`` (the T = 1
+            objective, ``objective.policy_temperature=one``).
     """
 
     def __init__(
@@ -62,7 +65,7 @@ class EmbeddedEngine:
         groups: ParallelGroups,
         micro_batch_sequences: int = 32,
         micro_batch_tokens: int | None = None,
-        logprobs_after_temperature: bool = False,
+        logprobs_after_temperature: bool = True,
     ) -> None:
         self.model = model
         self.logprobs_after_temperature = logprobs_after_temperature
@@ -92,7 +95,7 @@ class EmbeddedEngine:
             )
         generator = torch.Generator().manual_seed(seed * 1_000_003 + self.groups.dp_rank)
         outputs: list[list[int]] = [[] for _ in prompts]
-        scaled: list[list[float]] = [[] for _ in prompts]
+        truncation: list[list[float]] = [[] for _ in prompts]
         finished = [False] * len(prompts)
         stops = set(params.stop_token_ids)
         for _ in range(params.max_new_tokens):
@@ -104,19 +107,19 @@ class EmbeddedEngine:
                 logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
                 generator=generator,
             )
-            if self.logprobs_after_temperature:
-                step_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
-                                             after_temperature=True)
+            kept_B = kept_log_mass(logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
             for i, token in enumerate(tokens_B.tolist()):
                 if not finished[i]:
                     outputs[i].append(token)
-                    if self.logprobs_after_temperature:
-                        scaled[i].append(float(step_lp_B[i]))
+                    truncation[i].append(-float(kept_B[i]))
                     finished[i] = token in stops
-        samples = self._finish(prompts, outputs, finished, return_routed_experts, starts)
-        if self.logprobs_after_temperature and params.temperature > 0:
-            for sample, values in zip(samples, scaled):
-                sample.output_logprobs = torch.tensor(values, dtype=torch.float32)
+        scored_at = params.temperature if self.logprobs_after_temperature and params.temperature > 0 else None
+        samples = self._finish(prompts, outputs, finished, return_routed_experts, starts, scored_at)
+        truncates = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
+        for sample, values in zip(samples, truncation):
+            sample.temperature = params.temperature
+            if truncates:
+                sample.truncation_logratio = torch.tensor(values, dtype=torch.float32)
         return samples
 
     def _any_active(self, finished: list[bool]) -> bool:
@@ -152,19 +155,24 @@ class EmbeddedEngine:
             broadcast(logits_BV, groups.pp_size - 1, groups.pp)
         return logits_BV
 
-    def _finish(self, prompts, outputs, finished, return_routed_experts, starts) -> list[RolloutSample]:
-        """Log-probs (and routes) of the generated tokens from one pass over full sequences."""
+    def _finish(self, prompts, outputs, finished, return_routed_experts, starts,
+                temperature: float | None) -> list[RolloutSample]:
+        """Log-probs at ``temperature`` (None: 1), and routes, gates and router probabilities, of
+        the generated tokens from one pass over full sequences."""
         # A response needs at least one token for the log-prob pass; max_new_tokens >= 1.
         sequences = [torch.tensor(list(p) + o, dtype=torch.int64) for p, o in zip(prompts, outputs)]
+        temperature_T = None
+        if temperature is not None:
+            temperature_T = torch.full((sum(len(o) for o in outputs),), float(temperature))
         result = compute_logprobs(
             self.model, self.groups, sequences, [len(p) for p in prompts],
             micro_batch_sequences=self.micro_batch_sequences, micro_batch_tokens=self.micro_batch_tokens,
-            record_routing=return_routed_experts,
+            record_routing=return_routed_experts, temperature_T=temperature_T,
         )
         samples = []
         for i, (prompt, output) in enumerate(zip(prompts, outputs)):
             lo, hi = int(result.cu_seqlens_S1[i]), int(result.cu_seqlens_S1[i + 1])
-            routes = result.record.sample(i).expert_ids_TLK[starts[i]:-1] if result.record is not None else None
+            record = result.record.sample(i) if result.record is not None else None
             samples.append(
                 RolloutSample(
                     prompt_ids=list(prompt),
@@ -172,7 +180,9 @@ class EmbeddedEngine:
                     output_logprobs=result.logprobs_T[lo:hi].clone(),
                     finish_reason="stop" if finished[i] else "length",
                     weight_version=self.weight_version,
-                    routed_experts=routes,
+                    routed_experts=None if record is None else record.expert_ids_TLK[starts[i]:-1],
+                    routed_gates=None if record is None else record.gates_TLK[starts[i]:-1].float(),
+                    routed_probs=None if record is None else record.probs_TLK[starts[i]:-1].float(),
                 )
             )
         return samples

@@ -75,8 +75,9 @@ class HFEngine:
         dtype: the replica's dtype (default: the model's ``params_dtype``).
         prefix_cache: keep each finished response's KV and serve a prompt that extends it
             from there (multi-turn rollouts; emptied at every weight push).
-        logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default
-            convention, for the CPU SGLang stand-in) instead of the raw one.
+        logprobs_after_temperature: report ``log_softmax(logits / T)``, the distribution each
+            token is drawn from (SGLang's default); False: ``log_softmax(logits)`` (the T = 1
+            objective, ``objective.policy_temperature=one``).
     """
 
     def __init__(
@@ -89,7 +90,7 @@ class HFEngine:
         device: torch.device | str | None = None,
         dtype: str | None = None,
         prefix_cache: bool = False,
-        logprobs_after_temperature: bool = False,
+        logprobs_after_temperature: bool = True,
     ) -> None:
         check_architecture(architecture)
         self.logprobs_after_temperature = logprobs_after_temperature
@@ -196,7 +197,8 @@ class HFEngine:
             RolloutSample(
                 prompt_ids=list(prompt), output_ids=g.output_ids, output_logprobs=g.logprobs,
                 finish_reason="stop" if g.stopped else "length", weight_version=self.weight_version,
-                routed_experts=g.routes_NLK,
+                routed_experts=g.routes_NLK, temperature=params.temperature, routed_gates=g.gates_NLK,
+                routed_probs=g.probs_NLK, truncation_logratio=g.truncation_logratio,
             )
             for prompt, g in zip(prompts, mine)
         ]

@@ -9,14 +9,20 @@ samples one token per row from the last position's logits with
 and forwards only those B new tokens. A row that produced a stop token, or its last
 token, leaves the batch: its cache rows are dropped, so finished samples cost nothing.
 
-Log-probs follow the trainer's convention (what ``compute_logprobs`` returns and
-``mismatch/*`` compares): the log-softmax of the model's raw fp32 logits at the sampled
-token, full vocabulary, before temperature, top-k or top-p. Routes are the top-K experts
+Log-probs are of the distribution the token was drawn from, as SGLang reports them by
+default and as the trainer scores them (``compute_logprobs`` at the sample's temperature):
+``log_softmax(logits / T)`` of the model's fp32 logits at the sampled token, over the whole
+vocabulary (top-k / top-p are not renormalized in; ``truncation_logratio`` says by how much
+that differs per token); ``logprobs_after_temperature=False`` reports ``log_softmax(logits)``
+(the T = 1 objective). Routes are the top-K experts
 each MoE router chose for each forwarded position (by descending router probability,
 transformers' ``torch.topk`` order), read from the router modules' outputs with forward
-hooks keyed by layer number: the experts the block actually computed with. In SGLang's
+hooks keyed by layer number: the experts the block actually computed with, with the gate
+weight each got (the router's top-K weights, normalized as the block uses them) and its
+router probability (softmax over all E of the router logits). In SGLang's
 layout a sample of N tokens has ``[N - 1, L, K]`` routes: the last token is never
-forwarded.
+forwarded. Inside decoding the three travel together as one fp32 ``[..., L, K, 3]`` tensor
+(id, gate, probability; ids are exact in fp32), which is also what the prefix cache keeps.
 
 Multi-turn: ``routes_from`` returns routes from a position on (SGLang's
 ``routed_experts_start_len``), and with a ``prefix_cache`` a prompt that extends a finished
@@ -43,7 +49,11 @@ from megatron_rl.rollout.local.hf_prefix_cache import (
     batch_cache,
     take_rows,
 )
-from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
+from megatron_rl.rollout.sampling import (
+    kept_log_mass,
+    sample_next_tokens,
+    sampled_logprobs,
+)
 from moe_routing.types import compact_id_dtype
 
 _ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
@@ -56,11 +66,17 @@ class Generation:
     output_ids: list[int]
     """Generated ids (the stop token included when one was produced)."""
     logprobs: torch.Tensor
-    """``[len(output_ids)]`` fp32 log-probs of those ids (raw logits, full vocabulary)."""
+    """``[len(output_ids)]`` fp32 log-probs of those ids (full vocabulary, at T unless raw)."""
     stopped: bool
     """Ended on a stop token (else on ``max_new_tokens``)."""
     routes_NLK: torch.Tensor | None
     """``[N - 1, L, K]`` experts of every forwarded position (compact integer dtype), when asked."""
+    gates_NLK: torch.Tensor | None = None
+    """``[N - 1, L, K]`` fp32 gate weights of those experts, when routes are asked."""
+    probs_NLK: torch.Tensor | None = None
+    """``[N - 1, L, K]`` fp32 router probabilities of those experts, when routes are asked."""
+    truncation_logratio: torch.Tensor | None = None
+    """``[len(output_ids)]`` fp32 ``-log(mass kept)`` by top-k / top-p at each token (None: no truncation)."""
 
 
 def moe_routers(hf_model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -73,16 +89,24 @@ def moe_routers(hf_model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return dict(sorted(routers.items()))
 
 
+def _route_triples(out: tuple) -> torch.Tensor:
+    """``[rows * positions, K, 3]`` fp32 (id, gate, router probability) from a transformers
+    ``TopKRouter``'s output ``(router_logits, top-K weights, top-K indices)``."""
+    logits_NE, gates_NK, ids_NK = out
+    probs_NK = logits_NE.float().softmax(dim=-1).gather(1, ids_NK)
+    return torch.stack([ids_NK.float(), gates_NK.float(), probs_NK], dim=-1)
+
+
 @contextmanager
 def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Per layer, each forward's ``[rows * positions, K]`` top-K ids, in call order."""
+    """Per layer, each forward's ``[rows * positions, K, 3]`` route triples, in call order."""
     captured: dict[int, list[torch.Tensor]] = {}
     handles = []
     if enabled:
         for layer, router in moe_routers(hf_model).items():
             calls = captured.setdefault(layer, [])
-            # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
-            handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
+            handles.append(router.register_forward_hook(
+                lambda _m, _i, out, calls=calls: calls.append(_route_triples(out))))
         if not handles:
             raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate) to read routes from")
     try:
@@ -93,10 +117,10 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
 
 
 def _pop_step_routes(captured: dict[int, list[torch.Tensor]], rows: int, positions: int) -> torch.Tensor | None:
-    """The last forward's routes as ``[rows, positions, L, K]`` (and forget them)."""
+    """The last forward's route triples as ``[rows, positions, L, K, 3]`` (and forget them)."""
     if not captured:
         return None
-    per_layer = [captured[layer].pop().view(rows, positions, -1) for layer in sorted(captured)]
+    per_layer = [captured[layer].pop().view(rows, positions, -1, 3) for layer in sorted(captured)]
     return torch.stack(per_layer, dim=2)
 
 
@@ -125,7 +149,7 @@ def generate(
     pad_id: int = 0,
     routes_from: Sequence[int] | None = None,
     prefix_cache: PrefixCache | None = None,
-    logprobs_after_temperature: bool = False,
+    logprobs_after_temperature: bool = True,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -140,8 +164,9 @@ def generate(
         routes_from: per prompt, the first position whose routes are returned (default 0).
         prefix_cache: serve prompts that extend a finished response from its KV, and keep
             every finished response's KV in it (``hf_prefix_cache``).
-        logprobs_after_temperature: report ``log_softmax(logits / T)`` instead of the raw
-            convention (SGLang's default; :func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
+        logprobs_after_temperature: report ``log_softmax(logits / T)``, the sampled
+            distribution (SGLang's default); False: ``log_softmax(logits)``
+            (:func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -165,12 +190,8 @@ def generate(
         rows = torch.arange(B, device=device)  # sample index of each batch row
         next_pos_B = torch.tensor([len(p) for p in prompts], device=device)
         for step in range(params.max_new_tokens):
-            logits_BV = out.logits[:, -1].float()
-            tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
-                                          top_k=params.top_k, generator=generator)
-            token_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
-                                          after_temperature=logprobs_after_temperature)
-            keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
+            tokens_B, values_B2 = _sample_step(out.logits[:, -1].float(), params, generator, logprobs_after_temperature)
+            keep = responses.append(rows.tolist(), tokens_B, values_B2, stops, step + 1 == params.max_new_tokens)
             if prefix_cache is not None:
                 _keep_finished(prefix_cache, cache, rows, keep, mask_BP, prompts, responses)
             if not keep:
@@ -189,8 +210,21 @@ def generate(
             if step_routes is not None:
                 for r, i in enumerate(rows.tolist()):
                     responses.routes[i].append(step_routes[r])
+    truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
     return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
-                                 routes_from=starts)
+                                 routes_from=starts, truncated=truncated)
+
+
+def _sample_step(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator,
+                 after_temperature: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens_B, values_B2)``: the drawn tokens, and per row their log-prob (at T unless
+    raw) and the truncation log-ratio ``-log(mass kept)`` by top-k / top-p."""
+    tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
+                                  top_k=params.top_k, generator=generator)
+    token_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
+                                  after_temperature=after_temperature)
+    kept_B = kept_log_mass(logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    return tokens_B, torch.stack([token_lp_B, -kept_B], dim=1)
 
 
 def _prefill_inputs(hf_model: torch.nn.Module, prompts: Sequence[Sequence[int]],
@@ -251,28 +285,36 @@ class _Responses:
         self.routes: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
         self.stopped = [False] * num_samples
 
-    def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B: torch.Tensor,
+    def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B2: torch.Tensor,
                stops: set[int], last_step: bool) -> list[int]:
-        """Adds each row's token to its sample; returns the rows that go on decoding."""
+        """Adds each row's token (and its log-prob and truncation log-ratio, ``[B, 2]``) to its
+        sample; returns the rows that go on decoding."""
         keep = []
         for r, (i, token) in enumerate(zip(samples, tokens_B.tolist())):
             self.output_ids[i].append(token)
-            self.logprobs[i].append(token_lp_B[r])
+            self.logprobs[i].append(token_lp_B2[r])
             self.stopped[i] = token in stops
             if not self.stopped[i] and not last_step:
                 keep.append(r)
         return keep
 
-    def generations(self, id_dtype: torch.dtype, *, with_routes: bool, routes_from: list[int]) -> list[Generation]:
-        """One :class:`Generation` per sample; routes (when collected) from ``routes_from`` on, as ``id_dtype``."""
-        return [
-            Generation(
-                output_ids=ids, logprobs=torch.stack(logprobs).float().cpu(), stopped=stopped,
-                routes_NLK=torch.cat(routes)[start:].to(id_dtype).cpu() if with_routes else None,
-            )
-            for ids, logprobs, routes, stopped, start in zip(self.output_ids, self.logprobs, self.routes,
-                                                             self.stopped, routes_from)
-        ]
+    def generations(self, id_dtype: torch.dtype, *, with_routes: bool, routes_from: list[int],
+                    truncated: bool) -> list[Generation]:
+        """One :class:`Generation` per sample; routes (when collected) from ``routes_from`` on, as
+        ``id_dtype`` ids, gates and probabilities; the truncation log-ratios when top-k / top-p cut."""
+        out = []
+        for ids, values, routes, stopped, start in zip(self.output_ids, self.logprobs, self.routes, self.stopped,
+                                                       routes_from):
+            values_O2 = torch.stack(values).float().cpu()
+            triples = torch.cat(routes)[start:].cpu() if with_routes else None
+            out.append(Generation(
+                output_ids=ids, logprobs=values_O2[:, 0].contiguous(), stopped=stopped,
+                routes_NLK=None if triples is None else triples[..., 0].to(id_dtype),
+                gates_NLK=None if triples is None else triples[..., 1].contiguous(),
+                probs_NLK=None if triples is None else triples[..., 2].contiguous(),
+                truncation_logratio=values_O2[:, 1].contiguous() if truncated else None,
+            ))
+        return out
 
 
 def _num_experts(config) -> int:

@@ -40,7 +40,8 @@ class CachedPrefix:
     values: list[torch.Tensor]
     """Per decoder layer, ``[H, C, D]``."""
     routes_CLK: torch.Tensor | None
-    """Routes of those positions (None: not recorded)."""
+    """Routes of those positions as ``hf_generate`` decodes them: fp32 ``[C, L, K, 3]`` (expert
+    id, gate weight, router probability) (None: not recorded)."""
 
 
 class PrefixCache:

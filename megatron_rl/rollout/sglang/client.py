@@ -40,8 +40,8 @@ health_timeout_s`` (25 s at the defaults) on every path.
 
 Before the first samples, :meth:`SGLangClient.check_servers` reads each server's
 ``/server_info`` (a run that asks for seeded sampling needs ``enable_deterministic_inference``),
-and :meth:`SGLangClient.check_logprob_convention` probes that log-probs are the raw
-``log_softmax(logits)`` the trainer compares with (:mod:`~megatron_rl.rollout.sglang.server_checks`).
+and :meth:`SGLangClient.check_logprob_convention` probes that log-probs are of the policy the
+trainer scores, ``log_softmax(logits / T)`` (:mod:`~megatron_rl.rollout.sglang.server_checks`).
 
 Memory: at most ``max_concurrency`` responses are held at a time; each is decoded as soon
 as it arrives and its int32 routes narrowed to the compact dtype, so host memory grows
@@ -125,6 +125,8 @@ class SGLangClientConfig:
     """The run asks for seeded sampling: every server must run with
     ``--enable-deterministic-inference`` (checked in ``/server_info``), else SGLang ignores
     ``sampling_seed``."""
+    raw_logprobs: bool = False
+    """Servers must return ``log_softmax(logits)``, not SGLang's default ``log_softmax(logits / T)`` (T = 1 runs)."""
 
     def __post_init__(self) -> None:
         positive = ("request_timeout_s", "connect_timeout_s", "hang_check_after_s", "health_timeout_s")
@@ -262,10 +264,10 @@ class SGLangClient:
         return infos
 
     async def check_logprob_convention(self) -> None:
-        """Every server returns raw log-probs at T != 1 (a probe; see :mod:`~megatron_rl.rollout.
-        sglang.server_checks`); raises naming a server that scales them by the temperature."""
+        """Every server's log-probs at T != 1 are of the policy the trainer scores (``raw_logprobs``; a probe,
+        :mod:`~megatron_rl.rollout.sglang.server_checks`); raises naming a server whose are not."""
         for url in self.urls:
-            await probe_logprob_convention(self._session, url, self.cfg.request_timeout_s)
+            await probe_logprob_convention(self._session, url, self.cfg.request_timeout_s, raw=self.cfg.raw_logprobs)
 
     # ------------------------------------------------------------------ generation
 

@@ -381,7 +381,7 @@ class SGLangEngine:
                     got, behind = err.partial, err.behind
             finally:
                 (self.stats if stats is None else stats).add(client.stats)
-        return {todo[j]: self._sample(prompts[todo[j]], r) for j, r in got.items()}, behind
+        return {todo[j]: self._sample(prompts[todo[j]], r, params.temperature) for j, r in got.items()}, behind
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
         """``sglang/{attempts,retries,duplicates,resyncs,timeouts}`` since the last call.
@@ -402,12 +402,13 @@ class SGLangEngine:
             comm.all_reduce(counts, self.groups.world)
         return {f"sglang/{name}": counts[i].float() for i, name in enumerate(STEP_METRICS)}
 
-    def _sample(self, prompt: Sequence[int], result: GenerateResult) -> RolloutSample:
+    def _sample(self, prompt: Sequence[int], result: GenerateResult, temperature: float) -> RolloutSample:
         version = result.weight_version
         number = int(version) if version is not None and version.lstrip("-").isdigit() else self.weight_version
         return RolloutSample(
             prompt_ids=list(prompt), output_ids=result.output_ids, output_logprobs=result.output_logprobs,
             finish_reason=result.finish_reason, weight_version=number, routed_experts=result.routed_experts,
+            temperature=temperature,
             meta={"rid": result.rid, "server_weight_version": version, **result.meta},
         )
 

@@ -13,9 +13,10 @@ tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
 ``--enable-memory-saver`` for a colocated run, whose servers release and resume their memory
 around the trainer's turns and take the weights again after each resume, so without
 ``--enable-weights-cpu-backup``), in an
-environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (:data:`SERVER_ENV`: log-probs of the raw
-logits at every temperature, the trainer's convention; SGLang reads it once at start,
-``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
+environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` (:func:`server_env`: SGLang's default,
+log-probs of the distribution it samples, ``log_softmax(logits / T)``, the policy the trainer
+scores; ``--original-logprobs`` sets it to 1 for runs that train the T = 1 policy,
+``train.policy_temperature: one``; SGLang reads it once at start, ``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
 worker it forks, and dying with this process if it is killed outright); refusing to start
 on a port something already answers on (its health would be mistaken for ours); waiting
 until ``GET /health`` answers 200 (failing early, with the log tail, when the process exits
@@ -88,6 +89,9 @@ class SGLangServerConfig:
     sample (SGLang ignores the seed otherwise); costs throughput."""
     enable_memory_saver: bool = False
     """``--enable-memory-saver``: ``/release_memory_occupation`` frees the GPU memory (colocated runs)."""
+    original_logprobs: bool = False
+    """``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: log-probs of the raw logits at every temperature (runs
+    with ``train.policy_temperature: one``); off: of the T-scaled distribution sampled."""
     extra_args: list[str] = field(default_factory=list)
     """Further ``sglang.launch_server`` flags, appended verbatim."""
     python: str = sys.executable
@@ -123,10 +127,16 @@ def build_command(cfg: SGLangServerConfig) -> list[str]:
     return cmd + list(cfg.extra_args)
 
 
-SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
-"""The environment every server is launched with: SGLang returns ``log_softmax`` of the raw
-logits instead of ``log_softmax(logits / T)`` (``srt/layers/sampler.py:82``, ``:231-237``,
-``:319-323``), which is what the trainer compares rollout log-probs with."""
+SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
+"""The environment servers are launched with by default: SGLang returns ``log_softmax(logits / T)``
+of the distribution it samples (``srt/layers/sampler.py:275``, ``:312-316``), which is what the
+trainer scores; set explicitly so that a value inherited from the caller's environment cannot
+turn it into raw log-probs (``:82``, ``:231-237``, ``:319-323``)."""
+
+
+def server_env(cfg: SGLangServerConfig) -> dict[str, str]:
+    """The server's environment: :data:`SERVER_ENV`, or raw log-probs with ``original_logprobs``."""
+    return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"} if cfg.original_logprobs else dict(SERVER_ENV)
 
 HEALTH_PROBE_S = 25.0
 """Limit of one ``GET /health`` while waiting for a server: SGLang's answers within its
@@ -301,7 +311,7 @@ class SGLangServer(ManagedServer):
 
     def __init__(self, cfg: SGLangServerConfig, *, env: Mapping[str, str] | None = None,
                  log_path: str | Path | None = None) -> None:
-        super().__init__(build_command(cfg), cfg.url, env={**SERVER_ENV, **(env or {})}, log_path=log_path)
+        super().__init__(build_command(cfg), cfg.url, env={**server_env(cfg), **(env or {})}, log_path=log_path)
         self.cfg = cfg
 
 
@@ -370,6 +380,8 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
                         help="--enable-deterministic-inference: sampling_seed decides each sample")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="release and resume GPU memory around a colocated trainer's turns")
+    parser.add_argument("--original-logprobs", action="store_true",
+                        help="SGLANG_RETURN_ORIGINAL_LOGPROB=1: raw log-probs (train.policy_temperature=one)")
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed")
     parser.add_argument("--log-file", default=None)
@@ -386,6 +398,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
         kv_cache_dtype="fp8_e4m3" if args.fp8_kv_cache else "auto", weight_version=args.weight_version,
         base_gpu_id=args.base_gpu_id, python=args.python, extra_args=list(args.extra),
         deterministic_inference=args.deterministic_inference, enable_memory_saver=args.enable_memory_saver,
+        original_logprobs=args.original_logprobs,
     )
     return args, cfg
 
@@ -413,7 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_command:
         print(" ".join(command))
         return 0
-    server = ManagedServer(command, cfg.url, env=SERVER_ENV, log_path=args.log_file)
+    server = ManagedServer(command, cfg.url, env=server_env(cfg), log_path=args.log_file)
 
     def stop_now(signum: int, _frame: object) -> None:
         # Raised, not flagged: the startup wait (up to --startup-timeout) must end too.

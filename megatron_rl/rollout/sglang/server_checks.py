@@ -1,17 +1,25 @@
 """What the client checks about SGLang servers before it uses their samples.
 
-* **Log-prob convention.** The trainer compares rollout log-probs with its own
-  ``log_softmax(logits)`` of the raw logits (``mismatch/*``, TIS, MIS, IcePop). SGLang 0.5.23
-  returns ``log_softmax(logits / T)`` for a sampled (non-greedy) request unless the server
-  was started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (``srt/layers/sampler.py:82``,
-  ``:186-196``, ``:273-323``), which ``megatron_rl.rollout.sglang.server`` sets. The client
-  verifies it, it does not convert (a single log-prob cannot be rescaled without the whole
+* **Log-prob convention.** The trainer scores ``log_softmax(logits / T)`` at each sample's
+  temperature (``train.policy_temperature: sampling``), which is what SGLang 0.5.23 returns for a
+  sampled request by default: ``srt/layers/sampler.py:275`` divides the logits by the
+  temperatures in place, ``:294-299`` takes their softmax, ``:312-316`` returns ``log(probs)``;
+  top-p / top-k sample from a sorted copy (``:821-838``) or inside FlashInfer's kernel and
+  leave ``probs`` whole, so the log-probs are of the untruncated T-scaled distribution. A server
+  started with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` returns ``log_softmax(logits)`` instead
+  (``:82``, ``:231-237``, ``:319-323``), what ``train.policy_temperature: one`` (the T = 1
+  objective) needs; greedy requests get raw log-probs either way (``:208-223``).
+  ``megatron_rl.rollout.sglang.server`` launches servers in the run's convention and the client
+  verifies it (it does not convert: one log-prob cannot be rescaled without the whole
   distribution): :func:`probe_logprob_convention` asks the same prompts at T = 1 and at
-  T = 0.5 with ``top_p`` so small that only the most likely token survives, so both answers
-  are the same tokens; with raw log-probs they carry the same values, with scaled ones each
-  value at T = 0.5 is higher (``log_softmax(2 l)`` of the top token exceeds ``log_softmax(l)``
-  unless the distribution is a point mass). It runs before the first request at a
-  temperature other than 0 and 1 (at those two both conventions agree).
+  T = 0.01 with ``top_p`` so small that only the most likely token survives, so both answers are
+  the same tokens. Raw log-probs are the same at both temperatures; scaled ones at T = 0.01 are
+  those of ``softmax(100 z)``, nearly 0 for the top token unless another is within a few
+  hundredths of a nat of it, so they rise most of the way from the T = 1 value to 0
+  (:func:`convention_of`). On tokens the model is already sure of (log-prob near 0 at T = 1) the
+  two conventions agree and the probe cannot, and need not, tell them apart; a rise between the
+  two bands (near-ties, bf16 batch noise) tells nothing either, and is let pass. It runs before
+  the first request at a temperature other than 0 and 1 (at those two both conventions agree).
 * **Seeded sampling.** SGLang ignores ``sampling_param.sampling_seed`` without
   ``--enable-deterministic-inference`` (``srt/sampling/sampling_batch_info.py:128``,
   ``:157-172``); a run that asks for seeded sampling (``rollout.sglang.deterministic_inference``)
@@ -32,15 +40,21 @@ from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.ledger import RolloutRequestError
 from megatron_rl.rollout.sglang.wire import decode_generate_response, generate_payload
 
-PROBE_TEMPERATURE = 0.5
-"""Temperature the probe compares with T = 1 (scaled log-probs move by a factor 1 / T)."""
+PROBE_TEMPERATURE = 0.01
+"""Temperature the probe compares with T = 1: scaled log-probs of the top token come near 0."""
 PROBE_TOP_P = 1e-6
 """Keeps only the most likely token, so both probes sample the same tokens."""
 PROBE_PROMPTS = [[3 + (7 * i + 5 * j) % 53 for j in range(8)] for i in range(4)]
 """Token ids any vocabulary holds; arbitrary text leaves the next token uncertain."""
-SCALED_GAP = 0.05
-"""Mean log-prob rise at T = 0.5 above which a server scales by the temperature (raw ones
-differ only by batch numerics, ~1e-6 in fp32 and ~1e-2 at worst in bf16)."""
+UNSURE = 0.05
+"""Mean ``-log p`` of the probe's tokens at T = 1 below which the conventions agree too closely to
+be told apart (and so need not be): raw ones differ only by batch numerics there, ~1e-6 in fp32
+and ~1e-2 at worst in bf16."""
+SCALED_RISE = 0.5
+"""Share of the way from the T = 1 log-prob to 0 that the cold one rises at least on a scaling
+server (one whose top tokens are clear of the next rises nearly all of it)."""
+RAW_RISE = 0.1
+"""Share it rises at most on a raw server (batch numerics only)."""
 
 
 async def _probe(session: aiohttp.ClientSession, url: str, temperature: float, timeout_s: float) -> list:
@@ -59,28 +73,50 @@ async def _probe(session: aiohttp.ClientSession, url: str, temperature: float, t
     return results
 
 
-async def probe_logprob_convention(session: aiohttp.ClientSession, url: str, timeout_s: float) -> float:
-    """The mean log-prob rise from T = 1 to T = 0.5 over the probe's tokens (see the module docstring).
+def convention_of(logprobs_at_one: list[float], logprobs_cold: list[float]) -> str | None:
+    """``"scaled"`` or ``"raw"`` from the same tokens' log-probs at T = 1 and at :data:`PROBE_TEMPERATURE`,
+    or None when they cannot tell: tokens too sure at T = 1 for the conventions to differ
+    (:data:`UNSURE`), or a rise between :data:`RAW_RISE` and :data:`SCALED_RISE` of the room."""
+    if not logprobs_at_one:
+        return None
+    room = -sum(logprobs_at_one) / len(logprobs_at_one)
+    if room < UNSURE:
+        return None
+    rise = sum(b - a for a, b in zip(logprobs_at_one, logprobs_cold)) / len(logprobs_at_one)
+    if rise >= SCALED_RISE * room:
+        return "scaled"
+    return "raw" if rise <= RAW_RISE * room else None
+
+
+async def probe_logprob_convention(session: aiohttp.ClientSession, url: str, timeout_s: float,
+                                   raw: bool = False) -> str | None:
+    """The server's log-prob convention (:func:`convention_of`; see the module docstring).
 
     Raises:
-        RolloutRequestError: the server returns temperature-scaled log-probs (named, with the fix).
+        RolloutRequestError: the server's convention is not the run's (``raw``: the T = 1
+            objective's), named, with the fix.
     """
-    at_one, at_half = await asyncio.gather(_probe(session, url, 1.0, timeout_s),
-                                           _probe(session, url, PROBE_TEMPERATURE, timeout_s))
-    gaps = []
-    for a, b in zip(at_one, at_half):
+    at_one, cold = await asyncio.gather(_probe(session, url, 1.0, timeout_s),
+                                        _probe(session, url, PROBE_TEMPERATURE, timeout_s))
+    one, low = [], []
+    for a, b in zip(at_one, cold):
         for token_a, token_b, lp_a, lp_b in zip(a.output_ids, b.output_ids, a.output_logprobs, b.output_logprobs):
             if token_a != token_b:
                 break  # a near-tie broken differently: the rest of the answers differ
-            gaps.append(float(lp_b - lp_a))
-    gap = sum(gaps) / max(len(gaps), 1)
-    if gap > SCALED_GAP:
+            one.append(float(lp_a))
+            low.append(float(lp_b))
+    found = convention_of(one, low)
+    if found == ("scaled" if raw else "raw"):
+        wanted = "log_softmax(logits)" if raw else "log_softmax(logits / T), the distribution it samples"
+        fix = ("start the server with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (python -m megatron_rl.rollout.sglang.server "
+               "--original-logprobs)" if raw else "start it without SGLANG_RETURN_ORIGINAL_LOGPROB "
+               "(python -m megatron_rl.rollout.sglang.server unsets it)")
         raise RolloutRequestError(
-            f"SGLang server {url} returns temperature-scaled log-probs (log_softmax(logits / T): the same tokens "
-            f"score {gap:.3f} nats higher on average at T = {PROBE_TEMPERATURE} than at T = 1), but the trainer "
-            "compares raw log_softmax(logits); start the server with SGLANG_RETURN_ORIGINAL_LOGPROB=1 in its "
-            "environment (srt/layers/sampler.py:82; python -m megatron_rl.rollout.sglang.server sets it)")
-    return gap
+            f"SGLang server {url} returns {found} log-probs (the same tokens at T = 1 and T = {PROBE_TEMPERATURE}: "
+            f"mean {sum(one) / len(one):.3f} and {sum(low) / len(low):.3f} nats), but this run "
+            f"(train.policy_temperature={'one' if raw else 'sampling'}) scores {wanted}; {fix} "
+            "(srt/layers/sampler.py:82)")
+    return found
 
 
 def check_deterministic(infos: dict[str, dict]) -> None:
