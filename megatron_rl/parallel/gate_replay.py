@@ -79,7 +79,7 @@ class GateReplay:
             raise ValueError(f"replay gates are missing for local MoE layer(s) {missing}")
         self._ids, self._gates = ids_per_call, gates_per_call
         self._current: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._recompute: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self._routers}
+        self._in_backward: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {n: [] for n in self._routers}
         self._undo: list = []
 
     def before_forward(self, micro_batch: int) -> None:
@@ -96,7 +96,7 @@ class GateReplay:
         while self._undo:
             self._undo.pop()()
         self._current.clear()
-        for queue in self._recompute.values():
+        for queue in self._in_backward.values():
             queue.clear()
 
     def _wrap(self, number: int, original):
@@ -104,11 +104,11 @@ class GateReplay:
             probs_NE, map_NE = original(logits, *args, **kwargs)
             # As RoutingReplay: a checkpointed forward is run again, with grad, in backward.
             if mc.is_checkpointing() and torch.is_grad_enabled():
-                ids_NK, gates_NK = self._recompute[number].pop(0)
+                ids_NK, gates_NK = self._in_backward[number].pop(0)
             else:
                 ids_NK, gates_NK = self._current[number]
                 if mc.is_checkpointing():
-                    self._recompute[number].append((ids_NK, gates_NK))
+                    self._in_backward[number].append((ids_NK, gates_NK))
             return exact_gates(probs_NE, map_NE, ids_NK, gates_NK), map_NE
 
         return routing

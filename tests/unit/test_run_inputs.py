@@ -152,6 +152,12 @@ CASES = {
                               "rollout.env.http.backoff_s=inf"], "rollout.env.http.backoff_s: must be a finite"),
     "environment limit without environment": (["rollout.env.max_turns=0"],
                                               "rollout.env.max_turns: 0 is set, but rollout.env.name is null"),
+    "greedy rollouts, sampled policy": (["rollout.temperature=0"],
+                                        "rollout.temperature: 0 (greedy) draws from no distribution"),
+    "R3w over SGLang": (["train.routing_replay=R3w", "rollout.engine=sglang", "rollout.sglang.urls=[http://127.0.0.1:9]"],
+                        "train.routing_replay: R3w replays the engine's gate weights, and SGLang 0.5.23 returns"),
+    "breakdown with multi-turn": (["train.mismatch.breakdown=true", "rollout.env.name=calculator"],
+                                  "train.mismatch.breakdown: multi-turn trajectories do not carry"),
     "environment without chat template": (["rollout.env.name=calculator", "tokenizer.chat_template=false"],
                                           "rollout.env.name: multi-turn rollouts render"),
 }

@@ -30,6 +30,7 @@ from megatron_rl.rollout.sglang.server import (
     SERVER_ENV,
     SGLangServerConfig,
     build_command,
+    server_env,
 )
 from megatron_rl.rollout.sglang.standin_weights import (
     SchedulerCrash,
@@ -263,6 +264,44 @@ def test_launch_settings_and_probes_exist_in_sglang():
                                                                                    deterministic_inference=True))
     batch_info = ast.unparse(_function("sampling/sampling_batch_info.py", "from_schedule_batch"))
     assert "if enable_deterministic else None" in batch_info  # seeds are ignored without the flag
+
+
+def test_returned_logprobs_are_of_the_untruncated_temperature_scaled_distribution():
+    """Item 5: which distribution SGLang 0.5.23's log-probs describe, read from its sampler here.
+
+    The standard path of ``Sampler.forward`` divides the logits by the temperatures in place,
+    takes their softmax as ``probs``, samples from ``probs`` and returns ``log(probs)``; the
+    ``SGLANG_RETURN_ORIGINAL_LOGPROB`` path takes ``log_softmax(logits)`` before the division;
+    greedy batches take the raw one. Top-k / top-p never touch ``probs``: FlashInfer's fused
+    kernel gets it read-only and the torch backend (run here, SGLang's own function) sorts a
+    copy; so the log-probs are of the whole T-scaled distribution, which is what the trainer
+    scores (``train.policy_temperature: sampling``), what the server wrapper's environment keeps
+    (the variable off) and what the stand-in and the local engines report
+    (``tests/unit/test_hf_prefix_cache.py``, ``tests/parallel/test_hf_engine.py``)."""
+    sampler = next(n for n in ast.walk(ast.parse(_source("layers/sampler.py")))
+                   if isinstance(n, ast.ClassDef) and n.name == "Sampler")
+    forward = ast.unparse(next(n for n in sampler.body if getattr(n, "name", None) == "forward"))
+    assert forward.startswith("def forward(self, logits_output")
+    order = ["original_logprobs = torch.log_softmax(logits, dim=-1)", "logits.div_(sampling_info.temperatures)",
+             "sampler_softmax(logits)", "probs = logits", "self._sample_from_probs(probs, sampling_info",
+             "else torch.log(probs)", "elif SGLANG_RETURN_ORIGINAL_LOGPROB:"]
+    positions = [forward.find(text) for text in order]
+    assert -1 not in positions and positions == sorted(positions), dict(zip(order, positions))
+    assert re.search(r"elif SGLANG_RETURN_ORIGINAL_LOGPROB:\s+logprobs = original_logprobs", forward)
+    assert "if sampling_info.is_all_greedy or SGLANG_RETURN_ORIGINAL_LOGPROB" in forward  # raw for greedy
+    sample = ast.unparse(_function("layers/sampler.py", "_sample_from_probs"))
+    assert "top_k_top_p_sampling_from_probs(probs.contiguous(), sampling_info.top_ks, sampling_info.top_ps" in sample
+    torch_sampler = _function("layers/sampler.py", "top_k_top_p_min_p_sampling_from_probs_torch")
+    space = {"torch": torch, "Optional": __import__("typing").Optional}
+    exec(compile(ast.Module([torch_sampler], []), "sglang/srt/layers/sampler.py", "exec"), space)
+    probs = torch.softmax(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)) / 0.7, dim=-1)
+    before = probs.clone()
+    ids = space[torch_sampler.name](probs, torch.tensor([5, 64, 10, 1]), torch.tensor([0.9, 0.5, 1.0, 0.9]),
+                                    torch.zeros(4), False, None, None)
+    assert ids.shape == (4,) and torch.equal(probs, before)  # truncation on a sorted copy only
+    assert SERVER_ENV == {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
+    assert server_env(SGLangServerConfig(model_path="m", original_logprobs=True)) == {
+        "SGLANG_RETURN_ORIGINAL_LOGPROB": "1"}
 
 
 def test_the_stand_ins_memory_rules_are_sglangs():
