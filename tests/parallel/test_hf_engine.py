@@ -40,9 +40,11 @@ LAYOUTS = {
 PROMPTS_PER_RANK = 12
 NEW_TOKENS = 12
 NEAR_TIE = 1e-3
+SAMPLED_LAYOUT = "EP2"
+"""The layout (two DP ranks, their own prompts) that also runs ``sampled_policy_checks``."""
 
 
-def _layout_checks(cfg, groups, export_root: Path) -> dict:
+def _layout_checks(cfg, groups, export_root: Path, sampled_policy: bool) -> dict:
     import torch.distributed as dist
 
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
@@ -57,7 +59,7 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
     from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 
     init = inspect_init_checkpoint(str(ASSET))
-    gpt = build_model(cfg.model, cfg.parallel)
+    gpt = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True)  # as the trainer builds it
     load_initial_weights(gpt, init, cfg.model, groups)
     tokenizer = run_tokenizer(cfg)
     records = load_prompts(cfg.data, "train", tokenizer, max_prompt_tokens(cfg)).records
@@ -107,6 +109,10 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
         out["too_long"] = None
     except ValueError as err:
         out["too_long"] = str(err)
+    if sampled_policy:
+        from sampled_policy_checks import sampled_policy_checks
+
+        out["sampled"] = sampled_policy_checks(cfg, groups, gpt, engine, prompts, stops)
     return out
 
 
@@ -120,7 +126,7 @@ def _worker(export_root: str) -> dict:
         for layout, overrides in LAYOUTS.items():
             cfg = load_run_config(str(DEMO), ["parallel.expert_model_parallel_size=1", *overrides], world_size=2)
             with model_parallel(cfg.parallel, cfg.seed) as groups:
-                results[layout] = _layout_checks(cfg, groups, Path(export_root) / layout)
+                results[layout] = _layout_checks(cfg, groups, Path(export_root) / layout, layout == SAMPLED_LAYOUT)
     return results
 
 
@@ -224,3 +230,88 @@ def test_too_long_prompt_names_the_sample(world):
     for layout in LAYOUTS:
         message = results[0][layout]["too_long"]
         assert message is not None and message.startswith("sample 1: prompt of 125 tokens + max_new_tokens 4"), message
+
+
+def _sampled(world) -> list[dict]:
+    """Both ranks' ``sampled_policy_checks`` (two DP ranks of the EP2 layout, their own prompts)."""
+    _, results = world
+    return [results[rank][SAMPLED_LAYOUT]["sampled"] for rank in (0, 1)]
+
+
+def _mean(parts: list[list[float]]) -> float:
+    """A mean over both ranks' tokens from their ``[sum, count]``."""
+    return sum(p[0] for p in parts) / sum(p[1] for p in parts)
+
+
+def test_megatron_engine_logprobs_at_t_and_top_p_are_the_trainers_old_logprobs(world):
+    """At T = 0.7, top-p 0.9: the rollout log-probs are the trainer's old-policy log-probs (the same
+    function on the same inputs), and R3 / R3w keep the gap at exactly zero."""
+    for got in _sampled(world):
+        m = got["megatron"]
+        assert m["equal"] and m["max_diff"] == 0.0 and m["tokens"] > PROMPTS_PER_RANK, m
+        assert [m["gaps"][plan][0] for plan in ("none", "R3", "R3w")] == [0.0, 0.0, 0.0]
+        truncation = m["truncation"]
+        assert 0 < truncation["rollout/truncated_mass"] <= 1 - 0.9 + 1e-6
+        print(f"megatron engine at T=0.7 top-p 0.9: {m['tokens']} tokens, max |rollout - old| {m['max_diff']}, "
+              f"R3w gap {m['gaps']['R3w'][0]}; top-p leaves out mean log-ratio "
+              f"{truncation['rollout/truncation_logratio']:.4f} (mass {truncation['rollout/truncated_mass']:.4f})")
+
+
+def test_hf_logprobs_at_t_match_the_megatron_pass_at_t(world):
+    for got in _sampled(world):
+        assert got["hf_fp32"]["max_diff"] <= 1e-4, got["hf_fp32"]
+
+
+def _parts_sum_to_the_gap_measured_apart(case: list[dict]) -> dict:
+    metrics = case[0]["metrics"]
+    assert metrics == case[1]["metrics"]  # summed over DP: the same on both ranks
+    parts = sum(metrics[f"mismatch/breakdown/gap/{stage}"] for stage in ("expert_choice", "gate_weights", "other"))
+    apart = _mean([c["apart"] for c in case])
+    assert abs(parts - apart) <= 0.01 * apart, (parts, apart)
+    return metrics
+
+
+def test_breakdown_puts_a_router_perturbed_in_the_engine_on_its_layer(world):
+    """Layer 2's router perturbed in the hf replica only: the gap goes to layer 2, stages (a) and (b)."""
+    from sampled_policy_checks import PERTURBED_LAYER
+
+    metrics = _parts_sum_to_the_gap_measured_apart([got["perturbed"] for got in _sampled(world)])
+    key = "mismatch/breakdown/layer{}/{}"
+    mine = metrics[key.format(PERTURBED_LAYER, "expert_choice")] + metrics[key.format(PERTURBED_LAYER, "gate_weights")]
+    print(f"perturbed router of layer {PERTURBED_LAYER}: gap {metrics['mismatch/breakdown/gap']:.4f}, layer "
+          f"{PERTURBED_LAYER} (a) {metrics[key.format(PERTURBED_LAYER, 'expert_choice')]:.3f} (b) "
+          f"{metrics[key.format(PERTURBED_LAYER, 'gate_weights')]:.3f}, other "
+          f"{metrics['mismatch/breakdown/share/other']:.2e}, flip rates "
+          f"{[round(metrics[key.format(n, 'flip_rate')], 3) for n in range(1, 5)]}")
+    assert metrics["mismatch/breakdown/gap"] > 0.05 and mine >= 0.9, metrics
+    for layer in (1, 3, 4):  # downstream layers see the changed hidden states (their flips), not the cause
+        assert metrics[key.format(layer, "expert_choice")] + metrics[key.format(layer, "gate_weights")] <= 0.05
+    assert metrics["mismatch/breakdown/share/other"] <= 0.01
+    assert all(row["cause"].endswith(f"layer{PERTURBED_LAYER}") for got in _sampled(world)
+               for row in got["perturbed"]["worst"][:2])
+
+
+def test_breakdown_of_the_bf16_replica_is_other_numerics_with_flips_where_they_occur(world):
+    case = [got["bf16"] for got in _sampled(world)]
+    metrics = _parts_sum_to_the_gap_measured_apart(case)
+    positions = sum(c["positions"] for c in case)
+    flips = [sum(c["flips"][i] for c in case) for i in range(4)]
+    for n in range(1, 5):
+        assert abs(metrics[f"mismatch/breakdown/layer{n}/flip_rate"] - flips[n - 1] / positions) <= 1e-6
+    shares = {s: round(metrics[f"mismatch/breakdown/share/{s}"], 3) for s in ("expert_choice", "gate_weights", "other")}
+    print(f"bf16 replica: gap {metrics['mismatch/breakdown/gap']:.4f}, shares {shares}, flipped positions {flips} "
+          f"of {positions:.0f}")
+    assert metrics["mismatch/breakdown/share/other"] > 0.5
+    # R3w replays the engine's experts and gates: what is left is stage (c), the same pass.
+    assert abs(_mean([c["gaps"]["R3w"] for c in case]) - metrics["mismatch/breakdown/gap/other"]) <= 1e-6
+
+
+def test_replay_figures_none_r3_r3w(world):
+    """The gap under no replay, R3 and R3w (docs/routing.md's table; printed with ``-s``)."""
+    got = _sampled(world)
+    rows = {"megatron": [g["megatron"]["gaps"] for g in got], "hf fp32": [g["hf_fp32"]["gaps"] for g in got],
+            "hf bf16": [g["bf16"]["gaps"] for g in got]}
+    for name, gaps in rows.items():
+        figures = {plan: _mean([g[plan] for g in gaps]) for plan in ("none", "R3", "R3w")}
+        print(f"{name}: mean |train - rollout| " + ", ".join(f"{k} {v:.3e}" for k, v in figures.items()))
+        assert figures["R3w"] <= figures["none"] + 1e-7

@@ -86,3 +86,35 @@ def test_routes_from_outside_the_prompt_names_the_sample(model):
     with pytest.raises(ValueError, match=r"^sample 1: routes_from 3 is outside \[0, 2\]"):
         generate(model, [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=2), generator=torch.Generator(),
                  return_routes=True, max_length=128, routes_from=[0, 3])
+
+
+def test_logprobs_are_of_the_untruncated_t_scaled_distribution_with_gates_and_truncation(model):
+    """What the hf engine (and the stand-in over it) reports at T = 0.7, top-p 0.9, as SGLang does
+    by default: ``log_softmax(logits / T)`` over the whole vocabulary; the truncation log-ratio
+    ``-log(mass top-p kept)``; per position the router's gate weights and softmax probabilities
+    of its top-K. ``logprobs_after_temperature=False`` reports ``log_softmax(logits)``."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+    params = SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=6)
+    got = generate(model, prompts, params, generator=torch.Generator().manual_seed(3), return_routes=True,
+                   max_length=128)
+    raw = generate(model, prompts, params, generator=torch.Generator().manual_seed(3), return_routes=False,
+                   max_length=128, logprobs_after_temperature=False)
+    for prompt, g, r in zip(prompts, got, raw):
+        ids = prompt + g.output_ids
+        assert r.output_ids == g.output_ids
+        with torch.no_grad():
+            out = model(input_ids=torch.tensor([ids]), output_router_logits=True)
+        logits = out.logits[0, len(prompt) - 1: -1].float()
+        targets = torch.tensor(g.output_ids)[:, None]
+        scaled = (logits / 0.7).log_softmax(-1)
+        assert (g.logprobs - scaled.gather(-1, targets)[:, 0]).abs().max() <= 1e-5
+        assert (r.logprobs - logits.log_softmax(-1).gather(-1, targets)[:, 0]).abs().max() <= 1e-5
+        # Mass top-p keeps: the most likely tokens while the mass before each is below 0.9.
+        sorted_p = scaled.exp().sort(-1, descending=True).values
+        kept = (sorted_p * ((sorted_p.cumsum(-1) - sorted_p) < 0.9)).sum(-1)
+        assert (g.truncation_logratio + kept.log()).abs().max() <= 1e-5 and float(g.truncation_logratio.max()) > 0
+        assert r.truncation_logratio is not None and g.routes_NLK.shape == g.gates_NLK.shape == g.probs_NLK.shape
+        probs_NLE = torch.stack([x.float().softmax(-1) for x in out.router_logits], dim=1)[:-1]
+        top = probs_NLE.gather(-1, g.routes_NLK.long())
+        assert (g.probs_NLK - top).abs().max() <= 1e-5
+        assert (g.gates_NLK - top / top.sum(-1, keepdim=True)).abs().max() <= 1e-5  # Qwen3 norm_topk_prob
