@@ -1,4 +1,6 @@
-"""End to end: the README's main road on CPU in EP2 (R2 + RSPO) and TP2 (R3 + RSPO), and exact resume.
+"""End to end: the README's main road on CPU in EP2 (R2 + RSPO) and TP2 (R3w + RSPO, sampling at
+T = 0.7 with top-p 0.9, the mismatch breakdown every step and the rollouts saved for
+``megatron-rl-mismatch``), and exact resume.
 
 Each run is a real 2-process gloo world through the same entry point as the README's main
 command: the shipped pretrained HF checkpoint streamed into the layout, its tokenizer and
@@ -39,6 +41,11 @@ PHASE_KEYS = ["time/rollout", "time/old_logprobs", "time/update", "reward/mean",
               "gamma/mean", "gamma/min", "optim/grad_norm", "perf/tokens_per_s"]
 
 
+SAMPLED = ["train.routing_replay=R3w", "rollout.temperature=0.7", "rollout.top_p=0.9",
+           "train.mismatch.breakdown=true", "train.mismatch.save_rollouts=true"]
+"""The TP2 run: R3w, a sampling temperature and top-p, the breakdown, rollouts saved."""
+
+
 def _run(run_dir, *extra):
     assert main(["--config", str(CONFIG), *SMALL, f"train.run_dir={run_dir}", *extra]) == 0
     return {row["step"]: row for row in read_metrics(Path(run_dir) / "metrics.jsonl")}
@@ -54,7 +61,7 @@ def ep2_run(tmp_path_factory):
 def tp2_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("tp2")
     return run_dir, _run(run_dir, "parallel.expert_model_parallel_size=1",
-                         "parallel.tensor_model_parallel_size=2", "train.routing_replay=R3")
+                         "parallel.tensor_model_parallel_size=2", *SAMPLED)
 
 
 @pytest.mark.parametrize("which", ["ep2_run", "tp2_run"])
@@ -89,6 +96,38 @@ def test_replay_and_rspo_were_active(which, request):
         assert rows[step]["routing/replayed_micro_batches"] > 0, step
         assert 0 < rows[step]["gamma/min"] <= rows[step]["gamma/mean"] <= 1.0, step
         assert "objective/weight/rspo/mean" in rows[step]
+
+
+def test_sampled_policy_run_breaks_its_gap_down_and_the_tool_reads_its_rollouts(tp2_run, capsys):
+    """Every step of the TP2 run (R3w at T = 0.7, top-p 0.9) logs the breakdown, whose parts sum to
+    the gap, and what top-p leaves out; ``megatron-rl-mismatch`` reruns it from the saved rollouts
+    of step 1 and 3 (weights of checkpoints 0 and 2) and skips step 2 (version 1: no checkpoint)."""
+    from megatron_rl.mismatch_cli import main as mismatch
+
+    run_dir, rows = tp2_run
+    for step in (1, 2, 3, 4):
+        row = rows[step]
+        parts = sum(row[f"mismatch/breakdown/gap/{s}"] for s in ("expert_choice", "gate_weights", "other"))
+        assert abs(parts - row["mismatch/breakdown/gap"]) <= 1e-6 + 1e-4 * row["mismatch/breakdown/gap"], step
+        assert abs(row["mismatch/breakdown/gap"] - row["mismatch/train_rollout_abs_diff"]) <= 1e-7, step
+        assert 0 < row["rollout/truncated_mass"] < 0.1 + 1e-6, step
+        assert (run_dir / "mismatch" / f"step_{step:06d}.txt").read_text().startswith(f"step {step}: mean")
+    assert (run_dir / "plots" / "mismatch.png").exists()
+    assert mismatch([str(run_dir), "--steps", "1", "2", "3", "--worst", "2"]) == 0
+    report = capsys.readouterr().out
+    assert "step_000002: skipped, weight version(s) [1] not in a checkpoint" in report
+    for step, weights in ((1, 0), (3, 2)):
+        assert f"step_{step:06d} (weights step_{weights:06d}, 16 samples): mean |log-prob gap|" in report
+    saved = {row["step"]: row for row in map(json.loads, (run_dir / "mismatch" / "breakdown.jsonl").read_text().splitlines())}
+    assert sorted(saved) == [1, 3]
+    for row in saved.values():  # fp32 hf replica and the checkpointed weights that fed it: numerics only
+        assert row["mismatch/breakdown/gap"] < 1e-5 and row["mismatch/breakdown/share/expert_choice"] == 0.0
+    # Step 1 (the starting weights), rerun in one process, is the gap the run logged. (From step 2 on,
+    # the live TP2 trainer's replicated experts drift apart from the weights it saves and pushes:
+    # expert weights of an EP1 run are all-reduced over DP only, not over the TP ranks whose
+    # sequence-parallel shards they saw; the rerun shows the pushed weights' gap, ~1e-7.)
+    assert abs(saved[1]["mismatch/breakdown/gap"] - rows[1]["mismatch/breakdown/gap"]) <= 1e-6
+    assert (run_dir / "plots" / "mismatch_layers.png").exists()
 
 
 def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path):
