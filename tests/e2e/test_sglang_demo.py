@@ -2,7 +2,7 @@
 DeepSeek-V3-style model verified tensor by tensor, and the RL demo loop of configs/demo_sglang.yaml.
 
 Two stand-ins (SGLang's endpoints and rules over a local engine, each in its own process,
-launched with the wrapper's environment: raw log-probs) play the SGLang servers: the
+launched with the wrapper's environment: log-probs at T) play the SGLang servers: the
 launcher's server step (``--stand-in``, the HF engine: transformers numerics, not the
 trainer's) serving the demo's Qwen3-MoE, and the tests' subclass serving a tiny
 DeepSeek-V3 checkpoint (MLA with a query LoRA: ``q_a_proj`` and ``kv_a_proj_with_mqa`` load
@@ -70,8 +70,9 @@ def _compare(engine, model, groups, prompts, temperature: float) -> dict:
     from megatron_rl.rollout.engine import SamplingParams
 
     samples = engine.generate(prompts, SamplingParams(temperature=temperature, max_new_tokens=4), seed=0)
+    # The server reports log_softmax(logits / T) (SGLang's default); the trainer scores the same.
     ours = compute_logprobs(model, groups, [s.tokens for s in samples], [len(p) for p in prompts],
-                            record_routing=True)
+                            record_routing=True, temperature_T=torch.cat([s.temperatures() for s in samples]))
     served_lp = torch.cat([s.output_logprobs for s in samples])
     same_experts = [
         (ours.record.sample(i).expert_ids_TLK[:-1].long().sort(-1).values == s.routed_experts.long().sort(-1).values)
@@ -275,7 +276,7 @@ def _demo_rank(cfg_dict: dict, url: str) -> dict:
 
 
 def test_rl_demo_loop_with_the_sglang_backend(servers, tmp_path):
-    """configs/demo_sglang.yaml: rollouts at T = 0.7 (the server's raw log-probs verified first),
+    """configs/demo_sglang.yaml: rollouts at T = 0.7 (the server's log-prob convention verified first),
     eval at T = 1, every push a session; the rollout log-probs are the trainer's to fp32 level."""
     server = servers["qwen"]
     cfg = run_config_from_checkpoint(CONFIG, [*SMALL, f"train.run_dir={tmp_path}", "rollout.sglang.urls=[]",
@@ -288,7 +289,7 @@ def test_rl_demo_loop_with_the_sglang_backend(servers, tmp_path):
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2]
     for step in (1, 2):
         row = rows[step]
-        # Rollout log-probs come from the server; ~0 means it served this step's weights, raw.
+        # Rollout log-probs come from the server; ~0 means it served this step's weights, at T.
         assert row["mismatch/train_rollout_abs_diff"] < 1e-4, (step, row["mismatch/train_rollout_abs_diff"])
         assert row["sglang/attempts"] > 0 and row["sglang/retries"] == row["sglang/resyncs"] == 0, row
         assert all(torch.isfinite(torch.tensor(v)) for v in row.values() if isinstance(v, float))
