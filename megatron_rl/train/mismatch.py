@@ -27,11 +27,17 @@ import torch
 
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.families import moe_layer_numbers
-from megatron_rl.parallel.logprobs import LogProbResult, compute_logprobs, response_positions
+from megatron_rl.parallel.logprobs import (
+    LogProbResult,
+    compute_logprobs,
+    response_cu_seqlens,
+    response_positions,
+)
 from megatron_rl.parallel.mismatch_passes import staged_passes
 from megatron_rl.parallel.rollout_routes import rollout_gates_TLK, rollout_ids_TLK
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.rollout.engine import RolloutSample
+from megatron_rl.train.phases import phase_timer
 from moe_routing.breakdown import (
     StagePasses,
     breakdown_metrics,
@@ -146,21 +152,29 @@ def report_lines(result: BreakdownResult, worst: list[dict], title: str) -> list
     return lines
 
 
-def step_breakdown(train_cfg, model, groups, step: int, samples: Sequence[RolloutSample],
-                   old: LogProbResult) -> dict[str, torch.Tensor]:
-    """Collective: the trainer's per-step breakdown (``train.mismatch``) of the step's samples,
-    whose old-policy pass is ``old``; rank 0 writes the report to ``<run_dir>/mismatch/step_NNNNNN.txt``."""
+def step_breakdown(train_cfg, model, groups, step: int, sample_groups: Sequence[Sequence[RolloutSample]],
+                   batch, metrics: dict) -> None:
+    """Collective, with ``train.mismatch.breakdown`` (else nothing): the breakdown of the step's
+    samples against its old-policy pass (``batch``: the step's ``TrainBatch``) into ``metrics``,
+    timed as the phase ``mismatch_breakdown``; rank 0 writes the report to
+    ``<run_dir>/mismatch/step_NNNNNN.txt``."""
     m = train_cfg.mismatch
-    result = run_breakdown(model, groups, samples, policy_temperature=train_cfg.policy_temperature,
-                           per_layer=m.per_layer, worst=m.worst_tokens, old=old,
-                           micro_batch_sequences=train_cfg.micro_batch_sequences,
-                           micro_batch_tokens=train_cfg.micro_batch_tokens)
-    worst = gathered_worst(result, groups, m.worst_tokens)
+    if not m.breakdown:
+        return
+    samples = [s for group in sample_groups for s in group]
+    old = LogProbResult(logprobs_T=batch.old_logprobs_T, entropy_T=None, record=batch.old_record,
+                        cu_seqlens_S1=response_cu_seqlens(batch.sequences, batch.prompt_lengths))
+    with phase_timer(metrics, "mismatch_breakdown"):
+        result = run_breakdown(model, groups, samples, policy_temperature=train_cfg.policy_temperature,
+                               per_layer=m.per_layer, worst=m.worst_tokens, old=old,
+                               micro_batch_sequences=train_cfg.micro_batch_sequences,
+                               micro_batch_tokens=train_cfg.micro_batch_tokens)
+        worst = gathered_worst(result, groups, m.worst_tokens)
     if comm.rank(groups.world) == 0:
         out = Path(train_cfg.run_dir) / "mismatch" / f"step_{step:06d}.txt"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text("\n".join(report_lines(result, worst, f"step {step}")) + "\n")
-    return result.metrics
+    metrics.update(result.metrics)
 
 
 def truncation_metrics(samples: Sequence[RolloutSample], mask_T: torch.Tensor) -> dict[str, torch.Tensor]:

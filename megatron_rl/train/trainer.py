@@ -204,7 +204,8 @@ class Trainer:
             chosen = self._rollouts(step, state, metrics)
         chosen = self._balanced(chosen, metrics)
         save_rollouts(self.cfg.train, step, [s for g in chosen.samples for s in g], self.groups)
-        batch = self._batch(chosen, metrics, step)
+        batch = self._batch(chosen, metrics)
+        step_breakdown(self.cfg.train, self.ddp, self.groups, step, chosen.samples, batch, metrics)
         with phase_timer(metrics, "update"):
             self._update(batch, metrics)
         state.weight_version += 1
@@ -254,7 +255,7 @@ class Trainer:
         t = self.cfg.train
         return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
 
-    def _batch(self, chosen: Groups, metrics: dict, step: int) -> TrainBatch:
+    def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
         """Old-policy pass, optional reference pass and advantages for the chosen groups, at their temperatures."""
         G = self.cfg.rollout.group_size
         samples = [s for group in chosen.samples for s in group]
@@ -274,9 +275,6 @@ class Trainer:
             "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T)[mask_T].mean(),
             **truncation_metrics(samples, mask_T),
         }, self.groups.dp))
-        if self.cfg.train.mismatch.breakdown:
-            with phase_timer(metrics, "mismatch_breakdown"):
-                metrics.update(step_breakdown(self.cfg.train, self.ddp, self.groups, step, samples, old))
         ref_lp = None
         if self.reference is not None:
             with phase_timer(metrics, "ref_logprobs"):
