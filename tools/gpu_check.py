@@ -48,7 +48,7 @@ def worker(names: list[str], scratch: Path, dry: bool) -> int:
     from gpu_check_steps.common import Context, Outcome
 
     for name in names:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         folder = scratch / f"{name}.files"
         folder.mkdir(parents=True, exist_ok=True)
         ctx = Context(name=name, dry=dry, scratch=folder)
@@ -58,7 +58,8 @@ def worker(names: list[str], scratch: Path, dry: bool) -> int:
         except Exception as err:  # noqa: BLE001 - one step's failure is its result, not the check's
             traceback.print_exc()
             outcome = Outcome("fail", f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")
-        result = {**outcome.to_json(), "seconds": round(time.perf_counter() - start, 1)}
+        result = {**outcome.to_json(), "seconds": round(time.perf_counter() - start, 1),
+                  "cpu_s": round(time.process_time() - cpu, 1)}
         (scratch / f"{name}.json").write_text(json.dumps(result))
         print(f"[{name}] {result['status']} in {result['seconds']} s: {result['headline']}", flush=True)
     return 0

@@ -52,6 +52,7 @@ def run(ctx: Context) -> Outcome:
     required_passed = set(required.values()) == {"passed"}
     ok = proc.returncode == 0 and counts["failed"] == 0 and required_passed
     table = [{"test": node, "outcome": status, "note": message} for node, (status, message) in sorted(results.items())]
+    said = "present" if ctx.dry else ("all passed" if required_passed else "NOT all passed")
     headline = (f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped "
-                f"(pytest exit {proc.returncode}); required {'all passed' if required_passed else 'NOT all passed'}")
+                f"(pytest exit {proc.returncode}); the {len(REQUIRED)} required tests {said}")
     return Outcome(verdict(ctx, ok), headline, {**counts, "exit_code": proc.returncode}, table)

@@ -114,7 +114,7 @@ def measure(ctx: Context, cfg, groups) -> dict:
     packing = {"micro_batch_tokens": cfg.train.micro_batch_tokens,
                "micro_batch_sequences": cfg.train.micro_batch_sequences}
     figures = {}
-    for step in range(2):
+    for step in range(1 if ctx.dry else 2):
         if step == 1 and not ctx.dry:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
