@@ -179,7 +179,8 @@ def allowed_globals():
 def main() -> int:
     bootstrap()
     jobs = pickle.load(sys.stdin.buffer)
-    handlers = {"decode": decode, "decode_cuda_handle": decode_cuda_handle, "decode_flattened": decode_flattened, "receive_layout": receive_layout,
+    handlers = {"decode": decode, "decode_cuda_handle": decode_cuda_handle,
+                "decode_flattened": decode_flattened, "receive_layout": receive_layout,
                 "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
     answers = []
     for kind, *args in jobs:

@@ -190,7 +190,8 @@ def test_cuda_ipc_handles_open_on_the_gpu_sglang_opens(monkeypatch):
     ours = []
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuids[index]))
-    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *args: ours.append(args) or torch.zeros(16, dtype=torch.uint8))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor",
+                        lambda *args: ours.append(args) or torch.zeros(16, dtype=torch.uint8))
     ((name, tensor),) = decode_entries([good], 1, "flattened_bucket")
     assert ours == theirs and (name, tensor.dtype, tuple(tensor.shape)) == ("w", torch.float32, (4,))
     assert bad_status == "error" and "Invalid device_uuid=GPU-2222-cccc" in bad_message

@@ -49,7 +49,7 @@ BUDGET_S = 480
 """The whole check on the GPU machine: 8 minutes (a step gets at most what is left)."""
 
 DRY_LIMIT_S = 600
-"""The dry run: every step in one CPU process."""
+"""The dry run: ``gpu_tests``' process, and one CPU process for every other step, each."""
 
 
 def step(name: str) -> Step:

@@ -47,7 +47,8 @@ CASES = (
     Case("16k-full-distributed", ("train.micro_batch_tokens={tokens:16384}", "train.recompute=full",
                                   "optim.distributed=true")),
     Case("8k-dense-shared", ("train.micro_batch_tokens={tokens:8192}", "model.num_dense_layers=1",
-                             "model.ffn_hidden_size={width:2048}", "model.moe_shared_expert_intermediate_size={width:512}",
+                             "model.ffn_hidden_size={width:2048}",
+                             "model.moe_shared_expert_intermediate_size={width:512}",
                              "model.moe_shared_expert_gate=true")),
 )
 
@@ -108,7 +109,8 @@ def measure(ctx: Context, cfg, groups) -> dict:
         prompt_lengths=[prompt] * samples, old_logprobs_T=torch.full((samples * response,), -6.0),
         advantages_T=torch.randn(samples * response, generator=gen))
     before = 0 if ctx.dry else torch.cuda.memory_allocated()
-    model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True, **recompute_fields(cfg.train.recompute))
+    model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
+                        **recompute_fields(cfg.train.recompute))
     ddp = wrap_for_training(model, cfg.optim)
     optimizer = build_optimizer(ddp, cfg.optim)
     packing = {"micro_batch_tokens": cfg.train.micro_batch_tokens,
@@ -126,21 +128,25 @@ def measure(ctx: Context, cfg, groups) -> dict:
         figures = {"measured": torch.cuda.max_memory_allocated() - before, "before": before,
                    "reserved": torch.cuda.max_memory_reserved()}
     del model, ddp, optimizer
-    gc.collect()
-    if not ctx.dry:
+    if not ctx.dry:  # the next case starts from what is left
+        gc.collect()
         torch.cuda.empty_cache()
     return figures
 
 
 def run(ctx: Context) -> Outcome:
     gpu_memory = 1 << 40 if ctx.dry else torch.cuda.get_device_properties(0).total_memory
-    rows, worst, failed = [], 0.0, []
+    rows, worst, failed, built = [], 0.0, [], set()
     with device_world(ctx) as groups:
         for case in CASES:
             cfg = case_config(ctx, case)
             predicted, reserve = predicted_bytes(cfg, gpu_memory)
+            # The dry run builds and steps each model, recompute and optimizer once (packing alone
+            # changes no call made).
+            kind = (repr(cfg.model), cfg.train.recompute, cfg.optim.distributed)
             try:
-                measured = measure(ctx, cfg, groups)
+                measured = measure(ctx, cfg, groups) if not (ctx.dry and kind in built) else {}
+                built.add(kind)
             except Exception as err:  # noqa: BLE001 - one case's failure (an OOM) is its row
                 if ctx.dry:
                     raise
@@ -148,7 +154,8 @@ def run(ctx: Context) -> Outcome:
                 rows.append({"case": case.name, "predicted GiB": gib(predicted), "error": f"{type(err).__name__}"})
                 torch.cuda.empty_cache()
                 continue
-            row = {"case": case.name, "tokens": cfg.train.micro_batch_tokens or f"{cfg.train.micro_batch_sequences} seq",
+            budget = cfg.train.micro_batch_tokens or f"{cfg.train.micro_batch_sequences} seq"
+            row = {"case": case.name, "tokens": budget,
                    "recompute": cfg.train.recompute, "distributed": cfg.optim.distributed,
                    "predicted GiB": gib(predicted)}
             if not ctx.dry:

@@ -13,8 +13,8 @@ FLOP/s over the GPU's peak:
 
 * forward FLOPs of a batch = 2 x P_mm x T + 4 x L x (n_heads x head_dim) x sum_s n_s (n_s + 1) / 2,
   P_mm the parameters a token's matrix products use (``plan.params.model_params(...).active``
-  less the input embedding, a lookup, and the norms' weight vectors), T tokens, L layers, n_s each sample's length (causal
-  attention: QK^T and AV over the positions each token attends to);
+  less the input embedding, a lookup, and the norms' weight vectors), T tokens, L layers, n_s
+  each sample's length (causal attention: QK^T and AV over the positions each token attends to);
   (the dry run checks the first term against torch's FLOP counter on the tiny model);
 * the update = 3 x forward (backward twice the forward; recompute is not counted);
 * peak: the datasheet's dense bf16 rate for the card (:data:`DATASHEET_BF16_TFLOPS`: H100 /
