@@ -152,12 +152,12 @@ def _real_run(selected: list[Step], scratch: Path, log, budget_s: float) -> dict
     """Each step in a process of its own, one after the other, none started once the budget is spent."""
     start, results = time.monotonic(), {}
     for s in selected:
-        limit = min(budget_s - (time.monotonic() - start), s.limit_s)
-        if limit < 5:
+        left = budget_s - (time.monotonic() - start)
+        if left < 5:
             results[s.name] = {"status": "skipped", "headline": f"the {budget_s:.0f} s budget was spent",
                                "seconds": 0, "figures": {}, "table": []}
             continue
-        results.update(run_group([s], limit, scratch, log, dry=False))
+        results.update(run_group([s], min(left, s.limit_s), scratch, log, dry=False))
         print(f"{s.name}: {results[s.name]['status']} ({results[s.name]['seconds']} s) {results[s.name]['headline']}",
               flush=True)
     return results

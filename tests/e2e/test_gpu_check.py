@@ -3,6 +3,7 @@ step's config and objects at a tiny size on the CPU and runs them there (nothing
 renamed function, a changed signature or a config key that no longer exists fails here; and a
 step that runs past its limit costs only itself."""
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -34,10 +35,12 @@ def test_the_dry_run_builds_and_runs_every_step(tmp_path):
 
 
 def test_a_step_past_its_limit_is_killed_and_the_next_one_runs(tmp_path):
+    """The real run's loop on this CPU machine: ``rl_step`` given 1 s is killed with its process
+    group, and ``cuda`` runs next (and fails: there is no GPU here)."""
+    late = dataclasses.replace(gpu_check.step("rl_step"), limit_s=1)
     with (tmp_path / "log").open("w") as log:
-        late = gpu_check.run_group([gpu_check.step("rl_step")], 1.0, tmp_path, log, dry=True)
-        on_time = gpu_check.run_group([gpu_check.step("cuda")], 300, tmp_path, log, dry=True)
-    assert late["rl_step"]["status"] == "timeout" and "1 s limit" in late["rl_step"]["headline"]
-    assert on_time["cuda"]["status"] == "dry"
+        results = gpu_check._real_run([late, gpu_check.step("cuda")], tmp_path, log, budget_s=300)
+    assert results["rl_step"]["status"] == "timeout" and "1 s limit" in results["rl_step"]["headline"]
+    assert results["cuda"] == {**results["cuda"], "status": "fail", "headline": "torch.cuda.is_available() is False"}
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
     assert left == []
