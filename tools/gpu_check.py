@@ -133,7 +133,8 @@ def _cell(value) -> str:
 def markdown(meta: dict, results: dict[str, dict]) -> str:
     """The summary table, then one table per step that has rows."""
     lines = [f"# GPU check, {meta['date']}", "",
-             f"Commit `{meta['commit']}`; {meta['device']}; Python {meta['python']}, torch {meta['torch']}; "
+             f"Commit `{meta['commit']}`; {meta['device']}; Python {meta['python']}, torch {meta['torch']}, "
+             f"megatron-core {meta['megatron-core']}, transformers {meta['transformers']}; "
              f"{'dry run (CPU, tiny sizes)' if meta['dry_run'] else 'real run'}; {meta['seconds']} s in all.", "",
              "| step | verdict | s | result | proves |", "|---|---|---|---|---|"]
     for s in STEPS:
@@ -193,7 +194,8 @@ def check(selected: list[Step], out: Path, dry: bool, budget_s: float, commit: s
     cuda = results.get("cuda", {}).get("figures", {})
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": _commit(commit), "dry_run": dry,
             "device": cuda.get("device", "cpu" if dry else "unknown"), "python": platform.python_version(),
-            "torch": cuda.get("torch", "-"), "seconds": round(time.monotonic() - start, 1)}
+            "torch": cuda.get("torch", "-"), "megatron-core": cuda.get("megatron-core", "-"),
+            "transformers": cuda.get("transformers", "-"), "seconds": round(time.monotonic() - start, 1)}
     (out / "results.json").write_text(json.dumps({"meta": meta, "steps": results}, indent=1) + "\n")
     (out / "results.md").write_text(markdown(meta, results))
     good = {"dry"} if dry else {"pass", "measured"}

@@ -10,11 +10,14 @@ written). Pass: a CUDA device, NVML answers, the product is right.
 from __future__ import annotations
 
 import platform
+from importlib.metadata import version
 
 import torch
 
 from gpu_check_steps.common import Context, Outcome, copy_gbps, median_seconds, nvml_used_bytes, verdict
 
+PACKAGES = ("megatron-core", "transformers")
+"""Versions recorded with the results (the wheels'; the image's transformers is shadowed)."""
 GEMM_N = 8192
 COPY_BYTES = 2 << 30
 
@@ -47,7 +50,8 @@ def run(ctx: Context) -> Outcome:
         return Outcome("fail", "torch.cuda.is_available() is False", {"torch": torch.__version__})
     import pynvml
 
-    figures: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    figures: dict = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                     **{name: version(name) for name in PACKAGES}}
     nvml_used_bytes(ctx)  # NVML initialised (or its calls resolved in the dry run)
     driver = pynvml.nvmlSystemGetDriverVersion
     if not ctx.dry:

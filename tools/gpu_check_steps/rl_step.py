@@ -63,7 +63,7 @@ def forward_flops(m: ModelConfig, lengths: list[int]) -> float:
     return 2.0 * matmul_params(m) * sum(lengths) + 4.0 * m.num_layers * m.num_attention_heads * m.head_dim * attended
 
 
-def check_matmul_flops(ctx: Context, m: ModelConfig, tokens: int, logprob_pass) -> int:
+def check_matmul_flops(m: ModelConfig, tokens: int, logprob_pass) -> int:
     """Dry run: torch's FLOP counter over one log-prob pass must count exactly 2 x P_mm x T in
     matrix products (it counts no attention on the CPU), so the formula's main term is the model's."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -120,7 +120,7 @@ def run(ctx: Context) -> Outcome:
             steps.append({"loss": float(result.loss), **{k: float(v) for k, v in optimizer_step(optimizer).items()}})
 
         if ctx.dry:
-            check_matmul_flops(ctx, m, samples * (prompt + response), logprob_pass)
+            check_matmul_flops(m, samples * (prompt + response), logprob_pass)
             logprob_s, update_s = first_s, timed(ctx, update)[0]
         else:
             logprob_s, update_s = median_seconds(ctx, logprob_pass, 2), median_seconds(ctx, update, 2)
