@@ -46,6 +46,10 @@ def worker(names: list[str], scratch: Path, dry: bool) -> int:
     """In a step's own process: run each named step, writing ``<scratch>/<name>.json`` as it ends."""
     import importlib
 
+    if dry:
+        # As on the GPU image, which has no wandb: Megatron's inference context imports it when it
+        # is installed (2-3 s of a CPU machine's time, for nothing a step uses).
+        sys.modules.setdefault("wandb", None)
     from gpu_check_steps.common import Context, Outcome
 
     for name in names:
@@ -84,7 +88,8 @@ def run_group(group: list[Step], limit_s: float, scratch: Path, log, dry: bool) 
     """Run ``group``'s steps in one new process (its own process group) for at most ``limit_s``;
     their results by name. A step with no result is ``timeout`` (the limit passed) or ``fail``."""
     names = [s.name for s in group]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # Offline: the GPU machine reaches no network, and nothing here downloads (no hub lookups to time out).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
     if dry:
         env["CUDA_VISIBLE_DEVICES"] = ""  # nothing on CUDA, even on a GPU machine
