@@ -9,12 +9,14 @@ proves and its pass criterion): ``cuda``, ``gpu_tests``, ``rl_step``, ``planner`
 ``engine``, ``gap``, ``ipc``. A step that fails, raises or runs past its limit (its process group
 is killed) is recorded so, and the next one runs; the whole check stops starting steps once
 ``--budget-s`` (480) is spent. The dry run runs ``gpu_tests`` beside one process for all the
-others. Writes ``DIR/results.md`` (a summary table, then one table per step that has rows), ``DIR/results.json`` (every figure) and ``DIR/gpu_check.log`` (every
-step's output). Exit code 0 when every step passed (or, with ``--dry-run``, ran), else 1.
+others. Writes ``DIR/results.md`` (a summary table, then one table per step that has rows),
+``DIR/results.json`` (every figure) and ``DIR/gpu_check.log`` (every step's output). Exit code
+0 when every step passed (or, with ``--dry-run``, ran), else 1.
 
-On the GPU machine the image lacks megatron-core and a few small packages: ``tools/gpu_wheels.sh``
-downloads them here into ``.whl``; docs/gpu.md gives the exact command that installs them there
-and runs this. The dry run is a test of the suite (``tests/unit/test_gpu_check.py``), so the
+On the GPU machine the image lacks megatron-core, a recent enough transformers and a few small
+packages: ``tools/gpu_wheels.sh`` downloads them here into ``.whl``; docs/gpu.md gives the exact
+command that installs them there and runs this. The dry run is a test of the suite
+(``tests/e2e/test_gpu_check.py``), so the
 script cannot rot between the rare times a GPU is lent.
 """
 
@@ -148,7 +150,7 @@ def markdown(meta: dict, results: dict[str, dict]) -> str:
             lines.append(f"| {s.name} | {r['status']} | {r['seconds']} | {_cell(r['headline'])} | {_cell(s.proves)} |")
     for name, r in results.items():
         if r.get("table"):
-            columns = list(r["table"][0])
+            columns = list(dict.fromkeys(c for row in r["table"] for c in row))
             lines += ["", f"## {name}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
             lines += ["| " + " | ".join(_cell(row.get(c, "")) for c in columns) + " |" for row in r["table"]]
     return "\n".join(lines) + "\n"

@@ -150,8 +150,11 @@ def run(ctx: Context) -> Outcome:
             except Exception as err:  # noqa: BLE001 - one case's failure (an OOM) is its row
                 if ctx.dry:
                     raise
+                measured = {"failure": f"failed: {type(err).__name__}: {str(err).splitlines()[0][:80]}"}
+            if "failure" in measured:  # out of the handler: its traceback no longer holds the case's tensors
                 failed.append(case.name)
-                rows.append({"case": case.name, "predicted GiB": gib(predicted), "error": f"{type(err).__name__}"})
+                rows.append({"case": case.name, "predicted GiB": gib(predicted), "error": measured["failure"]})
+                gc.collect()
                 torch.cuda.empty_cache()
                 continue
             budget = cfg.train.micro_batch_tokens or f"{cfg.train.micro_batch_sequences} seq"
