@@ -61,6 +61,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.train": 5,
     "megatron_rl.launcher": 6,
     "megatron_rl.smoke": 6,
+    "megatron_rl.sglang_standin": 6,
     "megatron_rl.plan.cli": 6,
 }
 """Module (or package) prefix -> layer; the longest matching prefix decides."""
