@@ -42,8 +42,6 @@ LAYERS: dict[str, int] = {
     "megatron_rl.rollout.config": 1,
     "megatron_rl.rollout.sglang.config": 1,
     "megatron_rl.rollout.envs.config": 1,
-    "megatron_rl.train.config": 1,
-    "megatron_rl.train.logging_config": 1,
     "megatron_rl.fp8": 1,
     "megatron_rl.config": 2,
     "megatron_rl.plan": 2,
