@@ -25,13 +25,13 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang import standin_weights
+from megatron_rl.sglang_standin import weights as standin_weights
 from megatron_rl.rollout.sglang.server import (
     SERVER_ENV,
     SGLangServerConfig,
     build_command,
 )
-from megatron_rl.rollout.sglang.standin_weights import (
+from megatron_rl.sglang_standin.weights import (
     SchedulerCrash,
     decode_entries,
     flat_receive_layout,
@@ -313,7 +313,8 @@ def test_launch_settings_and_probes_exist_in_sglang():
 
 def test_the_stand_ins_memory_rules_are_sglangs():
     """Item 9: tags, the idle assert, the KeyError of a resume, the pause, the flags (release/resume)."""
-    from megatron_rl.rollout.sglang import memory, standin_memory
+    from megatron_rl.rollout.sglang import memory
+    from megatron_rl.sglang_standin import memory as standin_memory
 
     constants = _source("constants.py")
     all_types = re.search(r"GPU_MEMORY_ALL_TYPES = \[(.*?)\]", constants, re.S).group(1)

@@ -1,7 +1,7 @@
 """Step ``ipc``: a CUDA-IPC weight push from the trainer's process to the SGLang stand-in in
 another process on the same GPU, against a device-to-device copy of the same bytes.
 
-The stand-in (``python -m megatron_rl.rollout.sglang.standin --engine megatron``: SGLang 0.5.23's
+The stand-in (``python -m megatron_rl.sglang_standin.server --engine megatron``: SGLang 0.5.23's
 endpoints and rules, its model on the GPU) serves Qwen3-30B-A3B's shapes with 2 layers
 (``configs/qwen3_30b_a3b.yaml``'s model section, as ``tools/bench_weight_sync.py`` builds it:
 3.74 GB of bf16). The trainer builds the same model on the GPU and pushes it with
@@ -55,7 +55,7 @@ def model_overrides(ctx: Context) -> list[str]:
 
 
 def standin_command(ctx: Context, port: int, version: str, overrides: list[str]) -> list[str]:
-    return [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(BASE), "--port", str(port),
+    return [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(BASE), "--port", str(port),
             "--engine", "megatron", "--weight-version", version, *overrides]
 
 
@@ -101,7 +101,7 @@ def _trainer_config(overrides: list[str]):
 
 def run(ctx: Context) -> Outcome:
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.rollout.sglang.standin import argument_parser
+    from megatron_rl.sglang_standin.server import argument_parser
     from megatron_rl.rollout.sglang.weight_sync import WeightSync, WeightSyncConfig, plan_gather
     from megatron_rl.sections import ParallelConfig
 
