@@ -21,6 +21,12 @@ import torch
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
 REPO = Path(__file__).resolve().parents[2]
+GPU_ONLY_CALLS = (
+    torch.cuda.set_device, torch.cuda.synchronize, torch.cuda.memory_allocated, torch.cuda.max_memory_allocated,
+    torch.cuda.max_memory_reserved, torch.cuda.reset_peak_memory_stats, torch.cuda.empty_cache,
+    torch.cuda.get_device_properties, torch.cuda.get_device_name, torch.distributed.HashStore,
+)
+"""What the steps call only on the GPU, resolved as this module loads: the dry run fails if one is gone."""
 
 
 @dataclass
