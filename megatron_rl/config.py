@@ -2,9 +2,9 @@
 dotted overrides, and the rules that span sections.
 
 Each section is a kw_only dataclass with one-line attribute docstrings, living with its
-owner: the shared ones in :mod:`megatron_rl.sections` (model, parallel, optim), the others
-next to their code (``data.config``, ``rewards.config``, ``rollout.config``,
-``rollout.sglang.config``, ``train.config``, ``train.logging_config``, ``fp8``, ``algos.section``). All of those are
+owner: the shared ones and the loop's in :mod:`megatron_rl.sections` (model, parallel, optim,
+train, logging), the others next to their code (``data.config``, ``rewards.config``, ``rollout.config``,
+``rollout.sglang.config``, ``fp8``, ``algos.section``). All of those are
 leaves, so this module sits just above them and below everything that runs. A YAML preset
 is a partial :class:`RunConfig`; ``key.sub=value`` overrides apply on top. :func:`validate`
 runs every section's rules and the cross-section ones before any model is built: an
@@ -47,12 +47,12 @@ from megatron_rl.sections import (
     validate_model,
     validate_optim,
 )
-from megatron_rl.train.config import EvalConfig, TrainerConfig, check_eval_config
-from megatron_rl.train.logging_config import (
+from megatron_rl.sections.logging import (
     LoggingConfig,
     ProfileConfig,
     check_logging_config,
 )
+from megatron_rl.sections.train import EvalConfig, TrainerConfig, check_eval_config
 
 __all__ = ["ConfigError", "RunConfig", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
 

@@ -3,7 +3,7 @@
 Shape legend: T tokens (packed, sample order), L MoE layers, N tokens one router call sees,
 K experts per token, E experts per layer.
 
-R3 (``moe_routing.replay``) dispatches every token to the experts the rollout engine chose
+R3 (``parallel.routing_replay``) dispatches every token to the experts the rollout engine chose
 but recomputes their gate weights from the trainer's own router logits, so the expert
 outputs are still mixed with the trainer's weights, not the engine's. R3w also hands every
 router the gate weight the engine combined each expert's output with (the hf and megatron
@@ -31,9 +31,9 @@ from typing import Sequence
 import torch
 
 from megatron_rl.parallel import mcore_compat as mc
-from moe_routing.layout import local_values_per_call
-from moe_routing.record import find_routers
-from moe_routing.replay import RoutingReplay, replay_ids_per_call
+from megatron_rl.parallel.routing_layout import local_values_per_call
+from megatron_rl.parallel.routing_record import find_routers
+from megatron_rl.parallel.routing_replay import RoutingReplay, replay_ids_per_call
 
 
 def exact_gates(probs_NE: torch.Tensor, map_NE: torch.Tensor, ids_NK: torch.Tensor,

@@ -5,7 +5,7 @@ Shape legend: S samples of this data-parallel rank, T_resp their response tokens
 prompt+response positions, L MoE layers, K top-K.
 
 Stage (a), expert choice: the engine's expert ids replayed at layers 1..l and the router's own
-top-K at the others (``moe_routing.replay.NATURAL``), for l = 1..L (one pass over every layer
+top-K at the others (``megatron_rl.parallel.routing_replay.NATURAL``), for l = 1..L (one pass over every layer
 without ``per_layer``); the trainer's gate weights are recomputed over the replayed experts, as
 under R3. Stage (b), gate weights: the engine's ids at every layer and its gate weights at
 layers 1..l (``parallel.gate_replay``, NaN gates elsewhere), for l = 1..L; only when the engine
@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 
 from megatron_rl.parallel.logprobs import compute_logprobs
-from moe_routing.replay import NATURAL
+from megatron_rl.parallel.routing_replay import NATURAL
 
 
 @dataclass

@@ -71,8 +71,8 @@ from megatron_rl.parallel.logprobs import (
 )
 from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.rollout_routes import rollout_gates_TLK, rollout_ids_TLK
+from megatron_rl.parallel.routing_record import find_routers
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from moe_routing.record import find_routers
 from moe_routing.stats import gamma_metrics
 from moe_routing.types import RouterRecord
 from moe_routing.validate import RoutingDataError, validate_expert_ids

@@ -209,7 +209,7 @@ def _loss_terms(cfg: RunConfig, s: act.RankShape, shape: StepShape) -> list[Term
 
 def _record_bytes(cfg: RunConfig, s: act.RankShape, tokens: int, layers: range) -> int:
     """Routing records a pass holds on the device until it ends (each router call's rows; then they
-    move to host memory, ``moe_routing.layout.gather_call_field``). The update's probe pass (RSPO,
+    move to host memory, ``megatron_rl.parallel.routing_layout.gather_call_field``). The update's probe pass (RSPO,
     diagnostics) records only a mini-batch, so the old-policy pass bounds it."""
     id_bytes = 1 if cfg.model.num_experts <= 256 else 2
     per_entry = RECORD_BYTES_PER_ENTRY - 1 + id_bytes

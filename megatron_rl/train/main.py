@@ -63,7 +63,7 @@ def run_rank(cfg_dict: dict) -> list[dict]:
     with cpu_platform(enable=cfg.parallel.use_cpu_platform is not False):
         with model_parallel(cfg.parallel, cfg.seed) as groups:
             trainer = Trainer(cfg, groups)
-            with Trackers(cfg, enabled=rank0, resumed=trainer.resume_path is not None) as trackers:
+            with Trackers(cfg, enabled=rank0, resumed=trainer.checkpoints.resumed_step is not None) as trackers:
                 history = trainer.run(trackers)
                 if rank0:
                     trackers.log_plots(_report(Path(cfg.train.run_dir), agentic=cfg.rollout.env.name is not None))

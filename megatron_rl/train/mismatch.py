@@ -35,6 +35,7 @@ from megatron_rl.parallel.logprobs import (
 )
 from megatron_rl.parallel.mismatch_passes import staged_passes
 from megatron_rl.parallel.rollout_routes import rollout_gates_TLK, rollout_ids_TLK
+from megatron_rl.parallel.routing_record import find_routers
 from megatron_rl.parallel.schedule import unwrap
 from megatron_rl.rollout.engine import RolloutSample
 from megatron_rl.train.phases import phase_timer
@@ -45,7 +46,6 @@ from moe_routing.breakdown import (
     routing_sums,
     worst_tokens,
 )
-from moe_routing.record import find_routers
 
 ROLLOUTS_DIR = "rollouts"
 """Where ``train.mismatch.save_rollouts`` writes, under the run directory."""
