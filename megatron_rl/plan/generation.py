@@ -28,7 +28,7 @@ forward-only pass, planned like the log-prob pass. Pure arithmetic.
 from __future__ import annotations
 
 from megatron_rl.config import RunConfig, longest_sequence
-from megatron_rl.plan.activations import DTYPE_BYTES
+from megatron_rl.parallel.optimizer_memory import DTYPE_BYTES
 from megatron_rl.plan.params import model_params
 from megatron_rl.sections import ModelConfig
 

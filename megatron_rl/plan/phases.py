@@ -139,7 +139,7 @@ def state_terms(cfg: RunConfig, layout: Layout, stage: int, distributed: bool) -
         return int(counts.dense * getattr(dense, field) + counts.expert * getattr(expert, field))
 
     terms = [Term("weights", total("weights")), Term("gradient buffer (fp32)", total("grads")),
-             Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer"))]
+             Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer_state"))]
     if uses_reference(cfg):
         terms.append(Term("reference model weights", total("weights")))
     return terms
