@@ -223,6 +223,20 @@ def test_no_import_goes_up_the_layers():
     assert upward_imports(import_edges(modules), modules) == []
 
 
+TRAINER_IMPORTS_AT_MOST = 12
+"""Project modules ``train/trainer.py`` may import: the RL loop, not the services around it
+(building, checkpoints, evaluation, frozen models, exports, logging live beside it)."""
+
+
+def test_the_trainer_imports_the_loop_only():
+    modules = discover(ROOT)
+    edges = import_edges(modules)
+    # A package whose __init__ imports nothing (a docstring) is not a module the trainer uses.
+    neutral = {name for name, (_, is_package) in modules.items() if is_package and not edges.get(name)}
+    imported = edges["megatron_rl.train.trainer"] - neutral
+    assert len(imported) <= TRAINER_IMPORTS_AT_MOST, sorted(imported)
+
+
 def test_every_module_has_a_layer():
     for module in discover(ROOT):
         layer_of(module)
