@@ -7,7 +7,7 @@ starting weights (an HF checkpoint streamed in, or a Megatron one resharded; ski
 run resumes), DDP and the optimizer, the rollout engine and its turns on the devices, the
 reward pool, the rollout source and the batch generated ahead; and the services the loop
 calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models, the HF
-exports and the run's log. The order is the one that matters: the starting weights are
+exports, the run's log and the gap's breakdown. The order is the one that matters: the starting weights are
 loaded before the optimizer copies them into its fp32 main weights, and every random draw
 happens in the same order on every start.
 
@@ -41,6 +41,7 @@ from megatron_rl.train.frozen import FrozenModels
 from megatron_rl.train.hf_export import RunExports
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.lifecycle import CheckpointLifecycle
+from megatron_rl.train.mismatch import StepMismatch
 from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 from megatron_rl.train.rollouts import RolloutSource
 from megatron_rl.train.run_log import RunLog
@@ -95,6 +96,8 @@ class RunParts:
     """The HF checkpoints out."""
     log: RunLog
     """Where the rows go."""
+    mismatch: StepMismatch
+    """The sampled policy's temperatures, the saved rollouts and the gap's breakdown."""
 
 
 def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
@@ -139,4 +142,5 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
         frozen=FrozenModels(cfg, objective, model, groups, turns),
         exports=RunExports(cfg, groups, ddp, init, tokenizer),
         log=RunLog(cfg.train.run_dir, rank0, cfg.train.progress, engine, telemetry),
+        mismatch=StepMismatch(cfg.train, ddp, groups),
     )

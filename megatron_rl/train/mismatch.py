@@ -7,8 +7,8 @@ prompt+response positions, L MoE layers, K top-K.
 stages (``parallel.mismatch_passes``), sums what each stage removes over the data-parallel
 ranks and turns it into ``mismatch/breakdown/*`` metrics (``moe_routing.breakdown``), with this
 rank's worst tokens and their causes. The trainer runs it every step with
-``train.mismatch.breakdown``; ``megatron-rl-mismatch RUN_DIR`` runs the same function over the
-rollouts a run saved with ``train.mismatch.save_rollouts`` (:func:`save_rollouts`), on the
+``train.mismatch.breakdown`` (:class:`StepMismatch`); ``megatron-rl-mismatch RUN_DIR`` runs the same function over the
+rollouts a run saved with ``train.mismatch.save_rollouts`` (:meth:`StepMismatch.save`), on the
 weights that generated them. :func:`report_lines` is the short report both print.
 
 The rollout log-probs compared are the engine's; the trainer's side is scored at each sample's
@@ -152,31 +152,6 @@ def report_lines(result: BreakdownResult, worst: list[dict], title: str) -> list
     return lines
 
 
-def step_breakdown(train_cfg, model, groups, step: int, sample_groups: Sequence[Sequence[RolloutSample]],
-                   batch, metrics: dict) -> None:
-    """Collective, with ``train.mismatch.breakdown`` (else nothing): the breakdown of the step's
-    samples against its old-policy pass (``batch``: the step's ``TrainBatch``) into ``metrics``,
-    timed as the phase ``mismatch_breakdown``; rank 0 writes the report to
-    ``<run_dir>/mismatch/step_NNNNNN.txt``."""
-    m = train_cfg.mismatch
-    if not m.breakdown:
-        return
-    samples = [s for group in sample_groups for s in group]
-    old = LogProbResult(logprobs_T=batch.old_logprobs_T, entropy_T=None, record=batch.old_record,
-                        cu_seqlens_S1=response_cu_seqlens(batch.sequences, batch.prompt_lengths))
-    with phase_timer(metrics, "mismatch_breakdown"):
-        result = run_breakdown(model, groups, samples, policy_temperature=train_cfg.policy_temperature,
-                               per_layer=m.per_layer, worst=m.worst_tokens, old=old,
-                               micro_batch_sequences=train_cfg.micro_batch_sequences,
-                               micro_batch_tokens=train_cfg.micro_batch_tokens)
-        worst = gathered_worst(result, groups, m.worst_tokens)
-    if comm.rank(groups.world) == 0:
-        out = Path(train_cfg.run_dir) / "mismatch" / f"step_{step:06d}.txt"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text("\n".join(report_lines(result, worst, f"step {step}")) + "\n")
-    metrics.update(result.metrics)
-
-
 def truncation_metrics(samples: Sequence[RolloutSample], mask_T: torch.Tensor) -> dict[str, torch.Tensor]:
     """What scoring the whole T-scaled distribution leaves out when top-p / top-k truncate
     (engines that report it): ``rollout/truncation_logratio`` (mean over generated tokens of
@@ -187,23 +162,60 @@ def truncation_metrics(samples: Sequence[RolloutSample], mask_T: torch.Tensor) -
     return {"rollout/truncation_logratio": logratio_T.mean(), "rollout/truncated_mass": (-torch.expm1(-logratio_T)).mean()}
 
 
-def save_rollouts(train_cfg, step: int, samples: Sequence[RolloutSample], groups) -> None:
-    """Collective over the world when ``train.mismatch.save_rollouts``: this DP rank's samples to
-    ``<run_dir>/rollouts/step_NNNNNN/dp<rank>.pt`` (written whole, then renamed), by the first
-    rank of its model-parallel group."""
-    if not train_cfg.mismatch.save_rollouts:
-        return
-    directory = Path(train_cfg.run_dir) / ROLLOUTS_DIR / f"step_{step:06d}"
-    if comm.rank(groups.mp) == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / f"dp{groups.dp_rank:04d}.pt"
-        torch.save([vars(s) for s in samples], path.with_suffix(".tmp"))
-        os.replace(path.with_suffix(".tmp"), path)
-    comm.barrier(groups.world)
+class StepMismatch:
+    """What the loop asks each step about the sampled policy and the gap (built with the run, so
+    the loop imports none of it): the temperatures its passes score at, the truncation metrics,
+    the saved rollouts and the breakdown."""
+
+    def __init__(self, train_cfg, model, groups) -> None:
+        self.cfg, self.model, self.groups = train_cfg, model, groups
+
+    def temperatures(self, samples: Sequence[RolloutSample]) -> torch.Tensor | None:
+        """``[T_resp]`` temperatures of ``samples``' response tokens (None: the T = 1 policy)."""
+        return sample_temperatures(samples, self.cfg.policy_temperature)
+
+    truncation = staticmethod(truncation_metrics)
+
+    def save(self, step: int, samples: Sequence[RolloutSample]) -> None:
+        """Collective over the world when ``train.mismatch.save_rollouts``: this DP rank's samples to
+        ``<run_dir>/rollouts/step_NNNNNN/dp<rank>.pt`` (written whole, then renamed), by the first
+        rank of its model-parallel group."""
+        if not self.cfg.mismatch.save_rollouts:
+            return
+        directory = Path(self.cfg.run_dir) / ROLLOUTS_DIR / f"step_{step:06d}"
+        if comm.rank(self.groups.mp) == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            path = directory / f"dp{self.groups.dp_rank:04d}.pt"
+            torch.save([vars(s) for s in samples], path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        comm.barrier(self.groups.world)
+
+    def breakdown(self, step: int, sample_groups: Sequence[Sequence[RolloutSample]], batch, metrics: dict) -> None:
+        """Collective, with ``train.mismatch.breakdown`` (else nothing): the breakdown of the step's
+        samples against its old-policy pass (``batch``: the step's ``TrainBatch``) into ``metrics``,
+        timed as the phase ``mismatch_breakdown``; rank 0 writes the report to
+        ``<run_dir>/mismatch/step_NNNNNN.txt``."""
+        m, groups = self.cfg.mismatch, self.groups
+        if not m.breakdown:
+            return
+        samples = [s for group in sample_groups for s in group]
+        old = LogProbResult(logprobs_T=batch.old_logprobs_T, entropy_T=None, record=batch.old_record,
+                            cu_seqlens_S1=response_cu_seqlens(batch.sequences, batch.prompt_lengths))
+        with phase_timer(metrics, "mismatch_breakdown"):
+            result = run_breakdown(self.model, groups, samples, policy_temperature=self.cfg.policy_temperature,
+                                   per_layer=m.per_layer, worst=m.worst_tokens, old=old,
+                                   micro_batch_sequences=self.cfg.micro_batch_sequences,
+                                   micro_batch_tokens=self.cfg.micro_batch_tokens)
+            worst = gathered_worst(result, groups, m.worst_tokens)
+        if comm.rank(groups.world) == 0:
+            out = Path(self.cfg.run_dir) / "mismatch" / f"step_{step:06d}.txt"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text("\n".join(report_lines(result, worst, f"step {step}")) + "\n")
+        metrics.update(result.metrics)
 
 
 def load_rollouts(directory: Path) -> list[RolloutSample]:
-    """Every DP rank's samples of one saved step, in DP order (:func:`save_rollouts`)."""
+    """Every DP rank's samples of one saved step, in DP order (:meth:`StepMismatch.save`)."""
     files = sorted(directory.glob("dp*.pt"))
     if not files:
         raise FileNotFoundError(f"{directory}: no saved rollouts (dp*.pt)")

@@ -11,8 +11,9 @@ rollouts (data draw, sampling rounds, rewards, dynamic sampling, DP balance:
 on the devices (:mod:`~megatron_rl.train.colocate`), the checkpoint lifecycle with the warm
 start (:mod:`~megatron_rl.train.lifecycle`, :mod:`~megatron_rl.train.sft`), evaluation
 (:mod:`~megatron_rl.train.evaluation`), the frozen models such as the KL reference
-(:mod:`~megatron_rl.train.frozen`), the HF exports (:mod:`~megatron_rl.train.hf_export`) and the
-rows (:mod:`~megatron_rl.train.run_log`). With ``rollout.env`` each sample is a multi-turn
+(:mod:`~megatron_rl.train.frozen`), the HF exports (:mod:`~megatron_rl.train.hf_export`), the
+sampled policy's temperatures and the gap's breakdown (:mod:`~megatron_rl.train.mismatch`) and
+the rows (:mod:`~megatron_rl.train.run_log`). With ``rollout.env`` each sample is a multi-turn
 trajectory (:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens
 the policy generated, and the environment's tokens stay in the context only.
 
@@ -39,7 +40,6 @@ from megatron_rl.parallel.train_step import TrainBatch, forward_backward
 from megatron_rl.rollout.trajectory import turn_layout
 from megatron_rl.train.build import build_run
 from megatron_rl.train.checkpoint import TrainerState
-from megatron_rl.train.mismatch import sample_temperatures, save_rollouts, step_breakdown, truncation_metrics
 from megatron_rl.train.phases import StepWatch, phase_timer
 from megatron_rl.train.rollouts import Groups
 
@@ -56,7 +56,7 @@ class Trainer:
         self.engine, self.turns, self.scorer = parts.engine, parts.turns, parts.scorer
         self.rollouts, self.ahead = parts.rollouts, parts.ahead
         self.checkpoints, self.evaluate, self.exports = parts.checkpoints, parts.evaluate, parts.exports
-        self.frozen, self.log = parts.frozen, parts.log
+        self.frozen, self.log, self.mismatch = parts.frozen, parts.log, parts.mismatch
         self.reference = None
         """The KL reference, once the run has started (None: the objective has no KL)."""
 
@@ -124,9 +124,9 @@ class Trainer:
         with phase_timer(metrics, "rollout"):
             chosen = self._rollouts(step, state, metrics)
         chosen = self.rollouts.balanced(chosen, metrics)
-        save_rollouts(self.cfg.train, step, [s for g in chosen.samples for s in g], self.groups)
+        self.mismatch.save(step, [s for g in chosen.samples for s in g])
         batch = self._batch(chosen, metrics)
-        step_breakdown(self.cfg.train, self.ddp, self.groups, step, chosen.samples, batch, metrics)
+        self.mismatch.breakdown(step, chosen.samples, batch, metrics)
         with phase_timer(metrics, "update"):
             self._update(batch, metrics)
         state.weight_version += 1
@@ -172,7 +172,7 @@ class Trainer:
         samples = [s for group in chosen.samples for s in group]
         sequences = [s.tokens for s in samples]
         prompt_lengths = [len(s.prompt_ids) for s in samples]
-        packing = {**self._packing(), "temperature_T": sample_temperatures(samples, self.cfg.train.policy_temperature)}
+        packing = {**self._packing(), "temperature_T": self.mismatch.temperatures(samples)}
         with phase_timer(metrics, "old_logprobs"):
             old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
         # The loss sees only what the policy generated: a multi-turn trajectory's environment
@@ -184,7 +184,7 @@ class Trainer:
         metrics.update(mean_over({
             "mismatch/train_rollout_abs_diff": diff.abs()[mask_T].mean(),
             "mismatch/train_rollout_kl": kl_estimate_T("k3", rollout_lp, old.logprobs_T)[mask_T].mean(),
-            **truncation_metrics(samples, mask_T),
+            **self.mismatch.truncation(samples, mask_T),
         }, self.groups.dp))
         ref_lp = None
         if self.reference is not None:
