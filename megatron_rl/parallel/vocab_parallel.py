@@ -243,7 +243,7 @@ class VocabParallelLogProbMath:
             entropy_scratch_CV: a second buffer like ``scratch_CV``; only with
                 ``grad_entropy_C``.
             num_valid: leading columns that are real ids; padding columns get exactly 0.
-            temperature_C: per-token temperature of the forward (``None``: 1).
+            temperature_C: per-token temperature of the forward, or ``None`` for T = 1.
 
         Returns:
             The gradient, shape [C, V_local] in the compute dtype, in one of the scratch buffers.
