@@ -47,6 +47,7 @@ from megatron_rl.sections import (
     validate_model,
     validate_optim,
 )
+from megatron_rl.sections.distill import DistillConfig, validate_distill
 from megatron_rl.sections.logging import (
     LoggingConfig,
     ProfileConfig,
@@ -92,6 +93,8 @@ class RunConfig:
     """Held-out evaluation."""
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     """Objective: ``preset`` plus typed ObjectiveConfig overrides (megatron_rl.algos.section)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation's teachers (megatron_rl.sections.distill; weighed by objective.distill_coef)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Weights & Biases and MLflow (megatron_rl.train.sinks)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -111,9 +114,13 @@ def resolve_objective(cfg: RunConfig) -> ObjectiveConfig:
         raise ConfigError(str(err)) from None
 
 
-def validate_run(cfg: RunConfig) -> None:
+def validate_run(cfg: RunConfig, world_size: int | None = None) -> None:
     """Rules across sections of an RL run (cheap: no file is read, no model is built)."""
     objective = resolve_objective(cfg)
+    validate_distill(cfg.distill, cfg.parallel.world_size or world_size, distill_coef=objective.distill_coef,
+                     estimator=objective.distill_estimator)
+    require(not cfg.distill.teachers or cfg.data.source == "files", "distill.teachers",
+            "a teacher must share the run's tokenizer: distillation needs prompt files (data.source=files)")
     for key, rule in [*check_eval_config(cfg.eval), *check_logging_config(cfg.logging, cfg.profile)]:
         raise ConfigError(f"{key}: {rule}")
     r, t = cfg.rollout, cfg.train
@@ -197,7 +204,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     validate_layout(cfg.model, cfg.parallel, world_size)
     validate_optim(cfg.optim)
     check_fp8(cfg.fp8)
-    validate_run(cfg)
+    validate_run(cfg, world_size)
     world = cfg.parallel.world_size or world_size
     if world is not None:
         validate_batch_split(cfg, cfg.parallel.data_parallel_size(world))
@@ -215,8 +222,10 @@ def validate_batch_split(cfg: RunConfig, dp_size: int) -> None:
              f"{t.sft_batch_size} must split evenly over {dp_size} data-parallel ranks")
 
 
-PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"))
-"""Input paths; a relative one in a YAML preset is relative to that file (on the command line: to the cwd)."""
+PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"),
+             ("distill", "teachers", "*", "path"))
+"""Input paths; a relative one in a YAML preset is relative to that file (on the command line: to the cwd);
+``*`` is every item of a list."""
 
 
 def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
@@ -229,12 +238,18 @@ def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
             return [anchor(v) for v in value]
         return value
 
+    def visit(node: Any, keys: tuple[str, ...]) -> None:
+        if keys[0] == "*":
+            for item in node if isinstance(node, list) else []:
+                visit(item, keys[1:])
+        elif isinstance(node, dict) and keys[0] in node:
+            if len(keys) == 1:
+                node[keys[0]] = anchor(node[keys[0]])
+            else:
+                visit(node[keys[0]], keys[1:])
+
     for keys in PATH_KEYS:
-        node = loaded
-        for key in keys[:-1]:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict) and keys[-1] in node:
-            node[keys[-1]] = anchor(node[keys[-1]])
+        visit(loaded, keys)
     return loaded
 
 

@@ -45,7 +45,7 @@ import torch
 from torch import Tensor
 
 from ..registry import Registry
-from .distill import distill_advantages_T
+from .distill import with_distillation_T
 from .kl import kl_reward_penalty_T
 from .segments import segment_count, segment_first_index, segment_sum
 from .turn_credit import (
@@ -295,10 +295,7 @@ def compute_advantages(
 ) -> Tensor:
     """Per-token advantages with the estimator named by ``cfg.advantage``.
 
-    The estimator's advantage is weighted by ``cfg.rl_coef``; with ``cfg.distill_coef > 0``
-    and the ``sampled`` estimator, the distillation advantage ``distill_coef (log mu - log
-    pi_old)`` is added per generated token after it (never normalized with the rewards;
-    ``algos.distill``).
+    Weighted by ``cfg.rl_coef``, plus the sampled distillation advantage (``algos.distill``).
 
     With ``cfg.turn_credit == 'turn'`` the estimator runs on the turns of ``turns`` instead
     of the sequences (``_per_turn``; formulas in ``algos.turn_credit``).
@@ -317,8 +314,7 @@ def compute_advantages(
         old_logprobs_T: [T] needed for KL in the reward.
         ref_logprobs_T: [T] needed for KL in the reward.
         turns: the turns of each sequence; required by (and only read under) per-turn credit.
-        teacher_logprobs_T: [T] the teachers' log-probs of the sampled tokens; required by the
-            sampled distillation estimator (with ``old_logprobs_T``).
+        teacher_logprobs_T: [T] teachers' log-probs (the sampled distillation estimator).
 
     Returns:
         [T] advantages, detached, in the dtype of ``rewards_S``.
@@ -362,18 +358,7 @@ def compute_advantages(
     )
     if per_turn:
         batch = _per_turn(batch, turns, cfg.turn_discount)
-    advantages_T = estimator(batch, cfg).detach()
-    if cfg.rl_coef != 1:
-        advantages_T = cfg.rl_coef * advantages_T
-    if cfg.distill_coef > 0 and cfg.distill_estimator == "sampled":
-        if teacher_logprobs_T is None or old_logprobs_T is None:
-            raise InputError("teacher_logprobs_T and old_logprobs_T are required by ObjectiveConfig.distill_coef > 0 "
-                             "(distill_estimator='sampled')")
-        if cfg.check_inputs:
-            run_value_checks(finite_checks({"teacher_logprobs_T": teacher_logprobs_T}))
-        distill_T = distill_advantages_T(teacher_logprobs_T, old_logprobs_T, loss_mask_T, cfg.distill_coef)
-        advantages_T = advantages_T + distill_T.to(advantages_T.dtype)
-    return advantages_T
+    return with_distillation_T(cfg, estimator(batch, cfg).detach(), teacher_logprobs_T, old_logprobs_T, loss_mask_T)
 
 
 def _per_turn(batch: AdvantageBatch, turns: TurnLayout, discount: float) -> AdvantageBatch:

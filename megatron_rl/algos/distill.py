@@ -51,7 +51,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .validation import InputError
+from .validation import InputError, finite_checks, run_value_checks
 
 TAIL_MASS_EPS = 1e-6
 """Smallest probability mass the tail bucket is taken to have inside a log (both models):
@@ -80,6 +80,33 @@ def distill_advantages_T(
                          f"{tuple(old_logprobs_T.shape)}")
     log_ratio_T = teacher_logprobs_T.detach().double() - old_logprobs_T.detach().double()
     return torch.where(loss_mask_T.bool(), coef * log_ratio_T, torch.zeros_like(log_ratio_T))
+
+
+def with_distillation_T(cfg, rl_advantages_T: Tensor, teacher_logprobs_T: Tensor | None,
+                        old_logprobs_T: Tensor | None, loss_mask_T: Tensor) -> Tensor:
+    """``[T]`` ``cfg.rl_coef`` times the reward advantages, plus the sampled distillation advantage
+    (:func:`distill_advantages_T`) when ``cfg.distill_coef > 0`` with the ``sampled`` estimator.
+
+    Args:
+        cfg: the objective (``rl_coef``, ``distill_coef``, ``distill_estimator``, ``check_inputs``).
+        rl_advantages_T: [T] the advantage estimator's output.
+        teacher_logprobs_T: [T] or None; required by the sampled estimator.
+        old_logprobs_T: [T] or None; required by the sampled estimator.
+        loss_mask_T: [T] bool, the generated tokens.
+
+    Raises:
+        InputError: a required input is missing, or (``check_inputs``) a teacher log-prob is not finite.
+    """
+    advantages_T = rl_advantages_T if cfg.rl_coef == 1 else cfg.rl_coef * rl_advantages_T
+    if cfg.distill_coef == 0 or cfg.distill_estimator != "sampled":
+        return advantages_T
+    if teacher_logprobs_T is None or old_logprobs_T is None:
+        raise InputError("teacher_logprobs_T and old_logprobs_T are required by ObjectiveConfig.distill_coef > 0 "
+                         "(distill_estimator='sampled')")
+    if cfg.check_inputs:
+        run_value_checks(finite_checks({"teacher_logprobs_T": teacher_logprobs_T}))
+    distill_T = distill_advantages_T(teacher_logprobs_T, old_logprobs_T, loss_mask_T, cfg.distill_coef)
+    return advantages_T + distill_T.to(advantages_T.dtype)
 
 
 def _log_tail(logprobs_TK: Tensor) -> Tensor:

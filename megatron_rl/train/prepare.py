@@ -4,7 +4,7 @@ Owns: :func:`load_run_config` (YAML preset + overrides; with ``init_checkpoint``
 ``model`` section comes from the checkpoint and a contradicting key is an error naming
 both values) and :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat
 template, the prompt files row by row, the reward function's import path and signature, the
-environment's class and arguments).
+environment's class and arguments, distillation's teachers: ``train.teacher_checks``).
 Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) calls these first, so a
 bad input costs seconds and one line, never a started world. Imports no Megatron.
 """
@@ -36,6 +36,7 @@ from megatron_rl.data.tokenizer import (
 from megatron_rl.parallel.mcore_optimizer import optimizer_member_count
 from megatron_rl.rewards.core import check_reward_config
 from megatron_rl.rollout.envs.load import check_env_config, env_tools
+from megatron_rl.train.teacher_checks import check_teacher_inputs
 
 
 @dataclass(kw_only=True)
@@ -128,6 +129,7 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     limit = max_prompt_tokens(cfg)
     train = load_prompts(cfg.data, "train", tokenizer, limit)
     evals = load_prompts(cfg.data, "eval", tokenizer, limit)
+    check_teacher_inputs(cfg, tokenizer, train.records)
     return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
                         dropped=train.num_filtered + evals.num_filtered)
 
