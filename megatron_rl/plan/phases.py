@@ -36,6 +36,7 @@ from megatron_rl.plan import generation as gen
 from megatron_rl.plan.machine import GIB, Layout, Machine
 from megatron_rl.plan.params import rank_params, stage_layers
 from megatron_rl.plan.state import optimizer_bytes_per_param, uses_reference
+from megatron_rl.plan.teachers import teacher_host_terms, teacher_weight_terms
 from megatron_rl.rollout.sglang.config import SGLangConfig
 
 SGLANG_RELEASED = 1 * GIB
@@ -142,7 +143,7 @@ def state_terms(cfg: RunConfig, layout: Layout, stage: int, distributed: bool) -
              Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer"))]
     if uses_reference(cfg):
         terms.append(Term("reference model weights", total("weights")))
-    return terms
+    return terms + teacher_weight_terms(cfg, layout)
 
 
 def _moe_layers(cfg: RunConfig, layers: range) -> int:
@@ -283,13 +284,14 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
     pp = layout.parallel.pipeline_model_parallel_size
     state = max((state_terms(cfg, layout, stage, distributed) for stage in range(pp)),
                 key=lambda terms: sum(t.bytes for t in terms))
-    # Gradient buffers are recomputed, not kept; the reference model is not checkpointed.
+    # Gradient buffers are recomputed, not kept; the reference model and teachers are not checkpointed.
     offloaded = sum(t.bytes for t in state if t.name != "gradient buffer (fp32)")
-    saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights")
+    saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights" or t.name.startswith("teacher "))
     shape = step_shape(cfg, layout)
     m = cfg.model
     record = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * RECORD_BYTES_PER_ENTRY
     terms = [Term(f"routing records of a step ({procs} processes)", procs * record)]
+    terms += teacher_host_terms(cfg, layout, procs)
     if cfg.train.routing_replay == "R3":
         routes = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * 4
         terms.append(Term(f"rollout routes for R3, int32 ({procs} processes)", procs * routes))

@@ -19,6 +19,7 @@ from megatron_rl.plan.phases import (
     train_phase,
 )
 from megatron_rl.plan.state import distributed_optimizer
+from megatron_rl.plan.teachers import teacher_phases
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ def make_plan(cfg: RunConfig, machine: Machine, layout: Layout | None = None) ->
     stages = range(layout.parallel.pipeline_model_parallel_size)
     phases = [*generate_phases(cfg, layout, machine, distributed),
               *(logprob_phase(cfg, layout, machine, s, distributed) for s in stages),
+              *teacher_phases(cfg, layout, machine, distributed),
               *(train_phase(cfg, layout, machine, s, distributed) for s in stages)]
     train_peak_distributed = max(train_phase(cfg, layout, machine, s, True).peak for s in stages)
     return Plan(cfg=cfg, machine=machine, layout=layout, phases=tuple(phases),
