@@ -89,7 +89,7 @@ TOOL_MAX_NEW_TOKENS = 32
 TEACHER_SHAPE = dict(hidden_size=96, intermediate_size=96, head_dim=24, num_experts=8, moe_intermediate_size=96,
                      vocab_size=576)
 """The teacher's dimensions where they differ from the student's (``build_model``)."""
-TEACHER_STEPS = 1500
+TEACHER_STEPS = 2000
 """Supervised steps of the teacher, on "a + b" only."""
 
 CHAT_TEMPLATE = (
