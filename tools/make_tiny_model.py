@@ -412,6 +412,8 @@ def save_checkpoint(model, tokenizer, directory: Path) -> None:
     tokenizer_path = directory / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for loader_only in ("is_local", "local_files_only"):  # from_pretrained's own arguments (the teacher's)
+        tokenizer_config.pop(loader_only, None)
     tokenizer_config["additional_special_tokens"] = tokenizer_config.pop(
         "extra_special_tokens", tokenizer_config.get("additional_special_tokens"))
     tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
