@@ -121,6 +121,10 @@ def validate_run(cfg: RunConfig, world_size: int | None = None) -> None:
                      estimator=objective.distill_estimator)
     require(not cfg.distill.teachers or cfg.data.source == "files", "distill.teachers",
             "a teacher must share the run's tokenizer: distillation needs prompt files (data.source=files)")
+    key = cfg.distill.teacher_key
+    require(key is None or key in cfg.data.metadata_keys, "distill.teacher_key",
+            f"{key!r} is not a prompt-file column the trainer reads (data.metadata_keys: {cfg.data.metadata_keys}); "
+            "add it to data.metadata_keys")
     for key, rule in [*check_eval_config(cfg.eval), *check_logging_config(cfg.logging, cfg.profile)]:
         raise ConfigError(f"{key}: {rule}")
     r, t = cfg.rollout, cfg.train

@@ -113,7 +113,8 @@ def build_inputs(root: Path) -> dict[str, Path]:
     vocab = tokenizer_json["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
     (paths["swapped_tokens"] / "tokenizer.json").write_text(json.dumps(tokenizer_json))
-    (root / "sourced.jsonl").write_text("".join(json.dumps({**json.loads(row), "source": "chat"}) + "\n" for row in rows))
+    (root / "sourced.jsonl").write_text("".join(json.dumps({**json.loads(row), "source": "chat"}) + "\n"
+                                                for row in TRAIN_ROWS.read_text().splitlines()[:5]))
     state = root / "truncated_state" / "checkpoints" / "step_000002"
     state.mkdir(parents=True)
     (root / "truncated_state" / "checkpoints" / "latest").write_text("step_000002\n")

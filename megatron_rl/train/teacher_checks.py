@@ -4,8 +4,8 @@ Owns: each teacher's tokenizer against the run's (the same token for every id, b
 when they differ; a teacher whose model has another vocabulary size but the same tokens is
 fine, :mod:`megatron_rl.train.teachers` masks the ids past the shorter one as the converter's
 vocabulary padding is masked), the teacher's vocabulary holding every token of the tokenizer,
-the routing column (``distill.teacher_key`` among the prompt-file columns the trainer reads)
-and every training prompt's value of it reaching a teacher (:func:`teacher_of_values`).
+and every training prompt's value of the routing column (``distill.teacher_key``) reaching a
+teacher (:func:`teacher_of_values`).
 Does not own the rules the config alone decides (``megatron_rl.sections.distill``).
 Imports no Megatron.
 """
@@ -67,9 +67,6 @@ def check_teacher_inputs(cfg: RunConfig, tokenizer: PromptTokenizer, train: Sequ
     d = cfg.distill
     if not d.teachers:
         return
-    if d.teacher_key is not None and d.teacher_key not in cfg.data.metadata_keys:
-        raise ConfigError(f"distill.teacher_key: {d.teacher_key!r} is not a prompt-file column the trainer reads "
-                          f"(data.metadata_keys: {cfg.data.metadata_keys}); add it to data.metadata_keys")
     ours = getattr(tokenizer, "hf_tokenizer", None)
     ours_dir = cfg.tokenizer.path or cfg.init_checkpoint
     for i, teacher in enumerate(d.teachers):
