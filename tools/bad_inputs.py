@@ -251,7 +251,7 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
              "has no column 'source'"),
         Case("train: distill source no teacher takes", [*distill, "distill.teacher_key=source",
                                                         "data.metadata_keys=[source]", f"data.train_files=[{root}/sourced.jsonl]",
-                                                        _teacher(ASSET, "[math]")],
+                                                        f"data.eval_files=[{root}/sourced.jsonl]", _teacher(ASSET, "[math]")],
              "has source 'chat', which no teacher takes"),
         Case("launch: missing YAML file", ["megatron-rl-launch", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("launch: bad YAML file", ["megatron-rl-launch", "--config", f"{root}/bad.yaml"], "bad.yaml"),

@@ -16,10 +16,10 @@ from megatron_rl.plan.phases import (
     generate_phases,
     host_terms,
     logprob_phase,
+    teacher_phases,
     train_phase,
 )
 from megatron_rl.plan.state import distributed_optimizer
-from megatron_rl.plan.teachers import teacher_phases
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,8 @@ run whose servers are missing fails in seconds), the policy in this run's layout
 starting weights (an HF checkpoint streamed in, or a Megatron one resharded; skipped when the
 run resumes), DDP and the optimizer, the rollout engine and its turns on the devices, the
 reward pool, the rollout source and the batch generated ahead; and the services the loop
-calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models, the
-distillation teachers, the HF exports and the run's log. The order is the one that matters: the starting weights are
+calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models (the KL
+reference, the distillation teachers), the HF exports and the run's log. The order is the one that matters: the starting weights are
 loaded before the optimizer copies them into its fp32 main weights, and every random draw
 happens in the same order on every start.
 
@@ -45,7 +45,6 @@ from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
 from megatron_rl.train.rollouts import RolloutSource
 from megatron_rl.train.run_log import RunLog
 from megatron_rl.train.sft import WarmStart
-from megatron_rl.train.teachers import Teachers
 
 if TYPE_CHECKING:
     from megatron_rl.algos import ObjectiveConfig
@@ -91,9 +90,7 @@ class RunParts:
     evaluate: Evaluator
     """The held-out evaluation."""
     frozen: FrozenModels
-    """The frozen models scored beside the policy (the KL reference)."""
-    teachers: Teachers | None
-    """The distillation teachers (None: no ``distill.teachers``)."""
+    """The frozen models scored beside the policy (the KL reference, the distillation teachers)."""
     exports: RunExports
     """The HF checkpoints out."""
     log: RunLog
@@ -122,8 +119,6 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
     optimizer = build_optimizer(ddp, cfg.optim)
     engine = build_engine(cfg, ddp, groups, urls, hf_architecture(cfg, init))
     turns = EngineTurns(cfg, ddp, optimizer, engine)
-    # Each in its own layout, streamed from its checkpoint; draws nothing from the policy's RNG.
-    teachers = Teachers(cfg, groups, turns) if cfg.distill.teachers else None
     rank0 = rank(groups.world) == 0
     # Node 0's GPUs; on a machine without NVML this prints one line and reports nothing.
     telemetry = GpuTelemetry() if rank0 else None
@@ -141,7 +136,7 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
         checkpoints=CheckpointLifecycle(cfg, groups, ddp, optimizer, turns, rollouts, ahead, resume_path, init,
                                         warm_start),
         evaluate=Evaluator(cfg.eval, cfg.seed, groups, eval_set, rollouts, turns, engine),
-        frozen=FrozenModels(cfg, objective, model, groups, turns), teachers=teachers,
+        frozen=FrozenModels(cfg, objective, model, groups, turns),
         exports=RunExports(cfg, groups, ddp, init, tokenizer),
         log=RunLog(cfg.train.run_dir, rank0, cfg.train.progress, engine, telemetry),
     )

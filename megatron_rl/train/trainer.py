@@ -11,7 +11,7 @@ rollouts (data draw, sampling rounds, rewards, dynamic sampling, DP balance:
 on the devices (:mod:`~megatron_rl.train.colocate`), the checkpoint lifecycle with the warm
 start (:mod:`~megatron_rl.train.lifecycle`, :mod:`~megatron_rl.train.sft`), evaluation
 (:mod:`~megatron_rl.train.evaluation`), the frozen models such as the KL reference
-(:mod:`~megatron_rl.train.frozen`), the distillation teachers (:mod:`~megatron_rl.train.teachers`),
+and the distillation teachers (:mod:`~megatron_rl.train.frozen`, :mod:`~megatron_rl.train.teachers`),
 the HF exports (:mod:`~megatron_rl.train.hf_export`) and the
 rows (:mod:`~megatron_rl.train.run_log`). With ``rollout.env`` each sample is a multi-turn
 trajectory (:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens
@@ -57,9 +57,11 @@ class Trainer:
         self.engine, self.turns, self.scorer = parts.engine, parts.turns, parts.scorer
         self.rollouts, self.ahead = parts.rollouts, parts.ahead
         self.checkpoints, self.evaluate, self.exports = parts.checkpoints, parts.evaluate, parts.exports
-        self.frozen, self.log, self.teachers = parts.frozen, parts.log, parts.teachers
+        self.frozen, self.log = parts.frozen, parts.log
         self.reference = None
         """The KL reference, once the run has started (None: the objective has no KL)."""
+        self.teachers = None
+        """The distillation teachers, once the run has started (None: no ``distill.teachers``)."""
 
     # ------------------------------------------------------------------ the run
 
@@ -70,6 +72,7 @@ class Trainer:
         with self.log.open(trackers, self.checkpoints.resumed_step) as log:
             state = self.checkpoints.start()
             self.reference = self.frozen.reference(state.step)
+            self.teachers = self.frozen.teachers()
             self.exports.finish_owed(state.step, resumed=self.checkpoints.resumed_step is not None)
             if state.step == 0:
                 log.log(0, {**self.evaluate(), **log.engine_metrics(),

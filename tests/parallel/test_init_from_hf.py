@@ -116,6 +116,8 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
 
 
 TEACHER_LAYOUTS = {"TP1 (DP2)": {}, "TP2+SP": {"tensor_model_parallel_size": 2}, "EP2": {"expert_model_parallel_size": 2}}
+OFFLOADED = "TP2+SP"
+"""The layout whose teacher is offloaded between its passes (its weights come back for the pass)."""
 PROMPT_TOKENS = 4
 """Each scored sample's prompt: its first tokens; the rest is the response the teacher scores."""
 
@@ -147,10 +149,13 @@ def _teacher_passes(random: str, random2: str, sequences: list) -> dict:
         mine = list(range(groups.dp_rank, len(sequences), groups.dp_size))
         items = [(sequences[j], PROMPT_TOKENS) for j in mine]
         for layout, sizes in TEACHER_LAYOUTS.items():
-            teacher = TrainerTeacher(TeacherConfig(path=random, model=cfg.model, parallel=ParallelConfig(**sizes)),
-                                     cfg, groups, _NoTurns())
+            teacher = TrainerTeacher(TeacherConfig(path=random, model=cfg.model, parallel=ParallelConfig(**sizes),
+                                                   offload=layout == OFFLOADED), cfg, groups, _NoTurns())
+            resident = [sum(p.untyped_storage().nbytes() for p in teacher.model.parameters())]
             scored = teacher.score(items, 3, {})
+            resident.append(sum(p.untyped_storage().nbytes() for p in teacher.model.parameters()))
             teacher.close()
+            out.setdefault("resident", {})[layout] = resident
             out["layouts"][layout] = dict(pair for got in all_gather_objects(list(zip(mine, scored)), groups.world)
                                           for pair in got)
         two = dataclasses.replace(cfg, distill=DistillConfig(teacher_key="source", topk=3, teachers=[
@@ -238,6 +243,12 @@ def test_teacher_pass_in_its_own_layout_matches_transformers(world, layout):
         ref_top, ref_ids = ref.topk(3, dim=-1)
         assert torch.equal(ids, ref_ids), (layout, j)
         assert (top.double() - ref_top).abs().max() <= TOLERANCES.logprob_max_abs, (layout, j)
+
+
+def test_an_offloaded_teacher_holds_no_device_weights_between_its_passes(world):
+    resident = world[2]["teachers"]["resident"]
+    assert resident[OFFLOADED] == [0, 0]  # before and after its pass; the pass itself matched transformers
+    assert all(before > 0 and after == before for layout, (before, after) in resident.items() if layout != OFFLOADED)
 
 
 def test_samples_go_to_the_teacher_of_their_source(world):
