@@ -83,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_rl.config_loading import ConfigError, to_dict
     from megatron_rl.parallel.world import run_world
-    from megatron_rl.train.prepare import check_inputs, load_run_config
+    from megatron_rl.config import load_config
+    from megatron_rl.train.prepare import check_inputs
 
     started = time.time()
     runs = []
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             extra = [f"seed={seed}", f"train.run_dir={args.out / arm / f'seed{seed}'}", f"train.eval_every={args.eval_every}",
                      "train.resume=false", *([f"train.steps={args.steps}"] if args.steps else []), *args.overrides]
             try:
-                cfg = load_run_config(CONFIG, [*overrides, *extra], world_size=2)
+                cfg = load_config(CONFIG, [*overrides, *extra], world_size=2)
                 if seed == args.seeds[0]:
                     print(f"{arm}: {check_inputs(cfg).describe()}", flush=True)
             except ConfigError as err:

@@ -81,7 +81,7 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
     from megatron_rl.sections import ParallelConfig
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
 
     results: dict = {"layouts": {}, "exported": None}
     hf_to_megatron_world_entry(checkpoints["random"], megatron_dir, ParallelConfig(), False)
@@ -139,7 +139,7 @@ def _teacher_passes(random: str, random2: str, sequences: list) -> dict:
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.sections import ParallelConfig
     from megatron_rl.sections.distill import DistillConfig, TeacherConfig
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
     from megatron_rl.train.teachers import Teachers, TrainerTeacher
 
     cfg = load_run_config(None, [f"init_checkpoint={random}", "parallel.world_size=2",
