@@ -68,6 +68,15 @@ class TeacherScores:
     teacher_S: torch.Tensor | None = None
     """``[S]`` int64 the teacher of each sample."""
 
+    def metrics(self, old_logprobs_T: torch.Tensor, mask_T: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This rank's ``distill/reverse_kl`` (the sampled estimate ``log pi_old - log mu`` over the
+        generated tokens) and, with top-k, ``distill/teacher_topk_mass`` (the teacher's mass on its
+        top-k); the caller averages them over data parallelism."""
+        out = {"distill/reverse_kl": (old_logprobs_T - self.logprobs_T)[mask_T].mean()}
+        if self.topk_logprobs_TK is not None:
+            out["distill/teacher_topk_mass"] = teacher_topk_mass_T(self.topk_logprobs_TK)[mask_T].mean()
+        return out
+
 
 Scored = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 """One sample's ``(logprobs [n], topk ids [n, K] or None, topk log-probs [n, K] or None)``."""
@@ -204,12 +213,3 @@ class Teachers:
         for teacher in self.teachers:
             teacher.close()
 
-
-def distill_metrics(scores: TeacherScores, old_logprobs_T: torch.Tensor, mask_T: torch.Tensor) -> dict[str, torch.Tensor]:
-    """This rank's ``distill/reverse_kl`` (the sampled estimate ``log pi_old - log mu`` over the
-    generated tokens) and, with top-k, ``distill/teacher_topk_mass`` (the teacher's mass on its
-    top-k); the caller averages them over data parallelism."""
-    out = {"distill/reverse_kl": (old_logprobs_T - scores.logprobs_T)[mask_T].mean()}
-    if scores.topk_logprobs_TK is not None:
-        out["distill/teacher_topk_mass"] = teacher_topk_mass_T(scores.topk_logprobs_TK)[mask_T].mean()
-    return out

@@ -42,7 +42,6 @@ from megatron_rl.train.build import build_run
 from megatron_rl.train.checkpoint import TrainerState
 from megatron_rl.train.phases import StepWatch, phase_timer
 from megatron_rl.train.rollouts import Groups
-from megatron_rl.train.teachers import distill_metrics
 
 
 class Trainer:
@@ -198,7 +197,7 @@ class Trainer:
             with phase_timer(metrics, "teacher_logprobs"):
                 taught = self.teachers.score([p for p in chosen.problems for _ in range(G)], sequences,
                                              prompt_lengths, packing)
-            metrics.update(mean_over(distill_metrics(taught, old.logprobs_T, mask_T), self.groups.dp))
+            metrics.update(mean_over(taught.metrics(old.logprobs_T, mask_T), self.groups.dp))
         seq_ids_T = seq_ids_from_cu_seqlens(old.cu_seqlens_S1)
         advantages = compute_advantages(
             self.objective, rewards_S=torch.cat(chosen.rewards).float(),
