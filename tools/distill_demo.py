@@ -1,9 +1,9 @@
-"""On-policy distillation against RL alone on the CPU demo: held-out accuracy per step, same samples.
+"""On-policy distillation against RL alone on the CPU demo: held-out accuracy per step, same sample budget.
 
     python tools/distill_demo.py                      # 3 seeds x 2 arms
     python tools/distill_demo.py --seeds 1 2 3 4 5 --steps 20 --eval-every 2
 
-Both arms start from the shipped tiny student and see the same samples per step
+Both arms start from the shipped tiny student and draw the same number of samples per step
 (``configs/demo_distill.yaml``: 4 prompts x 2 responses a step for 50 steps, one sampling
 round, no dynamic sampling): the *distill* arm is pure on-policy distillation from the
 larger tiny teacher (``objective.rl_coef: 0``, ``distill_coef: 1``, the sampled-token
