@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -234,6 +234,25 @@ PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"
 ``*`` is every item of a list."""
 
 
+def map_paths(data: dict[str, Any], change: Callable[[Any], Any]) -> dict[str, Any]:
+    """``data`` (a config as nested dicts) with ``change`` applied to the value of every
+    :data:`PATH_KEYS` key it has (a string, a list of them, or None), in place."""
+
+    def visit(node: Any, keys: tuple[str, ...]) -> None:
+        if keys[0] == "*":
+            for item in node if isinstance(node, list) else []:
+                visit(item, keys[1:])
+        elif isinstance(node, dict) and keys[0] in node:
+            if len(keys) == 1:
+                node[keys[0]] = change(node[keys[0]])
+            else:
+                visit(node[keys[0]], keys[1:])
+
+    for keys in PATH_KEYS:
+        visit(data, keys)
+    return data
+
+
 def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
     """``loaded`` with the relative input paths of :data:`PATH_KEYS` made relative to ``directory``."""
 
@@ -244,19 +263,7 @@ def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
             return [anchor(v) for v in value]
         return value
 
-    def visit(node: Any, keys: tuple[str, ...]) -> None:
-        if keys[0] == "*":
-            for item in node if isinstance(node, list) else []:
-                visit(item, keys[1:])
-        elif isinstance(node, dict) and keys[0] in node:
-            if len(keys) == 1:
-                node[keys[0]] = anchor(node[keys[0]])
-            else:
-                visit(node[keys[0]], keys[1:])
-
-    for keys in PATH_KEYS:
-        visit(loaded, keys)
-    return loaded
+    return map_paths(loaded, anchor)
 
 
 def preset_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
