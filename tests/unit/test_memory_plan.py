@@ -198,6 +198,16 @@ def test_a_teacher_is_counted_in_every_trainer_phase_its_pass_and_when_offloaded
     train = next(p for p in plan.phases if p.name == "train")
     for name in ("weights", "gradient buffer (fp32)", "fp32 main weights", "optimizer state"):  # the policy's state
         assert [t.bytes for t in passes[0].terms if t.name == name] == [t.bytes for t in train.terms if t.name == name]
+    # Colocated with offload: the resident teacher leaves the GPU with the trainer's weights while SGLang generates.
+    from megatron_rl.plan.machine import Layout
+    from megatron_rl.plan.phases import host_terms
+
+    colocated = Layout(parallel=cfg.parallel, world=2, placement="colocated", offload=True)
+    without = dataclasses.replace(cfg, distill=DistillConfig())
+    moved = [t.bytes for t in host_terms(cfg, colocated, machine, False) if t.name.startswith("offloaded trainer state")]
+    moved_without = [t.bytes for t in host_terms(without, colocated, machine, False)
+                     if t.name.startswith("offloaded trainer state")]
+    assert [a - b for a, b in zip(moved, moved_without)] == [2 * weights]
     offloaded = dataclasses.replace(cfg, distill=DistillConfig(teachers=[dataclasses.replace(teacher, offload=True)]))
     plan = make_plan(offloaded, machine)
     assert not any(t.name == "teacher big weights" for p in plan.phases for t in p.terms)
