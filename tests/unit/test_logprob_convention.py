@@ -7,6 +7,8 @@ over the same tokens' log-probs at T = 1 and T = 0.01 (``server_checks.conventio
 stay, scaled ones rise most of the way to 0, sure tokens and in-between rises decide nothing.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,6 +36,15 @@ def test_greedy_rollouts_are_refused_for_the_sampled_policy_and_allowed_for_t_on
     assert load_config(None, ["rollout.temperature=0", "train.policy_temperature=one"]).rollout.temperature == 0
     with pytest.raises(ConfigError, match=r"train.policy_temperature"):
         load_config(None, ["train.policy_temperature=two"])
+
+
+def test_distillation_at_a_temperature_other_than_one_needs_the_t_one_policy():
+    """The distillation term compares untempered distributions; the sampled policy at T = 0.7 is not one."""
+    demo = str(Path(__file__).resolve().parents[2] / "configs" / "demo_distill.yaml")
+    with pytest.raises(ConfigError, match=r"^train.policy_temperature: distillation compares the untempered"):
+        load_config(demo, ["rollout.temperature=0.7"])
+    assert load_config(demo, ["rollout.temperature=0.7", "train.policy_temperature=one"]).rollout.temperature == 0.7
+    assert load_config(demo, []).distill.teachers
 
 
 def test_r3w_needs_an_engine_that_returns_gate_weights():
