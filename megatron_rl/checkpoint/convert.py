@@ -27,6 +27,7 @@ import torch
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_config import (
     architecture_of,
+    dequantized_config,
     hf_config_from_model,
     model_config_from_hf,
     read_config,
@@ -130,6 +131,10 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
     # The stored rows are padded as the checkpoint's own run or conversion padded them; an
     # HF config knows no padding, and the export strips it anyway.
     source.model.vocab_padding_multiple = stored.vocab_padding_multiple
+    carried = next((Path(f) for f in source.files if Path(f).name == "config.json"), None)
+    if source.config is None and carried is not None:
+        # A checkpoint read dequantized (MXFP4 experts) is exported in its stored dtype.
+        source.config = dequantized_config(read_json(carried))
     return source
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.families import ARCHITECTURES
 from megatron_rl.checkpoint.inputs import read_json
-from megatron_rl.checkpoint.weight_rules import Architecture
+from megatron_rl.checkpoint.weight_rules import MIXER_FIELDS, Architecture
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.registry import UnknownNameError
 from megatron_rl.sections.model import ModelConfig, validate_model
@@ -253,6 +253,11 @@ def _unexportable_fields(model: ModelConfig, arch: Architecture) -> list[str]:
         )
     if arch.read_extra is None:
         problems.extend(_family_features_used(model, arch))
+    defaults = ModelConfig()
+    problems.extend(
+        f"model.{name}={getattr(model, name)!r}: {arch.name} has no such feature"
+        for name in MIXER_FIELDS if name not in arch.features and getattr(model, name) != getattr(defaults, name)
+    )
     if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
         problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
     if not model.untie_embeddings_and_output_weights:
@@ -295,3 +300,12 @@ def check_architecture_holds(name: str, model: ModelConfig | None, key: str) -> 
         hf_config_from_model(name, model)
     except CheckpointMismatchError as err:
         raise ConfigError(f"{key}: {err}") from None
+
+
+def dequantized_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json an export writes for a checkpoint that was read dequantized (GPT-OSS's
+    MXFP4 experts: the export is bf16, without ``quantization_config``); None when ``config``
+    has no quantization to drop."""
+    if config.get("quantization_config") is None:
+        return None
+    return {k: v for k, v in config.items() if k != "quantization_config"}

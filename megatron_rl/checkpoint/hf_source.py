@@ -104,7 +104,9 @@ def _check_expert_count(
     arch: Architecture, config: dict, model: ModelConfig, checkpoint: HFCheckpoint
 ) -> None:
     """Name the config key when every layer holds other experts than 0..E-1."""
-    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf]
+    # Stacked experts (one tensor per layer) have no expert index in their names: a wrong
+    # count is their shape's first axis, which _check_tensors names.
+    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf if "{expert}" in t]
     found: dict[int, set[int]] = {}
     for name in checkpoint.names():
         for pattern in patterns:

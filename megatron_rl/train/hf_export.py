@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from megatron_rl.checkpoint.hf_config import hf_config_from_model
+from megatron_rl.checkpoint.hf_config import dequantized_config, hf_config_from_model
 from megatron_rl.checkpoint.hf_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -67,6 +67,8 @@ def _config_json(spec: HFExportSpec) -> dict:
     if carried is None:
         return hf_config_from_model(spec.architecture, spec.model, spec.model.params_dtype)
     config = json.loads(carried.read_text())
+    # A checkpoint read dequantized (GPT-OSS's MXFP4 experts) is exported unquantized.
+    config = dequantized_config(config) or config
     # transformers 4 reads torch_dtype, 5 writes dtype; the weights are in the run's dtype.
     for key in ("torch_dtype", "dtype"):
         if key in config or key == "torch_dtype":

@@ -46,7 +46,7 @@ from megatron_rl.rollout.local.hf_prefix_cache import (
 from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
 from moe_routing.types import compact_id_dtype
 
-_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
 
 
 @dataclass
@@ -84,7 +84,8 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
             # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
             handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
         if not handles:
-            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate) to read routes from")
+            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate or .router) to read "
+                             "routes from")
     try:
         yield captured
     finally:

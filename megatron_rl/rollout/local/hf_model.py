@@ -41,12 +41,17 @@ class ExpertLayout:
     """Per-expert up projection name (second half of ``gate_up_proj``)."""
     down: str
     """Per-expert down projection name (``down_proj``)."""
+    attention: str = "sdpa"
+    """transformers attention implementation (GPT-OSS's sinks: eager; it refuses SDPA)."""
 
 
 EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "qwen3_moe": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
     # Mixtral: w1 gate, w3 up, w2 down (transformers' "mixtral" conversion rules).
     "mixtral": ExpertLayout(layer_rename=(".block_sparse_moe.", ".mlp."), gate="w1", up="w3", down="w2"),
+    # GPT-OSS checkpoints hold each layer's experts stacked, as transformers' parameters are:
+    # its names are the parameters' own (the per-expert fields are never matched).
+    "gpt_oss": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj", attention="eager"),
 }
 """Architectures the HF engine can serve (keys of ``mapping.ARCHITECTURES``)."""
 
@@ -88,12 +93,12 @@ def build_hf_model(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    check_architecture(architecture)
+    layout = check_architecture(architecture)
     config_dict = hf_config_from_model(architecture, model, model.params_dtype)
     config_dict.pop("architectures")
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     torch_dtype = getattr(torch, dtype or model.params_dtype)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=layout.attention)
     return hf.to(device).eval().requires_grad_(False)
 
 
