@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+from safetensors.torch import save_file
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_config import (
@@ -33,11 +34,14 @@ from megatron_rl.checkpoint.hf_config import (
     read_config,
 )
 from megatron_rl.checkpoint.hf_io import (
+    PASSTHROUGH_NAME,
     HFCheckpoint,
     ShardPlan,
     ShardWriter,
     atomic_output_dir,
     copy_files,
+    named_sizes,
+    read_named,
     staging_dir,
     tensor_bytes,
 )
@@ -59,6 +63,7 @@ from megatron_rl.checkpoint.local_world import (
     run_local,
 )
 from megatron_rl.checkpoint.mapping import all_weights
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.trainer_source import (
     TRAINER_STATE_NAME,
     check_same_model,
@@ -87,11 +92,15 @@ def write_record(directory: str | Path, source: HFSource) -> None:
     files_dir = Path(directory) / HF_FILES_DIR
     files_dir.mkdir()
     names = copy_files([Path(f) for f in source.files], files_dir)
+    if source.passthrough:
+        # Tensors kept aside (a vision tower, MTP layers) travel with the checkpoint, unchanged.
+        save_file(dict(read_named(source.passthrough)), str(Path(directory) / PASSTHROUGH_NAME))
     record = {
         "architecture": source.architecture,
         "model": asdict(source.model),
         "hf_index": source.index,
         "hf_files": names,
+        "hf_passthrough": sorted(source.passthrough),
     }
     (Path(directory) / RECORD_NAME).write_text(json.dumps(record, indent=1))
 
@@ -171,6 +180,7 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
             model=model,
             index=record["hf_index"],
             files=[str(source / HF_FILES_DIR / name) for name in record["hf_files"]],
+            passthrough={name: str(source / PASSTHROUGH_NAME) for name in record.get("hf_passthrough", [])},
         )
     if not (source / "config.json").exists():
         raise CheckpointMismatchError(
@@ -181,11 +191,14 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
     model = model_config_from_hf(config, DTYPE_NAMES[stored_dtype(megatron_dir)])
     checkpoint = HFCheckpoint(source) if any(source.glob("*.safetensors")) else None
     extra = checkpoint.extra_files() if checkpoint else sorted(p for p in source.iterdir() if p.is_file())
+    arch = architecture_of(config)
+    kept = passthrough_names(arch, checkpoint.names()) if checkpoint else []
     return HFSource(
-        architecture=architecture_of(config).name,
+        architecture=arch.name,
         model=model,
         index=checkpoint.index if checkpoint else None,
         files=[str(p) for p in extra],
+        passthrough={name: str(source / checkpoint.weight_map[name]) for name in kept},
     )
 
 
@@ -210,7 +223,7 @@ def stored_dtype(megatron_dir: str | Path) -> torch.dtype:
 def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPlan:
     """The carried HF shard layout when it names exactly the expected tensors, else shards by size."""
     weights = all_weights(source.arch, source.model)
-    names = [n for w in weights for n in w.hf]
+    names = [n for w in weights for n in w.hf] + list(source.passthrough)
     if max_shard_bytes is None:
         carried = ShardPlan.from_index(source.index, names)
         if set(carried.weight_map) == set(names):
@@ -218,7 +231,7 @@ def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPl
         max_shard_bytes = 5 * 2**30
     dtype = getattr(torch, source.model.params_dtype)
     sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
-    return ShardPlan.by_size(sizes, max_shard_bytes)
+    return ShardPlan.by_size({**sizes, **named_sizes(source.passthrough)}, max_shard_bytes)
 
 
 # ------------------------------------------------------------------ running the conversions
@@ -294,6 +307,8 @@ def megatron_to_hf_collective(
             (staging / "config.json").write_text(json.dumps(source.config, indent=2) + "\n")
         writer = ShardWriter(staging, export_plan(source, max_shard_bytes), progress)
         megatron_to_hf_rank(source.arch, source.model, megatron_dir, writer, progress)
+        for name, tensor in read_named(source.passthrough):
+            writer.add(name, tensor)
         writer.finish()
 
 

@@ -35,6 +35,7 @@ from typing import Any, Iterable
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.families_gpt_oss import GPT_OSS
+from megatron_rl.checkpoint.families_qwen_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_NEXT
 from megatron_rl.checkpoint.family_rows import (
     COMMON_UNSUPPORTED,
     EMBEDDING_AND_NORMS,
@@ -351,7 +352,8 @@ KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2", transformers_model_ty
 
 ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
 """Every supported HF ``model_type`` and its table."""
-for _arch in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE, GPT_OSS):
+for _arch in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE,
+              QWEN3_5_MOE_TEXT):
     ARCHITECTURES.register(_arch.name)(_arch)
 
 

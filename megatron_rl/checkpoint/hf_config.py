@@ -47,6 +47,19 @@ def architecture_of(config: dict[str, Any]) -> Architecture:
         raise CheckpointMismatchError(f"config.json model_type: {err}") from None
 
 
+def language_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The keys of the language model: ``text_config`` for an architecture that nests them
+    (Qwen3.5's vision-language checkpoints; the top level's ``model_type`` and
+    ``tie_word_embeddings`` kept), else ``config`` itself."""
+    if not architecture_of(config).text_config:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointMismatchError(f"config.json: key 'text_config' is missing (model_type {config['model_type']!r})")
+    return {**text, "model_type": config["model_type"],
+            "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
+
+
 def _require(config: dict[str, Any], key: str) -> Any:
     if config.get(key) is None:
         raise CheckpointMismatchError(f"config.json: key {key!r} is missing")
@@ -99,6 +112,7 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
         CheckpointMismatchError: a key is missing or holds a value the model cannot honour.
     """
     arch = architecture_of(config)
+    config = language_config(config)
     for key, wanted in arch.supported_values.items():
         if key in config and config[key] != wanted:
             raise CheckpointMismatchError(
@@ -240,6 +254,12 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
     # The values the reader insists on (every layer sparse, no biases, no sliding window,
     # untied output, SiLU), so that the generated config passes model_config_from_hf.
     config.update(arch.supported_values)
+    if arch.text_config:
+        # A vision-language checkpoint's language model (no vision tower: a model with no HF origin has none).
+        text = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype")}
+        text["model_type"] = f"{arch.name}_text"
+        return {"architectures": [arch.hf_class], "model_type": arch.name, "text_config": text,
+                "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
     return config
 
 

@@ -159,6 +159,31 @@ class HFCheckpoint:
         return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name not in weights)
 
 
+PASSTHROUGH_NAME = "hf_passthrough.safetensors"
+"""The file of a Megatron checkpoint that holds the HF tensors its conversion kept aside."""
+
+
+def read_named(files: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each ``{name: safetensors file}``, one tensor at a time, in name order."""
+    handles: dict[str, object] = {}
+    for name in sorted(files):
+        path = Path(files[name])
+        handle = handles.setdefault(str(path), _open_safetensors(path))
+        try:
+            yield name, handle.get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointMismatchError(f"{path}: tensor {name} cannot be read ({err})") from None
+
+
+def named_sizes(files: dict[str, str]) -> dict[str, int]:
+    """Bytes of each ``{name: safetensors file}`` tensor, from the headers."""
+    sizes = {}
+    for name in sorted(files):
+        view = _open_safetensors(Path(files[name])).get_slice(name)
+        sizes[name] = tensor_bytes(tuple(view.get_shape()), _SAFETENSORS_DTYPES[view.get_dtype()])
+    return sizes
+
+
 def _open_safetensors(path: Path):
     """``safe_open`` that names the file when its header is damaged or the file is truncated."""
     try:

@@ -33,6 +33,7 @@ from tqdm import tqdm
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
 from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardWriter
 from megatron_rl.checkpoint.mapping import (
@@ -203,6 +204,7 @@ def hf_to_megatron_rank(
     used = fill_from_hf(gpt, arch, model, checkpoint, groups.tp_rank, groups.tp_size, progress)
     everyone = all_gather_objects(used, groups.world)
     unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
+    unused -= set(passthrough_names(arch, checkpoint.names()))
     if unused:
         raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")
     # The staging directory already holds the INCOMPLETE marker and the conversion record,

@@ -7,7 +7,8 @@ the tensor functions that apply them in :mod:`megatron_rl.checkpoint.mapping`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+import re
+from typing import Any, Callable, Iterable, Literal
 
 from megatron_rl.sections import ModelConfig
 
@@ -89,6 +90,12 @@ class Architecture:
     """config.json -> extra ModelConfig fields (family features); raises on what it cannot honour."""
     write_extra: Callable[[ModelConfig], dict[str, Any]] | None = None
     """ModelConfig -> extra config.json keys (inverse of ``read_extra``)."""
+    text_config: bool = False
+    """config.json holds the language model's keys under ``text_config`` (Qwen3.5's checkpoints,
+    which carry a vision tower's ``vision_config`` beside it)."""
+    passthrough: tuple[str, ...] = ()
+    """Regexes of HF tensor names kept aside: no part of the Megatron model (a vision tower, MTP
+    layers), stored with a conversion and written back unchanged on export; never routed."""
     features: tuple[str, ...] = ()
     """The :data:`MIXER_FIELDS` this family's config.json expresses (any other set off its
     default makes a model the family cannot be exported as)."""
@@ -135,3 +142,9 @@ def weight_rule(megatron: str, hf: str | tuple[str, ...], dims, **kw) -> WeightR
     hf = (hf,) if isinstance(hf, str) else hf
     dims = (dims,) * len(hf) if isinstance(dims[0], str) else dims
     return WeightRule(megatron=megatron, hf=hf, hf_dims=tuple(dims), **kw)
+
+
+def passthrough_names(arch: Architecture, names: Iterable[str]) -> list[str]:
+    """The tensors of ``names`` the architecture keeps aside (``Architecture.passthrough``)."""
+    patterns = [re.compile(p) for p in arch.passthrough]
+    return [n for n in names if any(p.match(n) for p in patterns)]

@@ -74,8 +74,11 @@ def _mixer_fields(model: ModelConfig) -> dict[str, Any]:
         fields["layernorm_zero_centered_gamma"] = True
     if model.has_linear_attention:
         # Read by Megatron's GatedDeltaNet; experimental_attention_variant stays unset because
-        # 0.19.2's GPT block spec refuses it (our layer spec places the GDN layers).
+        # 0.19.2's GPT block spec refuses it (our layer spec places the GDN layers). The pattern
+        # (1: linear attention) also makes the block save each layer under its own key, as the
+        # layers' parameters differ (TransformerBlock.sharded_state_dict's non_homogeneous_layers).
         fields.update(
+            linear_attention_freq=[int(t == "linear_attention") for t in model.mixer_types],
             linear_conv_kernel_dim=model.linear_conv_kernel_dim,
             linear_key_head_dim=model.linear_key_head_dim,
             linear_value_head_dim=model.linear_value_head_dim,

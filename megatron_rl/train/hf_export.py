@@ -32,6 +32,8 @@ from megatron_rl.checkpoint.hf_io import (
     ShardWriter,
     atomic_output_dir,
     interrupted_staging_dirs,
+    named_sizes,
+    read_named,
     tensor_bytes,
 )
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
@@ -59,6 +61,9 @@ class HFExportSpec:
     """Writes tokenizer files into a directory (a tokenizer that is not among ``side_files``)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest safetensors shard."""
+    passthrough: dict[str, str] = field(default_factory=dict)
+    """Tensors the starting checkpoint kept aside (a vision tower, MTP layers; ``HFSource.passthrough``),
+    written back unchanged."""
 
 
 def _config_json(spec: HFExportSpec) -> dict:
@@ -89,7 +94,7 @@ def _plan(spec: HFExportSpec) -> ShardPlan:
     dtype = getattr(torch, spec.model.params_dtype)
     weights = all_weights(ARCHITECTURES.get(spec.architecture), spec.model)
     sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
-    return ShardPlan.by_size(sizes, spec.max_shard_bytes)
+    return ShardPlan.by_size({**sizes, **named_sizes(spec.passthrough)}, spec.max_shard_bytes)
 
 
 def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Path, spec: HFExportSpec) -> Path:
@@ -135,6 +140,8 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
                 error = err
     if rank0 and error is None:
         try:
+            for name, tensor in read_named(spec.passthrough):
+                writer.add(name, tensor)
             writer.finish()
         except Exception as err:  # noqa: BLE001
             error = err

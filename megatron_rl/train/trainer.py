@@ -487,6 +487,7 @@ class Trainer:
             architecture=self.hf_architecture(),
             model=cfg.model, side_files=side_files,
             save_tokenizer=self.tokenizer.hf_tokenizer.save_pretrained if own_tokenizer else None,
+            passthrough=self.init.hf.passthrough if self.init is not None else {},
         )
         out = export_hf(self.ddp, self.groups, Path(cfg.train.run_dir) / "hf" / f"step_{step:06d}", spec)
         if self.rank0:
