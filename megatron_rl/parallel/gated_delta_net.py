@@ -12,8 +12,8 @@ packed sequences (``NotImplementedError("GDN does not support packed sequence")`
 ``cu_seqlens is None``). This forward runs every segment of the packed row alone, as a
 sequence of its own: the causal depthwise convolution with zero history, the L2-normalized
 queries and keys, and Megatron's torch implementation of the chunked gated delta rule
-(``torch_chunk_gated_delta_rule``) with a zero initial state; segments of equal length run
-as one batch. A segment's output is a function of that segment alone. Then the gated output
+(``torch_chunk_gated_delta_rule``) with a zero initial state; segments that fill as many of
+its 64-token chunks run as one batch, each padded at its end. A segment's output is a function of that segment alone. Then the gated output
 norm (RMSNorm times ``silu(z)``) and the output projection, as Megatron computes them.
 
 Parallelism: TP splits the heads (each rank's ``in_proj`` shard is its q, k, v, z, beta and
@@ -34,6 +34,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import ModuleSpec
 
 from megatron_rl.parallel import mcore_layers as ml
+
+CHUNK = 64
+"""Chunk length of Megatron's ``torch_chunk_gated_delta_rule`` (its default)."""
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,19 +104,28 @@ class PackedGatedDeltaNet(ml.GatedDeltaNet):
         total = mixed_TD.shape[0]
         out_THD = mixed_TD.new_empty(total, heads, self.value_head_dim)
         starts, lengths = segment_starts_lengths(packed_seq_params, total, mixed_TD.device)
-        for length in lengths.unique().tolist():
-            if length == 0:
-                continue
-            rows_NL = (starts[lengths == length][:, None] + torch.arange(length)[None]).to(mixed_TD.device)
-            out_NLHD = self._segments(qkv_TC[rows_NL], b_TH[rows_NL], a_TH[rows_NL])
-            out_THD[rows_NL.reshape(-1)] = out_NLHD.reshape(-1, heads, self.value_head_dim)
+        # Segments that fill the same number of the rule's chunks run as one batch, each padded at
+        # its end to the longest: the rule pads to whole chunks anyway, and nothing is causal
+        # backwards, so a segment's own positions see only themselves and what came before.
+        chunks = (lengths + CHUNK - 1) // CHUNK
+        for count in chunks[lengths > 0].unique().tolist():
+            group = (chunks == count) & (lengths > 0)
+            longest = int(lengths[group].max())
+            positions_L = torch.arange(longest)
+            real_NL = positions_L[None] < lengths[group][:, None]
+            # Padding rows point at the segment's first token; their outputs are dropped.
+            rows_NL = starts[group][:, None] + torch.where(real_NL, positions_L[None], 0)
+            real_NL, rows_NL = real_NL.to(mixed_TD.device), rows_NL.to(mixed_TD.device)
+            zero = real_NL[..., None].to(mixed_TD.dtype)
+            out_NLHD = self._segments(qkv_TC[rows_NL] * zero, b_TH[rows_NL], a_TH[rows_NL])
+            out_THD[rows_NL[real_NL]] = out_NLHD[real_NL]
         # Gated RMSNorm per value head: norm(x) * silu(z), as Megatron's _apply_gated_norm.
         normed = self.out_norm(out_THD.reshape(-1, self.value_head_dim))
         gate = z_TV.reshape(-1, self.value_head_dim)
         return (normed * self.act_fn(gate.float())).to(out_THD.dtype).reshape(total, -1)
 
     def _segments(self, qkv_NLC: torch.Tensor, b_NLH: torch.Tensor, a_NLH: torch.Tensor) -> torch.Tensor:
-        """``[n, L, Hv, Dv]`` delta-rule outputs of n whole segments of length L."""
+        """``[n, L, Hv, Dv]`` delta-rule outputs of n segments, each from its start, padded at its end to L."""
         qk, _, v, _, _, _ = self.local_sizes
         length = qkv_NLC.shape[1]
         # Causal depthwise convolution from a zero history (the module pads K - 1 both sides).

@@ -63,3 +63,27 @@ def gated_delta_net_without_fla() -> Iterator[None]:
         yield
     finally:
         module.HAVE_FLA = saved
+
+
+def expert_biases_trainable(model: Any) -> None:
+    """Make the local spec's biased experts trainable: each expert's ``linear_fc2`` returns a copy.
+
+    Megatron's MLP adds an expert's output bias in place, ``output += output_bias *
+    per_token_scale`` (``transformer/mlp.py``: 0.16.1 :247, 0.19.2 :354), on what
+    ``RowParallelLinear`` returns; at expert-TP 1 that is the reduce Function's input returned
+    as is, and autograd refuses the in-place update when gradients are on ("Output 0 of
+    _ReduceFromModelParallelRegion is a view and is being modified inplace"). The forward of
+    those layers (this instance's only) copies its output first; names and parameters stay.
+    """
+    for name, module in model.named_modules():
+        if ".experts.local_experts." not in name or not name.endswith(".linear_fc2"):
+            continue
+        if getattr(module, "bias", None) is None and not getattr(module, "skip_bias_add", False):
+            continue
+        forward = module.forward
+
+        def copied(*args, _forward=forward, **kwargs):
+            output, bias = _forward(*args, **kwargs)
+            return output.clone(), bias
+
+        module.forward = copied

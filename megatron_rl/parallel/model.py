@@ -28,6 +28,7 @@ from megatron.core.transformer import (
 
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_layers
 from megatron_rl.parallel.families import (
     family_fields,
     replicated_mla_down_projections,
@@ -303,6 +304,8 @@ def build_model(
     with mc.mla_without_transformer_engine():
         gpt = _build_gpt(model, parallel, config, use_te)
     gpt.true_vocab_size = model.vocab_size
+    if model.add_bias_linear and not use_te:
+        mcore_layers.expert_biases_trainable(gpt)
     if config.moe_enable_routing_replay:
         # Replay addresses routers by layer number; Megatron's class-level list would only
         # keep every model ever built alive.

@@ -43,6 +43,11 @@ class ExpertLayout:
     """Per-expert down projection name (``down_proj``)."""
     attention: str = "sdpa"
     """transformers attention implementation (GPT-OSS's sinks: eager; it refuses SDPA)."""
+    stacked: bool = False
+    """The checkpoint's expert tensors are transformers' stacked parameters themselves (GPT-OSS): one piece each."""
+    replica: str | None = None
+    """Architecture the replica is built as, when not this one (Qwen3.5's vision-language
+    checkpoints: their language model, ``qwen3_5_moe_text``)."""
 
 
 EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
@@ -51,7 +56,14 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "mixtral": ExpertLayout(layer_rename=(".block_sparse_moe.", ".mlp."), gate="w1", up="w3", down="w2"),
     # GPT-OSS checkpoints hold each layer's experts stacked, as transformers' parameters are:
     # its names are the parameters' own (the per-expert fields are never matched).
-    "gpt_oss": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj", attention="eager"),
+    "gpt_oss": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj", attention="eager",
+                            stacked=True),
+    # transformers' own "qwen2_moe" rules again (conversion_mapping.py: qwen3_next, qwen3_5_moe_text);
+    # Qwen3.5's vision-language names drop "language_model" (its PrefixChange, :1341).
+    "qwen3_next": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen3_5_moe_text": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen3_5_moe": ExpertLayout(layer_rename=("model.language_model.", "model."), gate="gate_proj", up="up_proj",
+                                down="down_proj", replica="qwen3_5_moe_text"),
 }
 """Architectures the HF engine can serve (keys of ``mapping.ARCHITECTURES``)."""
 
@@ -94,7 +106,7 @@ def build_hf_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     layout = check_architecture(architecture)
-    config_dict = hf_config_from_model(architecture, model, model.params_dtype)
+    config_dict = hf_config_from_model(layout.replica or architecture, model, model.params_dtype)
     config_dict.pop("architectures")
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     torch_dtype = getattr(torch, dtype or model.params_dtype)
@@ -162,9 +174,9 @@ class HFWeightLoader:
         problems = []
         for key, param in self.params.items():
             pieces = 1
-            if key.endswith(".experts.gate_up_proj"):
+            if key.endswith(".experts.gate_up_proj") and not self.layout.stacked:
                 pieces = 2 * param.shape[0]
-            elif key.endswith(".experts.down_proj"):
+            elif key.endswith(".experts.down_proj") and not self.layout.stacked:
                 pieces = param.shape[0]
             got = self.written.get(key, 0)
             if got != pieces:
