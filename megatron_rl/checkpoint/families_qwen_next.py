@@ -159,7 +159,8 @@ def write_qwen_next(model: ModelConfig) -> dict[str, Any]:
 
 _FEATURES = ("layer_types", "attention_output_gate", "norm_zero_centered", "linear_num_key_heads",
              "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")
-_UNSUPPORTED = {**COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False}
+_UNSUPPORTED = {**COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+                "attn_output_gate": True}
 _MTP = (r"^mtp\.",)
 
 QWEN3_NEXT = Architecture(
