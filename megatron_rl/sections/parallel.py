@@ -148,11 +148,12 @@ def _check_mixer_layout(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:
         for name in ("linear_num_key_heads", "linear_num_value_heads"):
             require(getattr(m, name) % tp == 0, f"{prefix}.tensor_model_parallel_size",
                     f"TP ({tp}) must divide model.{name} ({getattr(m, name)})")
-        # megatron-core 0.16.1's GatedDeltaNet has no context parallelism ("TODO: support CP");
-        # 0.19.2's runs it only through the flash-linear-attention kernels (CUDA).
+        # megatron-core 0.16.1 asserts "Gated delta net does not support context parallel for now"
+        # (transformer_config.py:982-985); 0.19.2 splits its heads over CP only inside its own
+        # forward, on flash-linear-attention's CUDA kernels, which parallel.gated_delta_net replaces.
         require(p.context_parallel_size == 1, f"{prefix}.context_parallel_size",
-                "Gated DeltaNet layers (model.layer_types linear_attention) do not support context "
-                "parallelism in Megatron-Core 0.16.1 (none) or on this path in 0.19.2 (FLA kernels only)")
+                "must be 1 with Gated DeltaNet layers (model.layer_types linear_attention): Megatron-Core "
+                "0.16.1 has no context parallelism for them, 0.19.2 only on flash-linear-attention's CUDA kernels")
     # Megatron-Core: "Bias in Moe is only supported when ETP==1" (TransformerConfig).
     require(not m.add_bias_linear or p.expert_tensor_parallel_size == 1, f"{prefix}.expert_tensor_parallel_size",
             "must be 1 with biased experts (model.add_bias_linear; a Megatron-Core rule)")

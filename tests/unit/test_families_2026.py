@@ -130,7 +130,7 @@ def test_a_family_without_the_feature_refuses_to_export_it(arch, model, field):
 
 
 @pytest.mark.parametrize("parallel, key, words", [
-    (ParallelConfig(context_parallel_size=2), "parallel.context_parallel_size", "Gated DeltaNet layers"),
+    (ParallelConfig(context_parallel_size=2), "parallel.context_parallel_size", "must be 1 with Gated DeltaNet layers"),
     (ParallelConfig(tensor_model_parallel_size=4), "parallel.tensor_model_parallel_size",
      "must divide model.linear_num_key_heads (2)"),
 ])
@@ -299,6 +299,12 @@ def test_sglang_loaders_are_as_the_rules_say():
     assert "name = name.replace('model.language_model.', 'model.')" in vlm
     assert "('in_proj_qkvz.', 'in_proj_qkv.', (0, 1, 2))" in vlm and "('in_proj_ba.', 'in_proj_a.', 1)" in vlm
     assert "logger.warning(f'Parameter {name} not found in params_dict')" in vlm
+    # Routes: one column per decoder layer of the text model (Qwen3.5: text_config's count), the MTP
+    # draft's routers never captured, so no route of an MTP layer can reach a record or replay.
+    capturer = (SRT / "state_capturer/routed_experts.py").read_text()
+    assert "num_layers = model_config.hf_text_config.num_hidden_layers" in capturer
+    assert "def disable_routed_experts_capture_for_draft(model: Any) -> None:" in capturer
+    assert "disable_routed_experts_capture_for_draft(self.model)" in (SRT / "model_executor/model_runner.py").read_text()
     assert unknown_name_outcome(RULES["qwen3_next"], "model.layers.0.linear_attn.bogus") == "KeyError"
     assert unknown_name_outcome(RULES["qwen3_5_moe"], "model.layers.0.linear_attn.bogus") == "skipped"
     assert unknown_name_outcome(RULES["gpt_oss"], "model.layers.0.mlp.bogus") == "skipped"
