@@ -396,3 +396,26 @@ def test_one_node_presets_plan_to_fit_and_hold_the_released_model(preset, family
     assert plan.fits and plan.layout.world == 8, plan
     released = model_config_from_hf(_hub_configs()[family], "bfloat16")
     assert cfg.model == dataclasses.replace(released, init_method_std=cfg.model.init_method_std)
+
+
+def test_hf_generation_drops_finished_rows_of_a_delta_net_cache():
+    """A batch whose rows stop at different steps decodes as each row alone (no padding, no
+    neighbours): the rows leaving the batch take their convolution and recurrent states along."""
+    from megatron_rl.rollout.engine import SamplingParams
+    from megatron_rl.rollout.local.hf_generate import generate
+    from megatron_rl.rollout.local.hf_model import build_hf_model
+
+    torch.manual_seed(0)
+    model = build_hf_model("qwen3_next", dataclasses.replace(QWEN_NEXT, vocab_size=64))
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    stops = tuple(range(24))  # over a third of the vocabulary: rows stop at different steps
+    params = SamplingParams(temperature=1.0, max_new_tokens=6, stop_token_ids=stops)
+    batch = generate(model, prompts, params, generator=torch.Generator().manual_seed(1), return_routes=False,
+                     max_length=64)
+    assert len({len(g.output_ids) for g in batch}) > 1
+    for prompt, got in zip(prompts, batch):
+        ids = torch.tensor([prompt + got.output_ids[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)[len(prompt) - 1:]
+        expected = logp.gather(1, torch.tensor(got.output_ids)[:, None])[:, 0]
+        torch.testing.assert_close(got.logprobs, expected, rtol=0, atol=1e-4)
