@@ -2,9 +2,11 @@
 
 Owns: running a conversion on the ranks of a world (a local gloo world it starts, or the
 caller's) after the inputs are checked (``hf_source.inspect_hf_checkpoint``); the
-``conversion.json`` record and the copied HF side files that let a Megatron checkpoint be
+``conversion.json`` record, the copied HF side files and the tensors the family keeps aside
+(``hf_passthrough.safetensors``: a vision tower, MTP layers) that let a Megatron checkpoint be
 exported back to the very same HF layout, and where an export takes its HF config and
-shard layout from; and the all-or-nothing output directory.
+shard layout from (a checkpoint read dequantized exports without its ``quantization_config``);
+and the all-or-nothing output directory.
 
 A Megatron distributed checkpoint stores every tensor by its global offsets, so the
 layout a conversion runs under only decides how the work and memory are split: the

@@ -1,13 +1,15 @@
 """HF weight tables of every supported family (Qwen3-MoE, Mixtral, DeepSeek-V3 with Kimi-K2 and
-Moonlight, GLM-4.5, Qwen2-MoE) and the config translation of the families past the first two.
+Moonlight, GLM-4.5, Qwen2-MoE; GPT-OSS, Qwen3-Next and Qwen3.5 from their own modules,
+``families_gpt_oss`` and ``families_qwen_next``) and the config translation of the families
+past the first two.
 
 Shape legend as in :mod:`megatron_rl.checkpoint.mapping`, plus: ffn (a dense layer's MLP
 width), shared_ffn (the shared expert's width), q_lora / kv_lora (MLA latent ranks), mla_q
 (heads x (nope + rope) query channels), mla_kv_down (kv_lora + rope), mla_kv_up (heads x
 (nope + v)), mla_o (heads x v).
 
-Owns: the weight tables, built from shared rows (embedding and norms, attention, experts) and
-registered in :data:`ARCHITECTURES`, and the config.json keys that describe their features (multi-latent attention, YaRN, dense
+Owns: the weight tables, built from shared rows (embedding and norms, attention, experts:
+``family_rows``) and registered in :data:`ARCHITECTURES`, and the config.json keys that describe their features (multi-latent attention, YaRN, dense
 first layers, shared experts, sigmoid routing with an expert-score-correction bias, group-
 limited top-K, routed scaling, partial rotary embeddings, QKV biases). Everything a config
 says that the Megatron model would compute differently stops here, naming the key:

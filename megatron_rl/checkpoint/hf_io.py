@@ -1,7 +1,9 @@
 """Hugging Face safetensors checkpoints: streaming reads, planned shard writes, atomic output.
 
 Owns: :class:`HFCheckpoint` (names, shapes and dtypes from the safetensors headers without
-reading data; one tensor at a time on request), :class:`ShardPlan` / :class:`ShardWriter`
+reading data; one tensor, or one expert's slice of a stacked one, at a time on request; MXFP4
+block/scale pairs read as the bf16 weights they encode), the tensors a conversion keeps aside
+(:func:`read_named`), :class:`ShardPlan` / :class:`ShardWriter`
 (which tensor goes to which file; a file is written as soon as its last tensor arrives,
 so memory holds at most the shards still being filled), and :func:`atomic_output_dir`
 (a conversion writes into a hidden sibling directory marked ``INCOMPLETE`` that is

@@ -5,7 +5,8 @@ width (query groups x head_dim), D head_dim, E experts per layer, F one expert's
 
 Owns: applying the per-architecture tables (:mod:`megatron_rl.checkpoint.families`), which say
 which HF tensors make each Megatron parameter and how (copied; Q, K, V interleaved per query group; SwiGLU gate and
-up stacked), which HF config keys describe the model, the shapes both sides must have for
+up stacked; GPT-OSS's stacked and interleaved experts; Qwen3-Next's gated queries and grouped
+DeltaNet projections; sections split over TP one by one), which HF config keys describe the model, the shapes both sides must have for
 a :class:`~megatron_rl.config.ModelConfig`, and the pure tensor functions that fuse, split
 and tensor-parallel-shard those layouts. Megatron names are those of a TP1/EP1/PP1 model
 (global 0-based layer and expert indices), so any rank can map its local parameters after

@@ -1,10 +1,13 @@
-"""Megatron-Core ``TransformerConfig`` fields of the DeepSeek-V3 / GLM-4.5 / Qwen2-MoE features.
+"""Megatron-Core ``TransformerConfig`` fields of the DeepSeek-V3 / GLM-4.5 / Qwen2-MoE and
+GPT-OSS / Qwen3-Next / Qwen3.5 features.
 
 Owns: translating the :class:`~megatron_rl.config.ModelConfig` fields past ``qk_layernorm``
 (multi-latent attention, YaRN, dense first layers, shared experts, sigmoid routing with an
-expert bias, group-limited top-K, routed scaling, QKV biases) into Megatron-Core's own
-config fields, which then pick Megatron's own modules (``MLASelfAttention``,
-``SharedExpertMLP``, ``TopKRouter``'s group-limited top-K). A model that uses none of them
+expert bias, group-limited top-K, routed scaling, QKV biases; attention sinks, sliding
+windows, biases, the clamped GLU, YaRN without MLA, output gates, zero-centred norms, the
+Gated DeltaNet's sizes) into Megatron-Core's own config fields, which then pick Megatron's own
+modules (``MLASelfAttention``, ``SharedExpertMLP``, ``TopKRouter``'s group-limited top-K, the
+learnable softmax offset, the GLU's clamp and offset, GPTModel's YaRN embedding). A model that uses none of them
 gets exactly the fields it had before (so its numerics are unchanged). Also owns which
 layers are MoE layers (:func:`moe_layer_numbers`, the columns of routing records) and the
 one local-spec change MLA needs under TP (:func:`replicated_mla_down_projections`). Does not

@@ -9,7 +9,11 @@ spec (CPU, or a GPU without TE): it sits where the spec's ``core_attention`` sit
 the same constructor and forward arguments, and attends inside each segment of
 ``cu_seqlens_q`` only. Segments of equal length run as one batched causal
 ``scaled_dot_product_attention`` call, so the work is proportional to the sum of squared
-segment lengths and memory to the largest batch of segments, never to ``T^2``. A segment's
+segment lengths and memory to the largest batch of segments, never to ``T^2``. A layer with a
+sliding window (Megatron's ``window_size`` and ``window_attn_skip_freq``: GPT-OSS) sees only
+the keys it covers, and learnable softmax offsets (``softmax_type='learnable'``: GPT-OSS's
+sinks, a parameter ``softmax_offset`` per head, split over TP) add a logit per head that takes
+probability but no value; both run an explicit fp32 softmax, in the CP path too. A segment's
 output is a function of that segment's queries, keys and values alone: changing another
 sequence of the row cannot change it.
 

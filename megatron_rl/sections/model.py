@@ -5,7 +5,9 @@ building, checkpoint tables, rollout replicas) can import it without reaching th
 composition (``megatron_rl.config``). Layout rules (what TP or PP must divide) live with the
 ``parallel`` section. :func:`check_family_fields` holds the rules of the fields that
 DeepSeek-V3, GLM-4.5 and Qwen2-MoE add (MLA, YaRN, dense first layers, shared experts,
-expert bias, group-limited routing, partial rotary, QKV biases).
+expert bias, group-limited routing, partial rotary, QKV biases), :func:`check_mixer_fields`
+those GPT-OSS and Qwen3-Next / Qwen3.5 add (layer types, sliding windows, sinks, biases, the
+clamped GLU, output gates, zero-centred norms, Gated DeltaNet sizes).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from megatron_rl.config_loading import require
 class ModelConfig:
     """A MoE decoder: RMSNorm, RoPE, SwiGLU experts; by default Qwen3-MoE-style (GQA with
     QK-norm, softmax router, every layer MoE, no biases). The fields past ``qk_layernorm``
-    add what DeepSeek-V3, GLM-4.5 and Qwen2-MoE need; each maps onto Megatron-Core's own
-    ``TransformerConfig`` field or layer spec (``megatron_rl.parallel.model``)."""
+    add what DeepSeek-V3, GLM-4.5, Qwen2-MoE, GPT-OSS and Qwen3-Next / Qwen3.5 need; each maps
+    onto Megatron-Core's own ``TransformerConfig`` field or layer spec (``megatron_rl.parallel.model``)."""
 
     vocab_size: int = 256
     """Vocabulary size V (the HF config's): token ids in [0, V); padding rows are never ids."""

@@ -2,7 +2,8 @@
 
 Shape legend: E experts per layer, F one expert's FFN width, H hidden size.
 
-Owns: building the transformers causal-LM of a mapped architecture (Qwen3-MoE, Mixtral)
+Owns: building the transformers causal-LM of a mapped architecture (Qwen3-MoE, Mixtral,
+GPT-OSS, Qwen3-Next, Qwen3.5: as its language model)
 from a :class:`~megatron_rl.config.ModelConfig` (through the same generated ``config.json``
 the HF export writes), and :class:`HFWeightLoader`, which copies tensors named as in an HF
 *checkpoint* (the names ``megatron_rl.checkpoint.mapping`` produces, which SGLang loads)
