@@ -49,7 +49,7 @@ def _free_port() -> int:
 
 
 def _start_server(port: int, args, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(CONFIG), "--port", str(port),
+    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(CONFIG), "--port", str(port),
            "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group

@@ -69,7 +69,7 @@ def expert_biases_trainable(model: Any) -> None:
     """Make the local spec's biased experts trainable: each expert's ``linear_fc2`` returns a copy.
 
     Megatron's MLP adds an expert's output bias in place, ``output += output_bias *
-    per_token_scale`` (``transformer/mlp.py``: 0.16.1 :247, 0.19.2 :354), on what
+    per_token_scale`` (``transformer/mlp.py:247``; 0.19.2 at its line 354), on what
     ``RowParallelLinear`` returns; at expert-TP 1 that is the reduce Function's input returned
     as is, and autograd refuses the in-place update when gradients are on ("Output 0 of
     _ReduceFromModelParallelRegion is a view and is being modified inplace"). The forward of

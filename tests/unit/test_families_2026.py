@@ -331,7 +331,7 @@ def test_every_pushed_name_reaches_an_sglang_parameter(arch):
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_next", "qwen3_5_moe"])
 def test_the_stand_in_loads_a_whole_push_under_sglangs_rules(arch):
-    from megatron_rl.rollout.sglang.standin_weights import ServedWeights
+    from megatron_rl.sglang_standin.weights import ServedWeights
 
     table, model = ARCHITECTURES.get(arch), MODELS[arch]
     weights = all_weights(table, model)

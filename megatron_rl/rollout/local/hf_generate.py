@@ -197,7 +197,7 @@ def select_rows(cache, index: torch.Tensor) -> None:
     """Keep the cache rows ``index`` of every layer.
 
     transformers 5.24's linear-attention cache layers (Gated DeltaNet: a convolution window and
-    a recurrent state per row, ``cache_utils.py:1079-1095``) have no ``batch_select_indices``:
+    a recurrent state per row, ``cache_utils.LinearAttentionCacheLayerMixin``) have no ``batch_select_indices``:
     their states are selected here.
     """
     for layer in cache.layers:

@@ -60,7 +60,7 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "gpt_oss": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj", attention="eager",
                             stacked=True),
     # transformers' own "qwen2_moe" rules again (conversion_mapping.py: qwen3_next, qwen3_5_moe_text);
-    # Qwen3.5's vision-language names drop "language_model" (its PrefixChange, :1341).
+    # Qwen3.5's vision-language names drop "language_model" (its PrefixChange for qwen3_5_moe).
     "qwen3_next": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen3_5_moe_text": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen3_5_moe": ExpertLayout(layer_rename=("model.language_model.", "model."), gate="gate_proj", up="up_proj",
@@ -69,8 +69,27 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
 """Architectures the HF engine can serve (keys of ``mapping.ARCHITECTURES``)."""
 
 
+MIN_TRANSFORMERS = "5.24.0"
+"""``hf_generate`` hands the KV cache to the model as ``cache=``, the keyword transformers 5.24
+introduced (``past_key_values`` before): an earlier release takes it into ``**kwargs`` and decodes
+every step without the cache, silently wrong (6.1 nats off at 5.17.0)."""
+
+
 class UnsupportedArchitecture(ValueError):
     """The HF engine has no transformers weight layout for this architecture."""
+
+
+def check_transformers(version: str) -> None:
+    """Refuse a transformers release the engine would decode wrongly with.
+
+    Raises:
+        RuntimeError: naming the version found and the one needed.
+    """
+    from packaging.version import Version
+
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"the hf rollout engine needs transformers >= {MIN_TRANSFORMERS} (it passes the KV cache "
+                           f"as cache=, which earlier releases ignore); this is transformers {version}")
 
 
 def check_architecture(architecture: str) -> ExpertLayout:
@@ -104,8 +123,10 @@ def build_hf_model(
     the model an exported checkpoint would load as. SDPA attention, eager experts; weights
     in ``dtype`` (default ``model.params_dtype``).
     """
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_transformers(transformers.__version__)
     layout = check_architecture(architecture)
     config_dict = hf_config_from_model(layout.replica or architecture, model, model.params_dtype)
     config_dict.pop("architectures")

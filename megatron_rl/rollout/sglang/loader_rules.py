@@ -63,13 +63,13 @@ RULES = {
     "deepseek_v3": LoaderRules("deepseek_v3", paired=("q_a_proj", "kv_a_proj_with_mqa"), paired_needs="q_lora_rank",
                                raises_on_unknown=("gate_proj", "up_proj"), raise_exempt=("mlp.experts.",)),
     "mixtral": LoaderRules("mixtral", raises_on_unknown=("q_proj", "k_proj", "v_proj", ".w1.", ".w2.", ".w3.")),
-    # gpt_oss.py:1253-1254, :1266-1267, :1287-1288: an unknown name is skipped without a word; each
+    # models/gpt_oss.py:1253-1254, :1266-1267, :1287-1288: an unknown name is skipped without a word; each
     # layer's stacked experts load whole (make_expert_params_mapping_fused, :1215-1220).
     "gpt_oss": LoaderRules("gpt_oss"),
-    # qwen3_next.py:1259-1270: outside the stacked and expert mappings a name is looked up in
+    # models/qwen3_next.py:1259-1270: outside the stacked and expert mappings a name is looked up in
     # params_dict and raises KeyError unless it is a bias or a scale; MTP names are skipped (:1186).
     "qwen3_next": LoaderRules("qwen3_next", raises_on_unknown=("",), raise_exempt=(".bias", "_scale", "mtp")),
-    # qwen3_5.py:2955-2960 (ConditionalGeneration) and :2363-2368 (CausalLM, which qwen3_5_text.py:236-265
+    # models/qwen3_5.py:2955-2960 (ConditionalGeneration), :2363-2368 (CausalLM, which qwen3_5_text.py:236-265
     # serves with the "model." prefix stripped): an unknown name is skipped with a warning.
     "qwen3_5_moe": LoaderRules("qwen3_5_moe"),
     "qwen3_5_moe_text": LoaderRules("qwen3_5_moe_text"),

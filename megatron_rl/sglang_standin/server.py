@@ -1,20 +1,20 @@
 """The CPU SGLang stand-in: SGLang 0.5.23's HTTP protocol and rules, served by a local engine.
 
-    python -m megatron_rl.rollout.sglang.standin --config configs/demo_cpu.yaml --port 30000 \\
+    python -m megatron_rl.sglang_standin.server --config configs/demo_cpu.yaml --port 30000 \\
         [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
         [--weight-version default] [--max-batch N] [--token-latency-s S] [--enable-memory-saver]
         [--enable-weights-cpu-backup] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
-the config's model (:mod:`~megatron_rl.rollout.sglang.standin_engine`) and serves it through
+the config's model (:mod:`~megatron_rl.sglang_standin.engine`) and serves it through
 SGLang's endpoints, request and response fields (:mod:`~megatron_rl.rollout.sglang.wire`),
 and rules, each next to its SGLang line (``sglang/srt/...``):
 
 * weight updates only inside a ``begin_weight_update`` / ``end_weight_update`` session,
   payloads decoded by ``SafeUnpickler``'s rule, HF names loaded by the served architecture's
   loader rules, a crash where SGLang's scheduler would die
-  (:mod:`~megatron_rl.rollout.sglang.standin_weights`);
+  (:mod:`~megatron_rl.sglang_standin.weights`);
 * log-probs ``log_softmax(logits / T)`` for sampled requests unless
   ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true in its environment, read once at start
   (``layers/sampler.py:82``, ``:186-196``, ``:273-323``; ``utils/common.py:1424-1442`` reads it);
@@ -30,10 +30,10 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   ``/model_info`` with SGLang's keys (``:812-850``);
 * ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
   ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
-  dying where SGLang dies (:mod:`~megatron_rl.rollout.sglang.standin_memory`), and
+  dying where SGLang dies (:mod:`~megatron_rl.sglang_standin.memory`), and
   ``GET /memory_occupation`` (the stand-in's own) reporting what it holds.
 
-Requests are batched by :mod:`~megatron_rl.rollout.sglang.standin_batching`. On stop it prints
+Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints
 one line of what it did. Owns the endpoints and the command line.
 """
 
@@ -54,10 +54,10 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
-from megatron_rl.rollout.sglang.standin_engine import EngineHost
-from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, MemoryRoutes
-from megatron_rl.rollout.sglang.standin_weights import (
+from megatron_rl.sglang_standin.batching import ContinuousBatcher
+from megatron_rl.sglang_standin.engine import EngineHost
+from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
+from megatron_rl.sglang_standin.weights import (
     NO_SESSION,
     SchedulerCrash,
     decode_entries,
@@ -87,7 +87,7 @@ class ServerCounters:
 
 
 class ProtocolServer(MemoryRoutes):
-    """The HTTP application over an :class:`~megatron_rl.rollout.sglang.standin_engine.EngineHost`.
+    """The HTTP application over an :class:`~megatron_rl.sglang_standin.engine.EngineHost`.
 
     A subclass may extend it: :meth:`app` returns the application before it starts (more
     routes or middlewares can be added), and each endpoint is a method.
@@ -102,7 +102,7 @@ class ProtocolServer(MemoryRoutes):
         max_batch: most sequences per engine call.
         model_path: reported by ``/model_info``.
         token_latency_s: modelled GPU decode time per token
-            (:class:`~megatron_rl.rollout.sglang.standin_batching.ContinuousBatcher`).
+            (:class:`~megatron_rl.sglang_standin.batching.ContinuousBatcher`).
         memory: its memory occupation (``--enable-memory-saver``, ``--enable-weights-cpu-backup``).
     """
 
@@ -430,12 +430,12 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     import torch
 
     # As the run reads it: a config that starts from a checkpoint takes its model section from it.
-    from megatron_rl.checkpoint.init_source import (
-        inspect_init_checkpoint,
-        run_config_from_checkpoint,
-    )
+    # The trainer's rule on rollout.sglang.hf_architecture is the trainer's: a stand-in started
+    # from a checkpoint serves that checkpoint's architecture.
+    from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+    from megatron_rl.config import load_config
 
-    cfg = run_config_from_checkpoint(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_pushes=False)
     architecture = (inspect_init_checkpoint(cfg.init_checkpoint).hf.architecture if cfg.init_checkpoint
                     else cfg.rollout.sglang.hf_architecture)
     if args.threads:
