@@ -7,14 +7,14 @@ vision tower, both kept aside).
 Shown here (fp32): HF -> Megatron -> HF is byte for byte, the vision tower and MTP tensors
 included; log-probs within 1e-4 of transformers, the same top-K experts per layer in order and
 router probabilities within 1e-5 in TP1, TP2+SP, EP2, PP2 (also streamed from
-the HF directory, the trainer's start) and, for GPT-OSS, CP2 (Gated DeltaNet layers refuse CP
-before any process starts); one RSPO step under each replay plan gives the
+the HF directory, the trainer's start), the product TP2+SP x EP2 (experts over the TP ranks)
+and, for GPT-OSS, CP2 and CP2 x EP2 (Gated DeltaNet layers refuse CP before any process starts); one RSPO step under each replay plan gives the
 single-process loss and router gradients within 1e-5 relative in every layout (R2 and R3 under
 RSPO; the routers changed after the old-policy pass, so replay and natural routing differ); the hf engine
 samples with log-probs within its stated tolerance of the trainer's pass (1e-4, as for every
 family) and the same experts at 99% of the token-layer pairs at least (transformers' router may
 break a near-tie the other way); a truncated checkpoint of each family is
-refused naming the file; GPT-OSS's MXFP4 checkpoint converts to exactly the weights of its
+refused naming the file, a family tensor one row short or missing naming the tensor; GPT-OSS's MXFP4 checkpoint converts to exactly the weights of its
 dequantized bf16 twin.
 
 Conversion runs in this process through the command lines; TP1 (parity, the hf engine, the
@@ -51,8 +51,12 @@ LAYOUTS = {
     "EP2": ParallelConfig(expert_model_parallel_size=2),
     "PP2": ParallelConfig(pipeline_model_parallel_size=2),
     "CP2": ParallelConfig(context_parallel_size=2),
+    # Products in the same 2 processes: the experts split over the TP (or CP) ranks (ETP 1).
+    "TP2+SP x EP2": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2),
+    "CP2 x EP2": ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2),
 }
-ALLOWED = {"gpt_oss": list(LAYOUTS), "qwen3_next": ["TP2+SP", "EP2", "PP2"], "qwen3_5_moe": ["TP2+SP", "EP2", "PP2"]}
+NO_CP = ["TP2+SP", "EP2", "PP2", "TP2+SP x EP2"]
+ALLOWED = {"gpt_oss": list(LAYOUTS), "qwen3_next": NO_CP, "qwen3_5_moe": NO_CP}
 PROMPTS = [p[:n] for p, n in zip(random_prompts(4, 12, VOCAB, seed=5), (12, 7, 10, 5))]
 TOLERANCES = ParityTolerances(logprob_max_abs=1e-4, topk_agreement_min=1.0, router_prob_max_abs=1e-5)
 SEQUENCES = random_sequences(4, VOCAB, min_len=6, max_len=14, seed=3)
@@ -288,6 +292,33 @@ def test_truncated_checkpoint_is_refused_naming_the_file(family, hf_dirs, tmp_pa
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     assert hf_to_megatron_main([str(damaged), str(tmp_path / "out"), "--no-progress"]) == 2
     assert shard.name in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+FAMILY_TENSOR = {"gpt_oss": "model.layers.0.self_attn.sinks", "qwen3_next": "model.layers.0.linear_attn.conv1d.weight",
+                 "qwen3_5_moe": "model.language_model.layers.0.linear_attn.in_proj_z.weight"}
+"""A tensor only the family has (a sink, a Gated DeltaNet convolution or gate projection)."""
+
+
+@pytest.mark.parametrize("damage", ["one row short", "missing"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_damaged_family_tensor_is_refused_naming_it(family, damage, hf_dirs, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    damaged, name = shutil.copytree(hf_dirs[family], tmp_path / "damaged"), FAMILY_TENSOR[family]
+    index_path = damaged / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shard = damaged / index["weight_map"][name]
+    tensors = load_file(shard)
+    if damage == "missing":
+        del tensors[name], index["weight_map"][name]
+        index_path.write_text(json.dumps(index))
+    else:
+        tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert hf_to_megatron_main([str(damaged), str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert name in err and ("missing tensors" if damage == "missing" else "the config implies") in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_mxfp4_checkpoint_converts_to_its_dequantized_twin(tmp_path):
