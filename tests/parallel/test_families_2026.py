@@ -251,7 +251,7 @@ def test_round_trip_is_bit_exact_kept_tensors_included(family, hf_dirs, tp1):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layout_matches_transformers(family, layout, layouts, reference, references):
     if layout in LAYOUTS and layout not in ALLOWED[family]:
-        pytest.skip(f"{family} refuses {layout} before any process starts (tests/unit/test_families_2026.py)")
+        pytest.skip(f"{family} refuses {layout} before any process starts (tests/unit/test_family_rules_2026.py)")
     outputs = reference if layout == "TP1" else layouts
     report = compare(references[family], outputs[("parity", layout, family)])
     print(f"{family} {layout}: log-prob {report.logprob_max_abs_diff:.2e}, router {report.router_prob_max_abs_diff:.2e}")
