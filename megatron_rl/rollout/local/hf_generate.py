@@ -56,7 +56,7 @@ from megatron_rl.rollout.sampling import (
 )
 from moe_routing.types import compact_id_dtype
 
-_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
 
 
 @dataclass
@@ -108,7 +108,8 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
             handles.append(router.register_forward_hook(
                 lambda _m, _i, out, calls=calls: calls.append(_route_triples(out))))
         if not handles:
-            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate) to read routes from")
+            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate or .router) to read "
+                             "routes from")
     try:
         yield captured
     finally:
@@ -198,8 +199,7 @@ def generate(
                 break
             if len(keep) < len(rows):
                 index = torch.tensor(keep, device=device)
-                for layer in cache.layers:
-                    layer.batch_select_indices(index)
+                select_rows(cache, index)
                 rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
                 next_pos_B = next_pos_B[index]
             mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
@@ -225,6 +225,23 @@ def _sample_step(logits_BV: torch.Tensor, params: SamplingParams, generator: tor
                                   after_temperature=after_temperature)
     kept_B = kept_log_mass(logits_BV, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     return tokens_B, torch.stack([token_lp_B, -kept_B], dim=1)
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep the cache rows ``index`` of every layer.
+
+    transformers 5.24's linear-attention cache layers (Gated DeltaNet: a convolution window and
+    a recurrent state per row, ``cache_utils.LinearAttentionCacheLayerMixin``) have no ``batch_select_indices``:
+    their states are selected here.
+    """
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(index)
+            continue
+        for states in (layer.conv_states, layer.recurrent_states):
+            for i, state in states.items():
+                if state is not None:
+                    states[i] = state[index]
 
 
 def _prefill_inputs(hf_model: torch.nn.Module, prompts: Sequence[Sequence[int]],
