@@ -28,10 +28,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
 * ``/server_info`` with the launch settings (``tp_size``, ``dp_size``,
   ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``),
   ``/model_info`` with SGLang's keys (``:812-850``);
-* ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
-  ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
-  dying where SGLang dies (:mod:`~megatron_rl.sglang_standin.memory`), and
-  ``GET /memory_occupation`` (the stand-in's own) reporting what it holds.
+* memory release and resume with ``--enable-memory-saver`` (:mod:`~megatron_rl.sglang_standin.
+  memory`); pauses in the three modes, the model-update lock, ``flush_cache`` refused while
+  requests run, per-token weight versions (:mod:`~megatron_rl.sglang_standin.pausing`).
 
 Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints
 one line of what it did. Owns the endpoints and the command line.
@@ -57,11 +56,8 @@ from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.sglang_standin.batching import ContinuousBatcher
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
-from megatron_rl.sglang_standin.weights import (
-    NO_SESSION,
-    SchedulerCrash,
-    decode_entries,
-)
+from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
+from megatron_rl.sglang_standin.weights import NO_SESSION, SchedulerCrash, decode_entries
 from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
 
@@ -86,7 +82,7 @@ class ServerCounters:
     """Weight-update sessions ended."""
 
 
-class ProtocolServer(MemoryRoutes):
+class ProtocolServer(MemoryRoutes, PauseRoutes):
     """The HTTP application over an :class:`~megatron_rl.sglang_standin.engine.EngineHost`.
 
     A subclass may extend it: :meth:`app` returns the application before it starts (more
@@ -113,12 +109,15 @@ class ProtocolServer(MemoryRoutes):
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
-                                         token_latency_s=token_latency_s, alone=deterministic)
+                                         token_latency_s=token_latency_s, alone=deterministic,
+                                         keeps_kv=getattr(host, "engine_kind", None) == "hf")
+        self.engine_version = weight_version
+        """The version of the weights the engine computes with (set on the engine thread when a
+        session ends: the HF replica follows the model only then)."""
+        self.update_lock = UpdateLock()
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self._seeds = random.Random()
         self.memory = memory or MemoryOccupation()
-        self.in_flight = 0
-        """``/generate`` requests in the scheduler (not the ones waiting while generation is paused)."""
         self.running = asyncio.Event()
         """Set unless generation is paused."""
         self.running.set()
@@ -138,7 +137,7 @@ class ProtocolServer(MemoryRoutes):
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_group),
-            *self.memory_routes(),
+            *self.memory_routes(), *self.pause_routes(),
         ])
         app.cleanup_ctx.append(self.batcher.running)
         return app
@@ -153,9 +152,17 @@ class ProtocolServer(MemoryRoutes):
     # ------------------------------------------------------------------ generation
 
     async def _engine_generate(self, prompts: list[list[int]], params: SamplingParams, want_routes: bool,
-                               seed: int) -> list:
-        return await self.host.call(lambda: self.host.engine.generate(prompts, params,
-                                                                      return_routed_experts=want_routes, seed=seed))
+                               seed: int, kv) -> tuple[str, list]:
+        def run() -> tuple[str, list]:  # on the engine thread, where the served version changes
+            extra = {} if kv is None else {"kv": kv}
+            return self.engine_version, self.host.engine.generate(prompts, params, return_routed_experts=want_routes,
+                                                                  seed=seed, **extra)
+
+        return await self.host.call(run)
+
+    def scheduler_idle(self) -> bool:
+        """No request in the scheduler (queued ones ignored while paused: ``scheduler.py:5520``)."""
+        return self.batcher.running_requests == 0 and (self.paused or self.batcher.queued == 0)
 
     def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, bool, int]:
         if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
@@ -207,13 +214,11 @@ class ProtocolServer(MemoryRoutes):
         fault = self.memory.fault(("weights", "kv_cache", "cuda_graph"))
         if fault is not None:
             self._crash(SchedulerCrash(fault))
-        self.in_flight += 1
         try:
-            sample = await self.batcher.submit(prompt, params, want_routes, seed)
+            async with self.update_lock.reading():  # tokenizer_manager.py:941
+                sample = await self.batcher.submit(prompt, params, want_routes, seed)
         except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
             return _error(500, f"{type(err).__name__}: {err}")
-        finally:
-            self.in_flight -= 1
         routes = sample.routed_experts if sample.routed_experts is None else sample.routed_experts[start:]
         if routes is not None and self.host.model_cfg.num_dense_layers:
             # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
@@ -223,7 +228,8 @@ class ProtocolServer(MemoryRoutes):
         return web.json_response(generate_response_payload(
             rid=rid, prompt_len=len(prompt), output_ids=sample.output_ids, output_logprobs=sample.output_logprobs,
             finish_reason=sample.finish_reason, routed_experts=routes, e2e_latency=time.monotonic() - started,
-            weight_version=self.weight_version,
+            weight_version=self.weight_version, version_spans=sample.spans() or [(self.weight_version, 0, 0)],
+            num_retractions=sample.retractions,
         ))
 
     async def health(self, request: web.Request) -> web.Response:
@@ -266,7 +272,9 @@ class ProtocolServer(MemoryRoutes):
         })
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """``/flush_cache``: there is no prefix cache to flush."""
+        """``/flush_cache``: nothing to flush, refused while requests run (http_server.py:1027-1040)."""
+        if not self.cache_flushable():
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\n")
 
     # ------------------------------------------------------------------ weights
@@ -275,10 +283,15 @@ class ProtocolServer(MemoryRoutes):
     def _result(ok: bool, message: str) -> web.Response:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
-    def _updated(self, body: dict) -> None:
+    def _updated(self, body: dict, message: str) -> tuple[bool, str]:
+        """After a load: the version it sets, and the cache flush it asks for (SGLang's default),
+        which fails the call while requests run (weight_updater.py:120-133)."""
         self.counters.weight_updates += 1
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
+        if body.get("flush_cache", True) and not self.cache_flushable():
+            return False, FLUSH_REFUSED
+        return True, message
 
     def _crash(self, err: BaseException) -> None:
         """SGLang's scheduler died: the whole server goes (scheduler.py:6370-6376)."""
@@ -287,14 +300,24 @@ class ProtocolServer(MemoryRoutes):
 
     async def begin_update(self, request: web.Request) -> web.Response:
         """``POST /begin_weight_update``."""
-        return self._result(*await self.host.call(self.host.weights.begin))
+        async with self.updating():
+            return self._result(*await self.host.call(self.host.weights.begin))
 
     async def end_update(self, request: web.Request) -> web.Response:
         """``POST /end_weight_update``; the stand-in logs what the session left unwritten."""
+        async with self.updating():
+            return await self._end_update()
+
+    def _refresh(self) -> None:
+        """On the engine thread: the engine follows the loaded weights, and computes as their version."""
+        self.host.refresh()
+        self.engine_version = self.weight_version
+
+    async def _end_update(self) -> web.Response:
         ok, message = await self.host.call(self.host.weights.end)
         if ok:
             self.counters.sessions += 1
-            await self.host.call(self.host.refresh)
+            await self.host.call(self._refresh)
             report = self.host.weights.last_session
             print(f"stand-in: weight-update session: {report.timings()}", flush=True)
             if report.not_updated or report.dropped:
@@ -304,6 +327,10 @@ class ProtocolServer(MemoryRoutes):
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: session, then decode entry 0, then load."""
+        async with self.updating():
+            return await self._update_from_tensor(request)
+
+    async def _update_from_tensor(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         entries, load_format = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
@@ -327,13 +354,14 @@ class ProtocolServer(MemoryRoutes):
         except (SchedulerCrash, KeyError, ValueError) as err:
             self._crash(err)
         if ok:
-            self._updated(body)
+            ok, message = self._updated(body, message)
         return self._result(ok, message)
 
     async def update_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version`` ``{new_version, abort_all_requests}``."""
         body = await request.json()
         self.weight_version = str(body["new_version"])
+        await self.host.call(setattr, self, "engine_version", self.weight_version)
         return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
                                   "new_version": body["new_version"]})
 
@@ -355,6 +383,10 @@ class ProtocolServer(MemoryRoutes):
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_distributed``: session and group checked before the broadcast."""
+        async with self.updating():
+            return await self._update_from_distributed(request)
+
+    async def _update_from_distributed(self, request: web.Request) -> web.Response:
         b = await request.json()
         name = b.get("group_name", "weight_update_group")
         self._weights_mapped()
@@ -380,7 +412,7 @@ class ProtocolServer(MemoryRoutes):
 
         ok, message = await self.host.call(update)
         if ok:
-            self._updated(b)
+            ok, message = self._updated(b, message)
         return self._result(ok, message)
 
     async def destroy_group(self, request: web.Request) -> web.Response:

@@ -171,8 +171,11 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  return_routed_experts: bool = True, seed: int = 0,
-                 routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
-        """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group)."""
+                 routes_from: Sequence[int] | None = None, kv: PrefixCache | None = None) -> list[RolloutSample]:
+        """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group);
+        ``kv``: a cache to use instead of the engine's own (prompts that extend an entry are
+        served from it, every computed row's KV is kept in it: the CPU SGLang stand-in's
+        pauses in place)."""
         if self.released is not None:
             raise RuntimeError("HF engine: generate while its memory is released (resume_memory first)")
         check_lengths(prompts, params.max_new_tokens, self.max_length)
@@ -188,7 +191,8 @@ class HFEngine:
         if len(share):
             mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
                             return_routes=return_routed_experts, max_length=self.max_length,
-                            routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache,
+                            routes_from=[starts[i] for i in share],
+                            prefix_cache=self.prefix_cache if kv is None else kv,
                             logprobs_after_temperature=self.logprobs_after_temperature)
         if mp_size > 1:
             mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]

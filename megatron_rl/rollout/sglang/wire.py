@@ -8,10 +8,25 @@ Owns the JSON of ``POST /generate`` (request fields ``rid``, ``input_ids``,
 ``sampling_params``, ``return_logprob``, ``return_routed_experts``,
 ``routed_experts_start_len``; response ``output_ids`` and ``meta_info`` with ``id``,
 ``finish_reason``, ``weight_version``, ``output_token_logprobs`` as
-``[logprob, token_id, text_or_null]`` triples, and ``routed_experts``: base64 of the raw
-bytes of a C-order int32 array ``[N, L, K]``). Both sides live here so that the client and
-the stand-in cannot drift apart. Does not own HTTP, retries or weight updates
+``[logprob, token_id, text_or_null]`` triples, ``weight_versions``: the spans of output
+tokens each weight version produced, and ``routed_experts``: base64 of the raw bytes of a
+C-order int32 array ``[N, L, K]``), and of ``/pause_generation`` and
+``/continue_generation``. Both sides live here so that the client and the stand-in cannot
+drift apart. Does not own HTTP, retries or weight updates
 (:mod:`~megatron_rl.rollout.sglang.weight_payload`).
+
+Weight versions per token (SGLang 0.5.23, ``srt/utils/weight_versions.py``): at every
+weight-version change the scheduler notes, for each live request with output, the old
+version and its output length so far (``record_weight_version_events``, ``:39-50``;
+``managers/scheduler.py:5636-5655``); a finished (or aborted) request's events become spans
+``{"version", "start", "end"}`` over its output tokens (``compute_weight_version_spans``,
+``:66-87``; ``managers/scheduler_components/output_streamer.py:541-554``), written to
+``meta_info.weight_versions`` with ``weight_version`` set to the last span's
+(``add_weight_versions_to_meta_info``, ``:90-110``; ``managers/tokenizer_manager.py:2560-2567``,
+``:3609-3613``). A request paused with ``/pause_generation`` mode ``abort`` ends with
+``finish_reason {"type": "abort", ...}`` and the tokens it had (``managers/scheduler.py:
+5800-5812``: ``FINISH_ABORT()`` without a status code answers normally,
+``managers/tokenizer_manager.py:1891-1921``).
 
 Routes are validated (length, id range, repeated experts) and narrowed to the compact id
 dtype (uint8 for E <= 256) as soon as they are decoded, so int32 payloads never pile up in
@@ -58,6 +73,24 @@ class GenerationAborted(RuntimeError):
     """The server aborted the request (``finish_reason.type == "abort"``)."""
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""``/pause_generation`` modes (``io_struct.py:1927-1946``, ``PauseGenerationReqInput.mode``)."""
+
+
+def pause_generation_body(mode: str) -> dict:
+    """``POST /pause_generation``: ``abort`` ends the running requests with what they have;
+    ``retract`` puts them back in the queue (their KV is recomputed after
+    ``/continue_generation``); ``in_place`` keeps them and their KV as they are."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+    return {"mode": mode}
+
+
+def continue_generation_body() -> dict:
+    """``POST /continue_generation`` (``io_struct.py:1949-1956``: ``torch_empty_cache`` defaults to true)."""
+    return {"torch_empty_cache": True}
+
+
 @dataclass(kw_only=True)
 class GenerateResult:
     """One decoded ``/generate`` response."""
@@ -68,14 +101,32 @@ class GenerateResult:
     """Generated token ids (the stop token included, when one was produced)."""
     output_logprobs: torch.Tensor
     """``[O]`` fp32 log-probs of the generated tokens."""
-    finish_reason: Literal["stop", "length"]
-    """Why generation ended."""
+    finish_reason: Literal["stop", "length", "abort"]
+    """Why generation ended ("abort": paused with mode ``abort``; only when the caller allows it)."""
     weight_version: str | None
-    """``meta_info.weight_version``: the weights that served the request."""
+    """``meta_info.weight_version``: the weights that served the request (the last ones)."""
+    token_versions: list[str] | None = None
+    """The weight version of each output token (``meta_info.weight_versions``), or None
+    when the server sent no spans."""
     routed_experts: torch.Tensor | None
     """``[N, L, K]`` expert ids in the compact dtype, when requested."""
     meta: dict = field(default_factory=dict)
     """Token counts and latency from ``meta_info``."""
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """What decoded routes must look like for the trained model."""
+
+    num_layers: int
+    """L: decoder layers (the columns SGLang sends)."""
+    topk: int
+    """K."""
+    num_experts: int
+    """E."""
+    moe_layers: tuple[int, ...] | None = None
+    """0-based indices of the MoE layers among the L; decoded routes keep only these columns
+    (SGLang sends zeros for dense layers). None: every layer is an MoE layer."""
 
 
 # --------------------------------------------------------------------------- requests
@@ -247,11 +298,41 @@ def parse_output_token_logprobs(
     return ids, torch.tensor(values, dtype=torch.float32)
 
 
-def finish_reason_payload(reason: Literal["stop", "length"], output_ids: Sequence[int]) -> dict:
-    """``meta_info.finish_reason`` as SGLang writes it."""
+def finish_reason_payload(reason: Literal["stop", "length", "abort"], output_ids: Sequence[int]) -> dict:
+    """``meta_info.finish_reason`` as SGLang writes it (``schedule_batch.py``: ``FINISH_MATCHED_TOKEN``,
+    ``FINISH_LENGTH``, ``FINISH_ABORT.to_json`` ``:332-345``, its message "Aborted" by default)."""
     if reason == "stop":
         return {"type": "stop", "matched": int(output_ids[-1])}
+    if reason == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     return {"type": "length", "length": len(output_ids)}
+
+
+def weight_versions_payload(spans: Sequence[tuple[str, int, int]]) -> list[dict]:
+    """``meta_info.weight_versions``: ``{"version", "start", "end"}`` per span of output tokens."""
+    return [{"version": str(v), "start": int(a), "end": int(b)} for v, a, b in spans]
+
+
+def parse_weight_versions(entries: Any, num_tokens: int, *, source: str) -> list[str]:
+    """The weight version of each of ``num_tokens`` output tokens from ``meta_info.weight_versions``.
+
+    Raises:
+        WireFormatError: spans that are not objects with a string version and integer bounds,
+            or that do not tile ``[0, num_tokens)`` in order.
+    """
+    if not isinstance(entries, list) or not entries:
+        raise WireFormatError(f"{source}: weight_versions must be a non-empty list of spans, got {entries!r}")
+    versions: list[str] = []
+    for i, span in enumerate(entries):
+        ok = isinstance(span, dict) and isinstance(span.get("version"), str) and all(
+            isinstance(span.get(k), int) and not isinstance(span.get(k), bool) for k in ("start", "end"))
+        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
+            raise WireFormatError(f"{source}: weight_versions[{i}] = {span!r} does not continue the spans at token "
+                                  f"{len(versions)}")
+        versions.extend([span["version"]] * (span["end"] - span["start"]))
+    if len(versions) != num_tokens:
+        raise WireFormatError(f"{source}: weight_versions cover {len(versions)} tokens of {num_tokens}")
+    return versions
 
 
 def generate_response_payload(
@@ -260,28 +341,34 @@ def generate_response_payload(
     prompt_len: int,
     output_ids: Sequence[int],
     output_logprobs: torch.Tensor,
-    finish_reason: Literal["stop", "length"],
+    finish_reason: Literal["stop", "length", "abort"],
     weight_version: str,
     routed_experts: torch.Tensor | None,
     e2e_latency: float = 0.0,
+    version_spans: Sequence[tuple[str, int, int]] | None = None,
+    num_retractions: int = 0,
 ) -> dict:
     """The body SGLang returns for one non-streaming ``/generate`` request with ``return_logprob``
     from a server launched with ``--skip-tokenizer-init`` (no ``text``): the fields and order of
     0.5.23's ``TokenizerManager._handle_batch_output`` (golden copies in
     ``tests/fixtures/sglang_0_5_23``). ``input_token_logprobs`` is empty: the default
-    ``logprob_start_len`` starts scoring after the prompt."""
+    ``logprob_start_len`` starts scoring after the prompt. ``version_spans``: which version
+    produced which output tokens (default: ``weight_version`` all of them); ``weight_version``
+    is then the last span's."""
+    spans = list(version_spans) if version_spans else [(weight_version, 0, len(output_ids))]
     meta = {
         "id": rid,
         "finish_reason": finish_reason_payload(finish_reason, output_ids),
         "prompt_tokens": prompt_len,
-        "weight_version": weight_version,
-        "num_retractions": 0,
+        "weight_version": str(spans[-1][0]),
+        "num_retractions": num_retractions,
         "input_token_logprobs": [],
         "output_token_logprobs": output_token_logprobs_payload(output_logprobs, output_ids),
         "output_token_logprobs_length": len(output_ids),
         "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": 0,
+        "weight_versions": weight_versions_payload(spans),
     }
     if routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(routed_experts)
@@ -301,11 +388,14 @@ def decode_generate_response(
     source: str,
     moe_layers: Sequence[int] | None = None,
     start_len: int = 0,
+    allow_abort: bool = False,
 ) -> GenerateResult:
     """Check and decode one ``/generate`` response body (already parsed from JSON).
 
     ``moe_layers``: as for :func:`decode_routed_experts` (the routes keep the MoE layers only);
-    ``start_len``: the request's ``routed_experts_start_len``.
+    ``start_len``: the request's ``routed_experts_start_len``; ``allow_abort``: an aborted
+    request (a pause in mode ``abort``) is a result with the tokens it had, possibly none
+    (then without routes), instead of :class:`GenerationAborted`.
 
     Raises:
         WireFormatError: a missing or malformed field, a response for another request,
@@ -319,7 +409,7 @@ def decode_generate_response(
     meta = body["meta_info"]
     if meta.get("id", rid) != rid:
         raise WireFormatError(f"{source}: response is for request {meta.get('id')!r}, expected {rid!r}")
-    reason = _finish_reason(meta.get("finish_reason"), source)
+    reason = _finish_reason(meta.get("finish_reason"), source, allow_abort)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list)
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in output_ids)):
@@ -327,10 +417,13 @@ def decode_generate_response(
     if "output_token_logprobs" not in meta:
         raise WireFormatError(f"{source}: meta_info has no output_token_logprobs (was return_logprob sent?)")
     ids, logprobs = parse_output_token_logprobs(meta["output_token_logprobs"], output_ids, source=source)
-    if not ids:
+    if not ids and reason != "abort":
         raise WireFormatError(f"{source}: the response has no generated token")
+    token_versions = None
+    if "weight_versions" in meta:
+        token_versions = parse_weight_versions(meta["weight_versions"], len(ids), source=source)
     routes = None
-    if want_routes:
+    if want_routes and ids:
         if meta.get("routed_experts") is None:
             raise MissingRoutesError(
                 f"{source}: meta_info has no routed_experts; launch SGLang with --enable-return-routed-experts"
@@ -347,13 +440,16 @@ def decode_generate_response(
         output_logprobs=logprobs,
         finish_reason=reason,
         weight_version=None if version is None else str(version),
+        token_versions=token_versions,
         routed_experts=routes,
         meta={k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency") if k in meta},
     )
 
 
-def _finish_reason(value: Any, source: str) -> Literal["stop", "length"]:
+def _finish_reason(value: Any, source: str, allow_abort: bool = False) -> Literal["stop", "length", "abort"]:
     kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "abort" and allow_abort and value.get("status_code") is None:
+        return kind
     if kind == "abort":
         raise GenerationAborted(f"{source}: the server aborted the request ({value.get('message', 'no message')})")
     if kind not in ("stop", "length"):
