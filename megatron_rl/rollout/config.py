@@ -114,6 +114,10 @@ def check_staleness(r: RolloutConfig) -> None:
             raise ConfigError("rollout.partial: true with rollout.max_staleness=0: the synchronous loop pushes weights "
                               "with nothing in flight, so there is nothing to continue; set rollout.max_staleness >= 1")
         return
+    if r.partial and r.engine != "sglang":
+        raise ConfigError(f"rollout.partial: true with rollout.engine={r.engine}: partial rollouts pause the servers "
+                          "at each weight push and continue their requests under the new weights, which only SGLang "
+                          "servers (/pause_generation, /continue_generation) do here; use rollout.engine=sglang")
     if r.engine == "megatron":
         raise ConfigError(f"rollout.max_staleness: {k} with rollout.engine=megatron: the embedded engine generates "
                           "with the trainer's own model, which the update changes, so it is synchronous only "
