@@ -2,8 +2,8 @@
 
     python -m megatron_rl.sglang_standin.server --config configs/demo_cpu.yaml --port 30000 \\
         [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
-        [--weight-version default] [--max-batch N] [--token-latency-s S] [--enable-memory-saver]
-        [--enable-weights-cpu-backup] [key=value ...]
+        [--weight-version default] [--max-batch N] [--token-latency-s S] [--long-tail SHARE]
+        [--enable-memory-saver] [--enable-weights-cpu-backup] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
@@ -47,7 +47,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from aiohttp import web
@@ -57,13 +56,10 @@ from megatron_rl.sglang_standin.batching import ContinuousBatcher
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
+from megatron_rl.sglang_standin.requests import parse_generate
 from megatron_rl.sglang_standin.weights import NO_SESSION, SchedulerCrash, decode_entries
 from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
-
-_TOP_K_ALL = 1 << 30
-"""SGLang's "no top-k" value (``-1`` on the wire is mapped to it)."""
-
 
 def bool_env(name: str) -> bool:
     """SGLang's ``get_bool_env_var`` (utils/common.py:1424-1442): "true"/"1" (any case) only."""
@@ -100,12 +96,14 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         token_latency_s: modelled GPU decode time per token
             (:class:`~megatron_rl.sglang_standin.batching.ContinuousBatcher`).
         memory: its memory occupation (``--enable-memory-saver``, ``--enable-weights-cpu-backup``).
+        long_tail: share of requests that ignore their stop tokens (a long-tailed task, benchmarks).
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", tp_size: int = 1,
                  deterministic: bool = False, batch_window_s: float = 0.01, max_batch: int = 256,
-                 model_path: str = "", token_latency_s: float = 0.0, memory: MemoryOccupation | None = None) -> None:
-        self.host, self.model_path, self.weight_version = host, model_path, weight_version
+                 model_path: str = "", token_latency_s: float = 0.0, memory: MemoryOccupation | None = None,
+                 long_tail: float = 0.0) -> None:
+        self.host, self.model_path, self.weight_version, self.long_tail = host, model_path, weight_version, long_tail
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
@@ -164,33 +162,6 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         """No request in the scheduler (queued ones ignored while paused: ``scheduler.py:5520``)."""
         return self.batcher.running_requests == 0 and (self.paused or self.batcher.queued == 0)
 
-    def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, bool, int]:
-        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
-            raise ValueError("the request needs a non-empty input_ids list (text prompts are not supported)")
-        prompt = body["input_ids"]
-        vocab, longest = self.host.model_cfg.vocab_size, self.host.model_cfg.max_position_embeddings
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        sp = body.get("sampling_params") or {}
-        top_k = int(sp.get("top_k", -1))
-        params = SamplingParams(
-            temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-            top_k=0 if top_k in (-1, _TOP_K_ALL) else top_k, max_new_tokens=int(sp.get("max_new_tokens", 128)),
-            stop_token_ids=tuple(sorted(int(t) for t in sp.get("stop_token_ids") or ())),
-        )
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_new_tokens < 1:
-            raise ValueError(f"bad sampling_params {sp}")
-        if len(prompt) + params.max_new_tokens > longest:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds {longest}")
-        if body.get("stream"):
-            raise ValueError("streaming is not supported by the protocol server")
-        rid = str(body.get("rid") or f"req-{self.counters.generate_requests}")
-        if self.deterministic:
-            seed = 42 if sp.get("sampling_seed") is None else int(sp["sampling_seed"])
-        else:
-            seed = self._seeds.randrange(2**31)  # the seed is ignored: sampling_batch_info.py:157-172
-        return rid, prompt, params, bool(body.get("return_routed_experts")), seed
-
     @staticmethod
     def _routes_start(body: dict, prompt: list[int]) -> int:
         """``routed_experts_start_len``; SGLang refuses one outside [0, prompt tokens] with a 400
@@ -206,7 +177,9 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         started = time.monotonic()
         try:
             body = await request.json()
-            rid, prompt, params, want_routes, seed = self._parse(body)
+            rid, prompt, params, want_routes, seed = parse_generate(
+                body, self.host.model_cfg, deterministic=self.deterministic, seeds=self._seeds,
+                default_rid=f"req-{self.counters.generate_requests}", long_tail=self.long_tail)
             start = self._routes_start(body, prompt)
         except ValueError as err:
             return _error(400, str(err))
@@ -447,7 +420,10 @@ def argument_parser() -> argparse.ArgumentParser:
                              "(exact); auto: hf when it can serve the architecture")
     parser.add_argument("--max-batch", type=int, default=256, help="most requests per engine call")
     parser.add_argument("--token-latency-s", type=float, default=0.0,
-                        help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
+                        help="model a GPU's decode: a response's tokens come one per this many seconds (benchmarks)")
+    parser.add_argument("--long-tail", type=float, default=0.0,
+                        help="this share of requests ignore their stop tokens and run to max_new_tokens "
+                             "(a long-tailed task; benchmarks)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="release and resume memory for real (else only the tags change), as SGLang's flag")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
@@ -477,7 +453,7 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
                       logprobs_after_temperature=not original)
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
-                         token_latency_s=args.token_latency_s,
+                         token_latency_s=args.token_latency_s, long_tail=args.long_tail,
                          memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
     try:
         print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}: {architecture}, "

@@ -86,7 +86,8 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
         from megatron_rl.rollout.local.hf_engine import HFEngine
 
         return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype,
-                        prefix_cache=cfg.rollout.env.name is not None)
+                        prefix_cache=cfg.rollout.env.name is not None,
+                        pause_mode=cfg.rollout.partial_mode if cfg.rollout.partial else None)
     # Imported here so that runs with a local engine need no HTTP client.
     from megatron_rl.rollout.sglang.client import SGLangClientConfig
     from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine

@@ -165,7 +165,8 @@ class SGLangEngine:
         paused = self.pause is not None and bool(self.pending)
         if paused:
             self._on_rank0(self.pause.pause, f"pausing generation for weight version {version}")
-        self.weight_sync.sync(version, reconnect=reconnect, flush_cache=not paused or self.pause.flush_cache)
+        flush = {} if not paused or self.pause.flush_cache else {"flush_cache": False}
+        self.weight_sync.sync(version, reconnect=reconnect, **flush)
         if paused:
             self._on_rank0(self.pause.resume, f"continuing generation under weight version {version}")
 
