@@ -265,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.layers < 1 or args.repeats < 1 or args.bucket_mb < 1:
         parser.error("--layers, --repeats and --bucket-mb: at least 1")
-    from megatron_rl.checkpoint.init_source import run_config_from_checkpoint
+    from megatron_rl.config import load_config
     from megatron_rl.config_loading import to_dict
     from megatron_rl.parallel.world import free_port, run_world
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = model_overrides(args.layers)
-    cfg = run_config_from_checkpoint(BASE, overrides)
+    cfg = load_config(BASE, overrides)
     port = free_port()
     log = out / "server.log"
     load_start = os.getloadavg()[0]

@@ -438,12 +438,12 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     import torch
 
     # As the run reads it: a config that starts from a checkpoint takes its model section from it.
-    from megatron_rl.checkpoint.init_source import (
-        inspect_init_checkpoint,
-        run_config_from_checkpoint,
-    )
+    # The trainer's rule on rollout.sglang.hf_architecture is the trainer's: a stand-in started
+    # from a checkpoint serves that checkpoint's architecture.
+    from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+    from megatron_rl.config import load_config
 
-    cfg = run_config_from_checkpoint(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_pushes=False)
     architecture = (inspect_init_checkpoint(cfg.init_checkpoint).hf.architecture if cfg.init_checkpoint
                     else cfg.rollout.sglang.hf_architecture)
     if args.threads:

@@ -6,7 +6,7 @@ with the same log-prob pass as the policy (one log-probability per token, on the
 axis). In colocated runs it leaves the devices with the trainer while the engine generates
 (``EngineTurns.add_frozen``).
 
-The reference (``objective.kl_coef`` or ``objective.kl_in_reward_coef`` > 0) is the policy as
+The reference (``ObjectiveConfig.uses_reference``: a KL loss or reward term) is the policy as
 the run starts, after the warm start: saved next to the run's checkpoints when the run starts
 (``<run_dir>/checkpoints/reference``), so a resumed run keeps the same reference. Does not own
 how its log-probs enter the objective (``megatron_rl.algos``: KL as a loss or in the reward).
@@ -68,7 +68,7 @@ class FrozenModels:
         """The KL reference (None when the objective has no KL). Collective: a run that starts
         at step 0 saves the policy's current weights as the reference, unless an earlier start
         of the same run saved them already."""
-        if self.objective.kl_coef <= 0 and self.objective.kl_in_reward_coef <= 0:
+        if not self.objective.uses_reference:
             return None
         ref_dir = Path(self.cfg.train.run_dir) / "checkpoints" / "reference"
         if start_step == 0 and not dist_checkpointing.check_is_distributed_checkpoint(str(ref_dir)):
