@@ -25,7 +25,8 @@ Steps per hour are measured from outside, by when each step's row appears in ``m
 steps 1 .. N-1 (evaluation only runs at step 0, before the clock starts, and at step N, after
 it stops). Held-out accuracy (``eval/accuracy``) is compared at step N, after the same number of
 samples in every configuration. Router drift per version lag (``drift/*/lag<d>``) is averaged
-over the steps of the deepest partial configuration. Load averages are recorded per run.
+over the steps of the deepest partial configuration that trained tokens of that lag. Load
+averages are recorded per run.
 Writes ``<out>/results.json``, ``<out>/results.md``, ``<out>/throughput.png`` and ``<out>/drift.png``.
 """
 
@@ -118,9 +119,22 @@ def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
                                                 "rollout/mixed_version_frac", "rollout/response_length",
                                                 "sglang/continued", "mismatch/train_rollout_abs_diff",
                                                 "reward/mean")},
-        "drift": {f"{m}/lag{d}": mean(f"drift/{m}/lag{d}") for m in DRIFT for d in range(k + 1)},
-        "drift_share": {f"lag{d}": mean(f"rollout/staleness/lag{d}") for d in range(k + 1)},
+        **drift_by_lag(rows, steps, k),
     }
+
+
+def drift_by_lag(rows: dict[int, dict], steps: range, k: int) -> dict:
+    """``drift``: each ``drift/<m>/lag<d>`` averaged over the steps that trained tokens d
+    versions old (the trainer logs 0 for a lag without tokens; gamma, in (0, 1], is 0 only
+    there); ``drift_share``: the share of samples at each lag, averaged over all steps."""
+    drift = {}
+    for d in range(k + 1):
+        present = [s for s in steps if rows[s].get(f"drift/gamma/lag{d}", 0.0) > 0] or [None]
+        for m in DRIFT:
+            drift[f"{m}/lag{d}"] = statistics.fmean(rows[s][f"drift/{m}/lag{d}"] if s is not None else float("nan")
+                                                   for s in present)
+    return {"drift": drift, "drift_share": {f"lag{d}": statistics.fmean(rows[s][f"rollout/staleness/lag{d}"]
+                                                                         for s in steps) for d in range(k + 1)}}
 
 
 def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
