@@ -15,6 +15,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   payloads decoded by ``SafeUnpickler``'s rule, HF names loaded by the served architecture's
   loader rules, a crash where SGLang's scheduler would die
   (:mod:`~megatron_rl.sglang_standin.weights`);
+* prompt scoring (``max_new_tokens`` 0 with ``return_logprob``: a distillation teacher's
+  prompt log-probs and top-k, :mod:`~megatron_rl.sglang_standin.scoring`), weights served from
+  the config's ``init_checkpoint`` from the start;
 * log-probs ``log_softmax(logits / T)`` for sampled requests unless
   ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true in its environment, read once at start
   (``layers/sampler.py:82``, ``:186-196``, ``:273-323``; ``utils/common.py:1424-1442`` reads it);
@@ -57,6 +60,7 @@ from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
 from megatron_rl.sglang_standin.requests import parse_generate
+from megatron_rl.sglang_standin.scoring import answer_scoring, is_scoring
 from megatron_rl.sglang_standin.weights import NO_SESSION, SchedulerCrash, decode_entries
 from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
@@ -172,11 +176,13 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         return start
 
     async def generate(self, request: web.Request) -> web.Response:
-        """``POST /generate`` (non-streaming, ``input_ids`` only)."""
+        """``POST /generate`` (non-streaming, ``input_ids`` only; ``max_new_tokens`` 0: prompt scoring)."""
         self.counters.generate_requests += 1
         started = time.monotonic()
         try:
             body = await request.json()
+            if is_scoring(body):
+                return await answer_scoring(self.host, body, self.weight_version, started)
             rid, prompt, params, want_routes, seed = parse_generate(
                 body, self.host.model_cfg, deterministic=self.deterministic, seeds=self._seeds,
                 default_rid=f"req-{self.counters.generate_requests}", long_tail=self.long_tail)
@@ -450,7 +456,7 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
         torch.set_num_threads(args.threads)
     original = bool_env("SGLANG_RETURN_ORIGINAL_LOGPROB")  # layers/sampler.py:82, read once
     host = EngineHost(cfg.model, architecture, cfg.seed, args.micro_batch_sequences, args.engine,
-                      logprobs_after_temperature=not original)
+                      logprobs_after_temperature=not original, checkpoint=cfg.init_checkpoint)
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
                          token_latency_s=args.token_latency_s, long_tail=args.long_tail,

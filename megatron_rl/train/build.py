@@ -6,8 +6,8 @@ run whose servers are missing fails in seconds), the policy in this run's layout
 starting weights (an HF checkpoint streamed in, or a Megatron one resharded; skipped when the
 run resumes), DDP and the optimizer, the rollout engine and its turns on the devices, the
 reward pool, the rollout source and the batch generated ahead; and the services the loop
-calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models, the HF
-exports and the run's log. The order is the one that matters: the starting weights are
+calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models (the KL
+reference, the distillation teachers), the HF exports and the run's log. The order is the one that matters: the starting weights are
 loaded before the optimizer copies them into its fp32 main weights, and every random draw
 happens in the same order on every start.
 
@@ -90,7 +90,7 @@ class RunParts:
     evaluate: Evaluator
     """The held-out evaluation."""
     frozen: FrozenModels
-    """The frozen models scored beside the policy (the KL reference)."""
+    """The frozen models scored beside the policy (the KL reference, the distillation teachers)."""
     exports: RunExports
     """The HF checkpoints out."""
     log: RunLog
