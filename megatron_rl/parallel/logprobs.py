@@ -277,12 +277,7 @@ def compute_logprobs(
         raise ValueError("compute_logprobs queries either the old record's experts or query_ids_TLK, not both")
     recorder = None
     if record_routing or probing or query_ids_TLK is not None:
-        # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
-        dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
-        # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
-        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing or query_ids_TLK is not None,
-                                  allow_empty=groups.pp_size > 1, topk=gpt.config.moe_router_topk,
-                                  num_experts=gpt.config.num_moe_experts)
+        recorder = _recorder(model, groups, old_record, probs_dtype, diagnostics=probing or query_ids_TLK is not None)
     if old_record is not None:
         _queue_queries(recorder, old_record.expert_ids_TLK, old_record.layer_numbers, micro_batches, groups)
     if query_ids_TLK is not None:
@@ -306,10 +301,27 @@ def compute_logprobs(
         if probing:
             _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
         if query_ids_TLK is not None:
-            result.query_probs_TLK = gather_call_field(recorder, micro_batches, groups, "query_probs_NK")
-            agree_TL = gather_call_field(recorder, micro_batches, groups, "natural_equals_query_N")
-            result.flip_T = _per_response_token(1.0 - agree_TL.float().mean(dim=1), record, prompt_lengths)
+            _query_outputs(result, recorder, record, micro_batches, groups, prompt_lengths)
     return result
+
+
+def _recorder(model, groups: ParallelGroups, old_record: RouterRecord | None, probs_dtype: torch.dtype, *,
+              diagnostics: bool) -> RouterRecorder:
+    gpt = unwrap(model)
+    # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
+    dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
+    # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
+    return RouterRecorder([model], probs_dtype=dtype, diagnostics=diagnostics, allow_empty=groups.pp_size > 1,
+                          topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
+
+
+def _query_outputs(result: LogProbResult, recorder: RouterRecorder, record: RouterRecord, micro_batches, groups,
+                   prompt_lengths: Sequence[int]) -> None:
+    """The queried experts' router probabilities at every position, and per response token the
+    share of layers whose own top-K is not them."""
+    result.query_probs_TLK = gather_call_field(recorder, micro_batches, groups, "query_probs_NK")
+    agree_TL = gather_call_field(recorder, micro_batches, groups, "natural_equals_query_N")
+    result.flip_T = _per_response_token(1.0 - agree_TL.float().mean(dim=1), record, prompt_lengths)
 
 
 def _per_response_token(values_T: torch.Tensor, record: RouterRecord, prompt_lengths: Sequence[int]) -> torch.Tensor:

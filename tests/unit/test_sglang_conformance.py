@@ -52,8 +52,8 @@ from megatron_rl.rollout.sglang.wire import (
     continue_generation_body,
     generate_payload,
     pause_generation_body,
-    score_payload,
 )
+from megatron_rl.rollout.sglang.score_wire import score_payload
 from megatron_rl.sglang_standin.scoring import parse_scoring
 
 ORACLE = Path(__file__).resolve().parents[1] / "sglang_oracle.py"
@@ -390,7 +390,7 @@ def test_the_stand_ins_memory_rules_are_sglangs():
 
 
 def test_a_teachers_scoring_request_is_a_valid_prefill_only_request(verdicts):
-    """The distillation teacher's request (``wire.score_payload``): valid for GenerateReqInput with no
+    """The distillation teacher's request (``score_wire.score_payload``): valid for GenerateReqInput with no
     ignored field, passes /generate's contract gate, and its sampling_params pass SGLang's own
     SamplingParams.verify with max_new_tokens 0 (a prefill-only request)."""
     body, (status, value), contract, (sp_status, sp_value) = verdicts["scoring"]
