@@ -156,7 +156,7 @@ def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
 
 def _report(summary: dict[str, dict], results: list[dict], args) -> str:
     first = next(iter(summary))
-    knobs = (f"--steps {args.steps} --runs {args.runs} --token-latency-s {args.token_latency_s} --long-tail "
+    knobs = (f"--steps {args.steps} --runs {args.runs} --configs {args.configs} --token-latency-s {args.token_latency_s} --long-tail "
              f"{args.long_tail} --max-new-tokens {args.max_new_tokens} --server-nice {args.server_nice}")
     loads = [x for r in results for x in r["load_average"]]
     lines = [f"Command: `python tools/bench_async.py {knobs}" + "".join(f" {o}" for o in args.overrides) + "`",
