@@ -74,6 +74,14 @@ class LogProbResult:
     """``[T_resp]`` unfloored RSPO router-shift weight of each response token (with ``old_record``)."""
     routing_metrics: dict[str, torch.Tensor] | None = None
     """Replay agreement, flip rate and router shift per layer (when routing was watched)."""
+    router_shift_T: torch.Tensor | None = None
+    """``[T_resp]`` mean over layers and the old record's experts of ``|log r_cur - log r_old|`` at
+    the position that predicted each response token (what RSPO's gamma exponentiates; with ``old_record``)."""
+    flip_T: torch.Tensor | None = None
+    """``[T_resp]`` share of MoE layers whose natural top-K at the position that predicted each
+    response token is not the experts of ``old_record`` (or ``query_ids_TLK``)."""
+    query_probs_TLK: torch.Tensor | None = None
+    """``[T_all, L, K]`` router probability of the queried experts at every position (with ``query_ids_TLK``)."""
     topk_ids_TK: torch.Tensor | None = None
     """``[T_resp, K]`` int64 the K most likely ids of each response token's distribution (``topk``)."""
     topk_logprobs_TK: torch.Tensor | None = None
@@ -238,6 +246,8 @@ def compute_logprobs(
     old_record: RouterRecord | None = None,
     temperature_T: torch.Tensor | None = None,
     replay_gates_TLK: torch.Tensor | None = None,
+    query_ids_TLK: torch.Tensor | None = None,
+    query_layer_numbers: Sequence[int] | None = None,
     topk: int = 0,
 ) -> LogProbResult:
     """Response-token log-probs and entropies (and optionally routing) for this DP rank.
@@ -260,39 +270,35 @@ def compute_logprobs(
             log-probs and entropies are those of ``softmax(logits / T)``. None: T = 1.
         replay_gates_TLK: with ``replay_ids_TLK``, the gate weight of each replayed expert
             (R3w, ``megatron_rl.parallel.gate_replay``; NaN rows keep the router's own gates).
+        query_ids_TLK: experts (e.g. the rollout engine's routes) at which the pass reports
+            every position's router probabilities and whether the router's own top-K is them
+            (not with ``old_record``); ``query_layer_numbers``: the layer of each column.
         topk: also return each response token's K most likely ids and their log-probs
             (``parallel.vocab_topk``; without context parallelism).
     """
     gpt = unwrap(model)
     vocab = gpt.true_vocab_size
     validate_samples(sequences, prompt_lengths, vocab, gpt.max_sequence_length)
-    if topk and groups.cp_size > 1:
-        raise ValueError("log-prob pass: top-k log-probs are computed without context parallelism")
-    if topk and temperature_T is not None:
-        raise ValueError("log-prob pass: top-k log-probs are of the T = 1 distribution (temperature_T must be None)")
+    _check_pass_arguments(groups, topk, temperature_T, old_record, query_ids_TLK)
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
     probing = replay_ids_TLK is not None or old_record is not None
     recorder = None
-    if record_routing or probing:
-        # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
-        dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
-        # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
-        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing, allow_empty=groups.pp_size > 1,
-                                  topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
+    if record_routing or probing or query_ids_TLK is not None:
+        recorder = _recorder(model, groups, old_record, probs_dtype, diagnostics=probing or query_ids_TLK is not None)
     if old_record is not None:
-        _queue_queries(recorder, old_record, micro_batches, groups)
+        _queue_queries(recorder, old_record.expert_ids_TLK, old_record.layer_numbers, micro_batches, groups)
+    if query_ids_TLK is not None:
+        _queue_queries(recorder, query_ids_TLK, query_layer_numbers, micro_batches, groups)
     replay = None
     if replay_ids_TLK is not None:
         replay = replay_for(model, groups, micro_batches, replay_ids_TLK, replay_layer_numbers, recorder.layer_numbers,
                             replay_gates_TLK)
-    cu_S1 = response_cu_seqlens(sequences, prompt_lengths)
+    loss_fn = _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab, temperature_T,
+                                    response_cu_seqlens(sequences, prompt_lengths), topk)
     with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
-        outputs = run_schedule(
-            model, micro_batches,
-            _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab, temperature_T, cu_S1, topk),
-            forward_only=True, before_forward=replay.before_forward if replay is not None else None,
-        )
+        outputs = run_schedule(model, micro_batches, loss_fn, forward_only=True,
+                               before_forward=replay.before_forward if replay is not None else None)
     result = _results_in_sample_order(outputs, micro_batches, groups, sequences, prompt_lengths, topk)
     if recorder is not None:
         record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
@@ -300,7 +306,19 @@ def compute_logprobs(
             result.record = record
         if probing:
             _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
+        if query_ids_TLK is not None:
+            _query_outputs(result, recorder, record, micro_batches, groups, prompt_lengths)
     return result
+
+
+def _check_pass_arguments(groups: ParallelGroups, topk: int, temperature_T, old_record, query_ids_TLK) -> None:
+    """The combinations the log-prob pass refuses."""
+    if topk and groups.cp_size > 1:
+        raise ValueError("log-prob pass: top-k log-probs are computed without context parallelism")
+    if topk and temperature_T is not None:
+        raise ValueError("log-prob pass: top-k log-probs are of the T = 1 distribution (temperature_T must be None)")
+    if old_record is not None and query_ids_TLK is not None:
+        raise ValueError("compute_logprobs queries either the old record's experts or query_ids_TLK, not both")
 
 
 def response_cu_seqlens(sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int]) -> torch.Tensor:
@@ -315,6 +333,30 @@ def micro_batch_temperatures(temperature_T: torch.Tensor | None, mb: PackedMicro
                              device: torch.device) -> torch.Tensor | None:
     """``[R]`` temperatures of a micro-batch's response rows (its samples' tokens in its order)."""
     return None if temperature_T is None else temperature_T[packed_rows(mb, cu_S1)].to(device)
+
+
+def _recorder(model, groups: ParallelGroups, old_record: RouterRecord | None, probs_dtype: torch.dtype, *,
+              diagnostics: bool) -> RouterRecorder:
+    gpt = unwrap(model)
+    # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
+    dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
+    # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
+    return RouterRecorder([model], probs_dtype=dtype, diagnostics=diagnostics, allow_empty=groups.pp_size > 1,
+                          topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
+
+
+def _query_outputs(result: LogProbResult, recorder: RouterRecorder, record: RouterRecord, micro_batches, groups,
+                   prompt_lengths: Sequence[int]) -> None:
+    """The queried experts' router probabilities at every position, and per response token the
+    share of layers whose own top-K is not them."""
+    result.query_probs_TLK = gather_call_field(recorder, micro_batches, groups, "query_probs_NK")
+    agree_TL = gather_call_field(recorder, micro_batches, groups, "natural_equals_query_N")
+    result.flip_T = _per_response_token(1.0 - agree_TL.float().mean(dim=1), record, prompt_lengths)
+
+
+def _per_response_token(values_T: torch.Tensor, record: RouterRecord, prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """Per-position values at the positions that predicted each response token, ``[T_resp]``."""
+    return values_T[response_positions(record.cu_seqlens_S1, prompt_lengths)]
 
 
 def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int,
@@ -363,10 +405,9 @@ def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicr
     return result
 
 
-def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:
-    per_call = local_ids_per_call(
-        old_record.expert_ids_TLK, old_record.layer_numbers, recorder.layer_numbers, micro_batches, groups
-    )
+def _queue_queries(recorder: RouterRecorder, expert_ids_TLK: torch.Tensor, layer_numbers: Sequence[int],
+                   micro_batches, groups) -> None:
+    per_call = local_ids_per_call(expert_ids_TLK, layer_numbers, recorder.layer_numbers, micro_batches, groups)
     for number, ids in per_call.items():
         recorder.set_queries(number, ids)
 
@@ -391,6 +432,9 @@ def _routing_outputs(result, recorder, record, micro_batches, groups, prompt_len
         )
         gamma_all_T = rspo_gamma_T(shift_TL.sum(dim=1), len(record.layer_numbers))
         result.rspo_gamma_T = gamma_all_T[response_positions(all_cu, prompt_lengths)]
+        result.router_shift_T = _per_response_token(shift_TL.mean(dim=1).float(), record, prompt_lengths)
+        result.flip_T = _per_response_token(1.0 - kwargs["natural_equals_old_TL"].float().mean(dim=1), record,
+                                            prompt_lengths)
     result.routing_metrics = routing_metrics(
         record.layer_numbers, natural_equals_dispatched_TL=agree_TL, valid_T=valid_T, **kwargs
     )

@@ -111,6 +111,12 @@ class TrainBatch:
     temperature_T: torch.Tensor | None = None
     """``[T_resp]`` sampling temperature of each response token: every pass scores
     ``log_softmax(logits / T)``, the policy that drew the token (None: T = 1)."""
+    versions_T: torch.Tensor | None = None
+    """``[T_resp]`` int64 weight version that produced each response token (the behaviour policy's)."""
+    shift_record: RouterRecord | None = None
+    """The record RSPO's router shift is measured against: the experts each token was produced
+    with (the rollout routes) and the old policy's router probabilities at them; None: the old
+    policy's own top-K (``old_record``)."""
     teacher_logprobs_T: torch.Tensor | None = None
     """``[T_resp]`` distillation teachers' log-probs of the sampled tokens (``train.teachers``)."""
     teacher_topk_ids_TK: torch.Tensor | None = None
@@ -142,6 +148,8 @@ class TrainBatch:
             rollout_routes=None if self.rollout_routes is None else [self.rollout_routes[i] for i in indices],
             rollout_gates=None if self.rollout_gates is None else [self.rollout_gates[i] for i in indices],
             temperature_T=tokens(self.temperature_T),
+            versions_T=tokens(self.versions_T),
+            shift_record=None if self.shift_record is None else self.shift_record.select_samples(indices),
             teacher_logprobs_T=tokens(self.teacher_logprobs_T),
             teacher_topk_ids_TK=tokens(self.teacher_topk_ids_TK),
             teacher_topk_logprobs_TK=tokens(self.teacher_topk_logprobs_TK),
@@ -169,6 +177,9 @@ class StepResult:
     """0-dim metric tensors, identical on every rank."""
     kept_mask_T: torch.Tensor | None = None
     """``[T_resp]`` bool: this rank's tokens that entered the loss (response mask and filters)."""
+    probe_T: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per response token of the probe pass: ``router_shift`` (what gamma exponentiates),
+    ``gamma`` and ``flip`` (layers whose current top-K is not the measured record's experts)."""
 
 
 def replay_ids_for(
@@ -255,14 +266,17 @@ def forward_backward(
     needs_filter_inputs = objective.entropy_top_rho is not None or objective.stapo_tau_p is not None
     metrics: dict[str, torch.Tensor] = {}
     gamma_T = probe = None
+    # RSPO measures the router's shift at the experts each token was produced with when the
+    # batch says which (shift_record), else at the old policy's own.
+    measured = batch.shift_record if batch.shift_record is not None else batch.old_record
     if uses_rspo or plan.diagnostics or needs_filter_inputs:
-        if uses_rspo and batch.old_record is None:
+        if uses_rspo and measured is None:
             raise RoutingDataError("the objective uses RSPO weights but the batch has no old_record")
         probe = compute_logprobs(
             model, groups, batch.sequences, batch.prompt_lengths,
             micro_batch_sequences=micro_batch_sequences, micro_batch_tokens=micro_batch_tokens,
             chunk_tokens=chunk_tokens, temperature_T=batch.temperature_T, replay_gates_TLK=replay_gates,
-            replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=batch.old_record,
+            replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=measured,
         )
         gamma_T = probe.rspo_gamma_T
         metrics.update(probe.routing_metrics or {})
@@ -278,10 +292,8 @@ def forward_backward(
 
     micro_batches = pack_for_rank(batch.sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
-    loss_fn = _objective_loss_fn(
-        batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
-        gpt.true_vocab_size,
-    )
+    loss_fn = _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, gamma_T, counts, chunk_tokens,
+                                 gpt.true_vocab_size)
     replay = None
     if replay_ids is not None:
         replay = replay_for(model, groups, micro_batches, replay_ids, replay_columns, tuple(find_routers([model])),
@@ -294,7 +306,10 @@ def forward_backward(
     metrics["routing/replayed_micro_batches"] = torch.tensor(
         float(replay.replayed_micro_batches if replay is not None else 0)
     )
-    return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T)
+    probe_T = {} if probe is None else {name: value for name, value in (
+        ("router_shift", probe.router_shift_T), ("gamma", probe.rspo_gamma_T), ("flip", probe.flip_T))
+        if value is not None}
+    return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T, probe_T=probe_T)
 
 
 def _kept_mask_and_counts(

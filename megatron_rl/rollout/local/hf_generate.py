@@ -29,6 +29,13 @@ Multi-turn: ``routes_from`` returns routes from a position on (SGLang's
 response is served from that response's KV, so only the new positions are computed
 (``hf_prefix_cache``).
 
+Pauses (the hf engine's asynchronous rollouts, :class:`DecodeControl`): between a sampled
+token and the next forward the decoding thread can park while the weights change; it then
+goes on, each token tagged with the version of the pass that computed its logits. With
+``recompute`` (SGLang's ``retract``) every live row's KV is computed again under the new
+weights (the prompt and the tokens so far); otherwise (``in_place``) the old KV stays. Routes
+of positions forwarded before the pause keep the pass that computed them.
+
 Does not own the model or its weights (``hf_model``), data-parallel splitting or
 versions (``hf_engine``).
 """
@@ -36,6 +43,7 @@ versions (``hf_engine``).
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -77,6 +85,48 @@ class Generation:
     """``[N - 1, L, K]`` fp32 router probabilities of those experts, when routes are asked."""
     truncation_logratio: torch.Tensor | None = None
     """``[len(output_ids)]`` fp32 ``-log(mass kept)`` by top-k / top-p at each token (None: no truncation)."""
+    versions: list[int] | None = None
+    """The weights version that computed each token's logits (with a :class:`DecodeControl`)."""
+
+
+class DecodeControl:
+    """Pauses a decoding thread between steps while the weights change (see the module docstring).
+
+    Args:
+        version: the version of the weights the model holds when decoding starts.
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.recompute = False
+        self._pause, self._parked, self._resumed, self._done = (threading.Event() for _ in range(4))
+
+    def pause(self) -> None:
+        """Ask the decoding thread to park at its next step; returns once it has (or has finished)."""
+        self._resumed.clear()
+        self._pause.set()
+        while not (self._parked.wait(0.01) or self._done.is_set()):
+            pass
+
+    def resume(self, version: int, recompute: bool) -> None:
+        """Go on under the weights of ``version``; ``recompute``: the KV again under them first."""
+        self.version, self.recompute = version, recompute
+        self._pause.clear()
+        self._parked.clear()
+        self._resumed.set()
+
+    def finished(self) -> None:
+        """The decoding ended (a pause asked later returns at once)."""
+        self._done.set()
+
+    def at_step(self) -> bool:
+        """Called by the decoding thread between steps: parks while paused; True when the KV must
+        be computed again (the weights changed and ``recompute``)."""
+        if not self._pause.is_set():
+            return False
+        self._parked.set()
+        self._resumed.wait()
+        return self.recompute
 
 
 def moe_routers(hf_model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -103,10 +153,13 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
     captured: dict[int, list[torch.Tensor]] = {}
     handles = []
     if enabled:
+        mine = threading.get_ident()  # another thread may decode with the same model (asynchronous rollouts)
         for layer, router in moe_routers(hf_model).items():
             calls = captured.setdefault(layer, [])
+            # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
             handles.append(router.register_forward_hook(
-                lambda _m, _i, out, calls=calls: calls.append(_route_triples(out))))
+                lambda _m, _i, out, calls=calls: calls.append(_route_triples(out)) if threading.get_ident() == mine
+                else None))
         if not handles:
             raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate or .router) to read "
                              "routes from")
@@ -151,6 +204,7 @@ def generate(
     routes_from: Sequence[int] | None = None,
     prefix_cache: PrefixCache | None = None,
     logprobs_after_temperature: bool = True,
+    control: DecodeControl | None = None,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -168,6 +222,11 @@ def generate(
         logprobs_after_temperature: report ``log_softmax(logits / T)``, the sampled
             distribution (SGLang's default); False: ``log_softmax(logits)``
             (:func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
+        control: pauses between steps while the weights change, and tags each token with the
+            version that computed it (:class:`DecodeControl`).
+
+    Length: one decoding loop, read top to bottom (prefill, then per step: sample, retire rows,
+    pause, forward the new tokens).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -190,9 +249,11 @@ def generate(
                 responses.routes[i].append(step_routes[i, S - len(suffixes[i]):])
         rows = torch.arange(B, device=device)  # sample index of each batch row
         next_pos_B = torch.tensor([len(p) for p in prompts], device=device)
+        out_version = None if control is None else control.version  # the weights that computed `out`
         for step in range(params.max_new_tokens):
             tokens_B, values_B2 = _sample_step(out.logits[:, -1].float(), params, generator, logprobs_after_temperature)
-            keep = responses.append(rows.tolist(), tokens_B, values_B2, stops, step + 1 == params.max_new_tokens)
+            keep = responses.append(rows.tolist(), tokens_B, values_B2, stops, step + 1 == params.max_new_tokens,
+                                    out_version)
             if prefix_cache is not None:
                 _keep_finished(prefix_cache, cache, rows, keep, mask_BP, prompts, responses)
             if not keep:
@@ -202,6 +263,20 @@ def generate(
                 select_rows(cache, index)
                 rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
                 next_pos_B = next_pos_B[index]
+            if control is not None and control.at_step():
+                # The weights changed: every live row's KV again, its last token forwarded with it.
+                out_version = control.version
+                live = [list(prompts[i]) + responses.output_ids[i] for i in rows.tolist()]
+                cache, input_BS, mask_BP, positions_BS, _ = _prefill_inputs(hf_model, live, [None] * len(live), pad_id)
+                out = hf_model(input_ids=input_BS, attention_mask=mask_BP, position_ids=positions_BS, cache=cache,
+                               use_cache=True, logits_to_keep=1)
+                next_pos_B = torch.tensor([len(seq) for seq in live], device=device)
+                step_routes = _pop_step_routes(captured, len(rows), input_BS.shape[1])
+                if step_routes is not None:  # only the new position's: the others keep their first pass's
+                    for r, i in enumerate(rows.tolist()):
+                        responses.routes[i].append(step_routes[r, -1:])
+                continue
+            out_version = None if control is None else control.version
             mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
             out = hf_model(input_ids=tokens_B[:, None], attention_mask=mask_BP, position_ids=next_pos_B[:, None],
                            cache=cache, use_cache=True)
@@ -210,6 +285,8 @@ def generate(
             if step_routes is not None:
                 for r, i in enumerate(rows.tolist()):
                     responses.routes[i].append(step_routes[r])
+    if control is not None:
+        control.finished()
     truncated = params.temperature > 0 and (params.top_p < 1 or params.top_k > 0)
     return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
                                  routes_from=starts, truncated=truncated)
@@ -300,16 +377,18 @@ class _Responses:
         self.output_ids: list[list[int]] = [[] for _ in range(num_samples)]
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
         self.routes: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
+        self.versions: list[list[int]] = [[] for _ in range(num_samples)]
         self.stopped = [False] * num_samples
 
     def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B2: torch.Tensor,
-               stops: set[int], last_step: bool) -> list[int]:
-        """Adds each row's token (and its log-prob and truncation log-ratio, ``[B, 2]``) to its
-        sample; returns the rows that go on decoding."""
+               stops: set[int], last_step: bool, version: int | None = None) -> list[int]:
+        """Adds each row's token (computed by weights ``version``; its log-prob and truncation
+        log-ratio, ``[B, 2]``) to its sample; returns the rows that go on decoding."""
         keep = []
         for r, (i, token) in enumerate(zip(samples, tokens_B.tolist())):
             self.output_ids[i].append(token)
             self.logprobs[i].append(token_lp_B2[r])
+            self.versions[i].append(version)
             self.stopped[i] = token in stops
             if not self.stopped[i] and not last_step:
                 keep.append(r)
@@ -320,8 +399,8 @@ class _Responses:
         """One :class:`Generation` per sample; routes (when collected) from ``routes_from`` on, as
         ``id_dtype`` ids, gates and probabilities; the truncation log-ratios when top-k / top-p cut."""
         out = []
-        for ids, values, routes, stopped, start in zip(self.output_ids, self.logprobs, self.routes, self.stopped,
-                                                       routes_from):
+        for ids, values, routes, stopped, start, versions in zip(self.output_ids, self.logprobs, self.routes,
+                                                                 self.stopped, routes_from, self.versions):
             values_O2 = torch.stack(values).float().cpu()
             triples = torch.cat(routes)[start:].cpu() if with_routes else None
             out.append(Generation(
@@ -330,6 +409,7 @@ class _Responses:
                 gates_NLK=None if triples is None else triples[..., 1].contiguous(),
                 probs_NLK=None if triples is None else triples[..., 2].contiguous(),
                 truncation_logratio=values_O2[:, 1].contiguous() if truncated else None,
+                versions=None if None in versions else versions,
             ))
         return out
 
