@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,33 +40,29 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _start_server(args, log: Path):
+    """The stand-in, serving on a socket bound here (no other process can take its port first)."""
+    from megatron_rl.rollout.sglang.control import probe_servers
+    from megatron_rl.rollout.sglang.server import ManagedServer
 
-
-def _start_server(port: int, args, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(CONFIG), "--port", str(port),
+    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(CONFIG), "--port", "0",
            "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    from megatron_rl.rollout.sglang.control import probe_servers
-
-    probe_servers([f"http://127.0.0.1:{port}"], timeout_s=5, wait_s=300, poll_s=0.5)
-    return proc
+    log.unlink(missing_ok=True)
+    server = ManagedServer(cmd, "http://127.0.0.1:0", env={"PYTHONWARNINGS": "ignore"}, log_path=log,
+                           listen="127.0.0.1").start()
+    probe_servers([server.url], timeout_s=5, wait_s=300, poll_s=0.5)
+    return server
 
 
 def _run(k: int, args, out: Path) -> dict:
     run_dir = out / f"staleness{k}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    server = _start_server(port, args, run_dir / "server.log")
+    server = _start_server(args, run_dir / "server.log")
     overrides = [f"train.run_dir={run_dir}", f"train.steps={args.steps}", f"train.eval_every={args.steps}",
                  f"train.save_every={args.steps}", "train.save_hf=false", "train.progress=false",
-                 "train.resume=false", "rollout.engine=sglang", f"rollout.sglang.urls=[http://127.0.0.1:{port}]",
+                 "train.resume=false", "rollout.engine=sglang", f"rollout.sglang.urls=[{server.url}]",
                  f"rollout.max_staleness={k}", "objective.dynamic_sampling=false", *args.overrides]
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
@@ -92,8 +86,7 @@ def _run(k: int, args, out: Path) -> dict:
             raise SystemExit(f"staleness {k}: the trainer failed (exit {trainer.returncode}); "
                              f"see {run_dir}/trainer.log")
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait()
+        server.stop()
     rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
     n = args.steps
     clock = seen[n - 1] - seen[0]

@@ -28,6 +28,7 @@ that torchrun or srun started).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import multiprocessing as mp
 import os
@@ -220,11 +221,16 @@ def _running(pid: int) -> bool:
         return False
 
 
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a rank's store requests wait (torch's default process-group timeout)."""
+
+
+def rendezvous_store(world_size: int, timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT) -> torch.distributed.TCPStore:
+    """The master side of a TCP rendezvous, listening on a port the kernel picked as it bound
+    (``store.port``), so no other process can take the port between its pick and its bind, as
+    it can take a port picked free and bound later by rank 0 (``EADDRINUSE``)."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                      timeout=timeout)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -269,7 +275,9 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, in rank order
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                           timeout=RENDEZVOUS_TIMEOUT)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, True, _dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -320,11 +328,13 @@ def run_world(
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _rank_context()
     results: mp.Queue = ctx.Queue()
-    port = free_port()
+    # The caller hosts the ranks' store on a port it holds from the start (:func:`rendezvous_store`).
+    store = rendezvous_store(world_size)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results, backend),
+            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results,
+                  backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)

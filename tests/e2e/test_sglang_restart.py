@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import refused_url
 from protocol_servers import running_protocol_server
 
-from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.client import (
     RolloutRequestError,
@@ -69,10 +69,11 @@ def test_behind_means_older_or_a_launch_tag():
 
 def test_probe_names_each_unreachable_server_at_once(server):
     probe_servers([server.url], timeout_s=5)
-    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
-    started = time.monotonic()
-    with pytest.raises(RolloutRequestError) as err:
-        probe_servers([dead[0], server.url, dead[1]], timeout_s=5)
+    with refused_url() as first, refused_url() as second:
+        dead = [first, second]
+        started = time.monotonic()
+        with pytest.raises(RolloutRequestError) as err:
+            probe_servers([dead[0], server.url, dead[1]], timeout_s=5)
     assert time.monotonic() - started < 3
     lines = str(err.value).splitlines()
     assert lines[0] == "2 of 3 SGLang servers unreachable:"

@@ -11,10 +11,8 @@ from megatron_rl.sections import ParallelConfig
 def one_gpu_world():
     """A one-process NCCL world on GPU 0 with Megatron's groups for the default layout."""
     from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.parallel.world import free_port
-
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
     try:
         with model_parallel(ParallelConfig(), seed=1234) as groups:
             yield groups

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel import world
 from megatron_rl.parallel.world import (
     WorldError,
     WorldTimeout,
@@ -38,8 +40,14 @@ def _hang():
     return "done"
 
 
-def test_results_come_back_in_rank_order():
-    results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
+def test_results_come_back_in_rank_order(monkeypatch):
+    # Another process holds the port a free-port pick returns by the time rank 0 would bind it
+    # (EADDRINUSE); the world must not depend on such a pick.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(world, "free_port", lambda: taken.getsockname()[1], raising=False)
+        results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(float(r["sum"]) == 30.0 for r in results)
 

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang.sockets import inherited_socket
 from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
 from megatron_rl.rollout.sglang.standin_engine import EngineHost
 from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, MemoryRoutes
@@ -447,10 +448,13 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
                          token_latency_s=args.token_latency_s,
                          memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
+    sock = inherited_socket()  # bound by whoever started us (server.ManagedServer): --port is its port
+    port = sock.getsockname()[1] if sock is not None else args.port
     try:
-        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}: {architecture}, "
+        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{port}: {architecture}, "
               f"{host.engine_kind} engine, {'raw' if original else 'temperature-scaled'} log-probs", flush=True)
-        web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
+        where = {"sock": sock} if sock is not None else {"host": args.host, "port": args.port}
+        web.run_app(server.app(), **where, print=None, handle_signals=True)
     finally:
         print(server.closing_line(), flush=True)
         host.close()

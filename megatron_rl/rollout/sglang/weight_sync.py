@@ -86,7 +86,7 @@ class WeightSyncConfig:
     master_address: str | None = None
     """Distributed mode: address of rank 0 the servers connect to (None: this host's name)."""
     master_port: int = 0
-    """Distributed mode: rendezvous port on rank 0 (0: any free port)."""
+    """Distributed mode: rendezvous port on rank 0 (0: one the kernel picks as rank 0 binds it)."""
     group_name: str = "megatron_rl_weight_sync"
     """Distributed mode: name of the group on both sides."""
     timeout_s: float = 600.0
