@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from megatron_rl.train.checkpoint import TrainerState
 
 MAX_REWARD_ERRORS_PRINTED = 5
-"""Reward errors printed per scoring call and rank (all are counted in ``reward/errors``)."""
+"""Reward errors printed per scoring call and rank (all are counted in ``reward/errors``, the
+timeouts among them also in ``reward/timeouts``)."""
 
 
 @dataclass
@@ -95,6 +96,8 @@ class _Drawn:
     """``reward/<name>`` -> the reward functions' extra fields, per response that has one."""
     errors: int = 0
     """Responses whose reward function failed."""
+    timeouts: int = 0
+    """Of those, responses whose reward ran out of time (twice: a timeout is tried once more)."""
     trajectories: dict[str, list[float]] = field(default_factory=dict)
     """``env/<name>`` -> one value per multi-turn trajectory that has it (``trajectory_stats``)."""
 
@@ -354,7 +357,7 @@ class RolloutSource:
             "sampling/groups_drawn": torch.tensor(float(len(drawn.rewards))),
             "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn.rewards))),
         }, self.groups.dp))
-        metrics.update(self._reward_extras(drawn.extras, drawn.errors))
+        metrics.update(self._reward_extras(drawn.extras, drawn.errors, drawn.timeouts))
         if self.multiturn is not None:
             metrics.update(self.agreed_means(drawn.trajectories))
         return chosen
@@ -363,6 +366,7 @@ class RolloutSource:
         """Add a scored round to ``drawn``: each group kept, or dropped as uninformative."""
         G = self.cfg.rollout.group_size
         drawn.errors += sum(res.error is not None for res in results)
+        drawn.timeouts += sum(res.timed_out for res in results)
         for res in results:
             for name, value in res.extras.items():
                 drawn.extras.setdefault(f"reward/{name}", []).append(value)
@@ -395,8 +399,10 @@ class RolloutSource:
             all_reduce(totals, self.groups.dp)
         return {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
 
-    def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
-        """Means of the reward functions' extra fields over the global batch, and the error count.
+    def _reward_extras(self, extras: dict[str, list[float]], errors: int, timeouts: int) -> dict[str, torch.Tensor]:
+        """Means of the reward functions' extra fields over the global batch, and the counts of
+        responses whose reward failed (``reward/errors``) and, of those, ran out of time
+        (``reward/timeouts``).
 
         Ranks may see different extra names (a reward may add a field only sometimes), so
         the names are agreed on first: every rank then reduces the same tensor.
@@ -407,9 +413,9 @@ class RolloutSource:
         names = sorted(names)
         sums = [sum(extras.get(n, [])) for n in names]
         counts = [len(extras.get(n, [])) for n in names]
-        totals = torch.tensor([*sums, *counts, float(errors)], dtype=torch.float64)
+        totals = torch.tensor([*sums, *counts, float(errors), float(timeouts)], dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
         out = {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
-        out["reward/errors"] = totals[-1].float()
+        out["reward/errors"], out["reward/timeouts"] = totals[-2].float(), totals[-1].float()
         return out

@@ -348,10 +348,14 @@ class Trainer:
             if e.greedy and e.temperature > 0:
                 greedy = self.rollouts.respond(mine, 0.0, self.cfg.seed, return_routes=False)
         check_versions(samples, self.engine.weight_version)
-        rewards = [self.rollouts.total_reward(res, s) for res, s in zip(self.rollouts.score(asked, samples), samples)]
+        results = self.rollouts.score(asked, samples)
+        rewards = [self.rollouts.total_reward(res, s) for res, s in zip(results, samples)]
         correct = [sum(reward > 0 for reward in rewards[i * n : (i + 1) * n]) for i in range(len(mine))]
-        names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
-        sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
+        # A response whose reward failed counts as wrong: the fractions say how many did, and why.
+        names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k), "eval/reward_error_frac",
+                 "eval/reward_timeout_frac"]
+        sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k),
+                sum(r.error is not None for r in results) / n, sum(r.timed_out for r in results) / n]
         if greedy is not None:
             names.append("eval/accuracy_greedy")
             sums.append(float(sum(self.rollouts.total_reward(res, s) > 0

@@ -34,7 +34,7 @@ SMALL = [
     "eval.max_prompts=8", "eval.num_samples=2", "eval.pass_k=[1,2]", "reward.num_workers=1",
 ]
 PHASE_KEYS = ["time/rollout", "time/old_logprobs", "time/update", "reward/mean", "rollout/accuracy",
-              "reward/errors", "reward/has_answer",
+              "reward/errors", "reward/timeouts", "reward/has_answer",
               "mismatch/train_rollout_abs_diff", "routing/replay_agreement", "routing/flip_rate",
               "gamma/mean", "gamma/min", "optim/grad_norm", "perf/tokens_per_s"]
 
