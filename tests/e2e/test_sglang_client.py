@@ -207,8 +207,9 @@ web.run_app(app, sock=inherited_socket(), print=None)
 
 def test_a_busy_server_is_not_called_hung(tmp_path):
     """Item 6: SGLang's /health is a one-token generation that a busy or paused scheduler answers
-    only after up to 20 s; the hang detector asks /ping (a flag check), so a request that takes
-    longer than hang_check_after_s + health_timeout_s on a live server is waited for."""
+    only after up to 20 s; the hang detector asks /server_info (which a busy scheduler answers
+    between two batches), so a request that takes longer than hang_check_after_s +
+    health_timeout_s on a live server is waited for."""
     script = tmp_path / "busy_sglang.py"
     script.write_text(BUSY_SERVER)
     with ManagedServer([sys.executable, str(script)], "http://127.0.0.1:0", env=QUIET, listen="127.0.0.1") as busy:

@@ -144,7 +144,7 @@ def test_hung_server_is_reported_in_bounded_time(server):
     os.killpg(server.process.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        with pytest.raises(ServerHungError, match=rf"server {server.url} did not answer /ping within 2s \(hung\?\)"):
+        with pytest.raises(ServerHungError, match=rf"server {server.url} did not answer /server_info within 2s \(hung\?\)"):
             asyncio.run(run())
         elapsed = time.monotonic() - started
     finally:
@@ -154,6 +154,31 @@ def test_hung_server_is_reported_in_bounded_time(server):
     # Woken up, the same server serves again.
     engine = SGLangEngine(SGLangClientConfig(urls=[server.url]), ROUTES)
     assert len(engine.generate(_prompts(2), PARAMS)) == 2
+
+
+def test_a_hung_scheduler_is_named_though_the_http_front_end_answers(server):
+    """SGLang's HTTP process answers ``/ping`` from a flag whatever its scheduler does; a
+    scheduler that hangs is seen by ``/server_info``, which it answers between two batches."""
+    cfg = SGLangClientConfig(urls=[server.url], hang_check_after_s=1.0, health_timeout_s=2.0, request_timeout_s=20.0,
+                             max_retries=0)
+
+    async def run():
+        async with SGLangClient(cfg, ROUTES) as client:
+            await client.generate(_prompts(2), PARAMS, return_routed_experts=True)
+
+    assert request_json("POST", server.url + "/_test/fault", {"kind": "hang_scheduler", "times": 1})[0] == 200
+    try:
+        assert request_json("GET", server.url + "/ping", timeout_s=5)[0] == 200
+        started = time.monotonic()
+        with pytest.raises(ServerHungError, match=r"did not answer /server_info within 2s \(hung\?\)"):
+            asyncio.run(run())
+        elapsed = time.monotonic() - started
+        with pytest.raises(ServerHungError, match=r"is hung: GET /server_info unanswered within 2s"):
+            probe_servers([server.url], timeout_s=2)
+    finally:
+        request_json("POST", server.url + "/_test/fault", {"kind": "hang_scheduler", "times": 0})
+    assert 1.0 + 2.0 <= elapsed < 1.0 + 2.0 + 8.0, elapsed
+    probe_servers([server.url], timeout_s=30)  # released, the same server answers again
 
 
 class CollectiveVersionTag(VersionTag):
@@ -267,7 +292,7 @@ def test_a_server_that_hangs_during_a_push_is_named_in_bounded_time(server):
     (result,) = run_world(_push_hang_rank, 1, server.url, server.process.pid, timeout_s=300)
     print("\nhung server named after " + ", ".join(f"{k} {v:.1f}s" for k, v in result["seconds"].items()))
     for case in ("before_push", "tensor_mid_push", "distributed_mid_push"):
-        assert f"SGLang server {server.url} is hung: GET /ping unanswered within 2s" in result["errors"][case], result
+        assert f"SGLang server {server.url} is hung: GET /server_info unanswered within 2s" in result["errors"][case], result
         assert result["seconds"][case] < 20, result  # 312 s before (README: under a minute)
     assert "while POST /update_weights_from_tensor was unanswered" in result["errors"]["tensor_mid_push"]
     assert "broadcast was pending" in result["errors"]["distributed_mid_push"]

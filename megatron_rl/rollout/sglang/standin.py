@@ -26,7 +26,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) and 503 after (``entrypoints/http_server.py:218``,
   ``:721-799``); ``/ping`` and ``/ready`` a flag check (``:714-718``, ``:2190-2199``);
 * ``/server_info`` with the launch settings (``tp_size``, ``dp_size``,
-  ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``),
+  ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``), answered
+  by the scheduler (here the engine thread) between two batches (``managers/scheduler.py:
+  2026-2036``), so a hung scheduler leaves it unanswered while ``/ping`` answers,
   ``/model_info`` with SGLang's keys (``:812-850``);
 * ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
   ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
@@ -256,14 +258,19 @@ class ProtocolServer(MemoryRoutes):
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """``GET /server_info``: the launch settings SGLang reports there (http_server.py:863-894)."""
+        """``GET /server_info``: the launch settings SGLang reports there (http_server.py:863-894),
+        with the scheduler's internal state, which SGLang asks the scheduler for
+        (tokenizer_control_mixin.py:967-974) and the scheduler answers between two batches
+        (scheduler.py:2026-2036, :1909): here the engine thread, between two engine calls. A
+        hung engine thread leaves it unanswered while ``/ping`` still answers, as in SGLang."""
+        internal_state = await self.host.call(dict)
         return web.json_response({
             "model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1,
             "enable_deterministic_inference": self.deterministic, "enable_return_routed_experts": True,
             "enable_memory_saver": self.memory.memory_saver,
             "enable_weights_cpu_backup": self.memory.weights_cpu_backup,
             "skip_tokenizer_init": True, "weight_version": self.launch_version, "version": SGLANG_VERSION,
-            "internal_states": [{}],
+            "internal_states": [internal_state],
         })
 
     async def flush_cache(self, request: web.Request) -> web.Response:

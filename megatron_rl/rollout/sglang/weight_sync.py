@@ -9,7 +9,7 @@ push, each its own step so it can be timed alone:
    what the served architecture loads (every name known, each once: SGLang would skip an
    unknown one without a word, :mod:`~megatron_rl.rollout.sglang.loader_rules`), the
    payload's dtypes (:mod:`~megatron_rl.rollout.sglang.weight_payload`), and the buckets;
-2. **servers**: every server answers ``/ping`` (a restarting one is waited for
+2. **servers**: every server is live (``/server_info``; a restarting one is waited for
    ``server_wait_s``, a hung one fails at once); before the first push and after a
    reconnect, ``/server_info`` must show ``tp_size == server_tp_size`` and ``dp_size == 1``;
    then a weight-update session opens on every server (:class:`~megatron_rl.rollout.sglang.

@@ -19,8 +19,11 @@ again once (:meth:`Sessions.begin`).
   an error naming the server before any tensor is broadcast; later, the broadcast runs
   beside the announces, and a refusal or a hung server ends the push at once, naming it.
 
-Every control call is watched (:func:`~megatron_rl.rollout.sglang.control.watched_request`):
-a server that hangs mid-push is reported within ``hang_check_after_s + health_timeout_s``.
+Every control call is watched (:func:`~megatron_rl.rollout.sglang.control.watched_request`),
+by ``GET /server_info``, which the server's scheduler answers between two turns of its loop:
+a server whose scheduler hangs mid-push (its HTTP process may still answer ``/ping``) is
+reported within ``hang_check_after_s + health_timeout_s``, provided each turn of a healthy
+scheduler (one bucket's load or broadcast) takes less than ``health_timeout_s``.
 Does not own gathering, naming or bucketing (:mod:`~megatron_rl.rollout.sglang.weight_sync`).
 """
 
@@ -73,7 +76,7 @@ class Limits:
     hang_check_after_s: float
     """A call unanswered this long probes the server's liveness."""
     liveness_s: float
-    """A server silent on ``/ping`` this long is hung."""
+    """A server silent on ``/server_info`` (its scheduler) this long is hung."""
 
 
 def _failures(answers: list[tuple[str, int, Any]], path: str) -> list[str]:
