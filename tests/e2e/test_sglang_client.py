@@ -27,7 +27,7 @@ from megatron_rl.rollout.sglang.client import (
     SGLangClientConfig,
     StaleWeightVersionError,
 )
-from megatron_rl.rollout.sglang.control import request_json
+from megatron_rl.rollout.sglang.control import EncodedJSON, request_json
 from megatron_rl.rollout.sglang.engine import SGLangEngine
 from megatron_rl.rollout.sglang.server import (
     ManagedServer,
@@ -390,6 +390,38 @@ def test_launcher_wait_and_stop_logic(tmp_path):
     with pytest.raises(ServerStartError, match="not healthy after 1s"):
         silent.start().wait_healthy(timeout_s=1.0, poll_s=0.1)
     assert silent.process.poll() is not None  # stopped on the timeout
+
+
+def test_a_bucket_sized_body_is_parsed_while_the_server_answers(server):
+    """A 256 MiB weight update (the default bucket is 512 MB of tensors): parsed on the loop
+    that answers /ping, it kept every other request waiting for the whole parse (seconds; a
+    benchmark's healthy server was called hung); parsed off it, /ping answers throughout."""
+    chunk = b"A" * (4 << 20)  # valid base64; the pieces are sent one after another, never joined
+    body = EncodedJSON([b'{"serialized_named_tensors": ["', *[chunk] * 64, b'"], "load_format": null}'])
+    latencies, sending = [], threading.Event()
+
+    def ping() -> None:
+        while sending.is_set():
+            started = time.monotonic()
+            assert request_json("GET", server.url + "/ping", timeout_s=60)[0] == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    sending.set()
+    pinger = threading.Thread(target=ping)
+    started = time.monotonic()
+    pinger.start()
+    try:
+        status, answer = request_json("POST", server.url + "/update_weights_from_tensor", body, timeout_s=300)
+    finally:
+        sending.clear()
+        pinger.join()
+    took = time.monotonic() - started
+    # Read and parsed (no session is open: refused after the parse, as SGLang refuses it).
+    assert status == 400 and "begin_weight_update" in str(answer), answer
+    print(f"\n256 MiB weight update answered in {took:.1f}s; /ping answered {len(latencies)} times meanwhile, "
+          f"slowest in {max(latencies):.3f}s")
+    assert len(latencies) >= 5 and max(latencies) < took / 4, (max(latencies), took)
 
 
 def test_protocol_server_stops_cleanly_on_sigterm(server):

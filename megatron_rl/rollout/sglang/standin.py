@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -58,6 +57,7 @@ from aiohttp import web
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.sockets import inherited_socket
 from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
+from megatron_rl.rollout.sglang.standin_body import json_body
 from megatron_rl.rollout.sglang.standin_engine import EngineHost
 from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.rollout.sglang.standin_weights import (
@@ -201,7 +201,7 @@ class ProtocolServer(MemoryRoutes):
         self.counters.generate_requests += 1
         started = time.monotonic()
         try:
-            body = await request.json()
+            body = await json_body(request)
             rid, prompt, params, want_routes, seed = self._parse(body)
             start = self._routes_start(body, prompt)
         except ValueError as err:
@@ -311,8 +311,9 @@ class ProtocolServer(MemoryRoutes):
         return self._result(ok, message)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_tensor``: session, then decode entry 0, then load."""
-        body = json.loads(await request.read())
+        """``POST /update_weights_from_tensor``: session, then decode entry 0, then load (the
+        body, a bucket's size, parsed off the event loop that answers every other request)."""
+        body = await json_body(request)
         entries, load_format = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             return _error(400, "serialized_named_tensors must be a list of base64 strings")
