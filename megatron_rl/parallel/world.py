@@ -15,9 +15,11 @@ Lifetime: every rank leads its own process group, so stopping a rank reaches wha
 started (reward pool workers and their forkserver) and the terminal's Ctrl-C reaches only
 the parent. However ``run_world`` ends (results, failure, an exception such as
 :class:`Stopped`), no rank or rank child outlives it: ranks still running are sent
-SIGTERM, then SIGKILL, group by group. When the caller dies abruptly (SIGKILL, OOM killer)
-every rank kills its own group at once (:func:`exit_with_process`); the forkserver exits
-when its last client has. Entry points turn
+SIGTERM, then SIGKILL, group by group, and it returns once no process of those groups runs.
+When the caller dies abruptly (SIGKILL, OOM killer) every rank kills its own group at once
+(:func:`exit_with_process`); the forkserver exits when its last client has. A caller that
+exits normally stops and reaps its forkserver first (:func:`~megatron_rl.parallel.world_end.end_forkserver`), so when a
+command returns, no process of its run remains. Entry points turn
 SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
 
 The other two ways a default process group comes to be live here too: :func:`world_of_one`
@@ -31,6 +33,7 @@ import contextlib
 import datetime
 import io
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import select
@@ -46,6 +49,7 @@ import torch
 
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
+from megatron_rl.parallel.world_end import adopt_orphans, end_forkserver_at_exit, end_groups, running
 
 
 class WorldError(RuntimeError):
@@ -208,17 +212,10 @@ def gone_on_this_host(processes: list[tuple[str, int]], wait_s: float = 1.0) -> 
     local = [(rank, pid) for rank, (name, pid) in enumerate(processes) if name == host and pid != os.getpid()]
     deadline = time.monotonic() + wait_s
     while True:
-        gone = [rank for rank, pid in local if not _running(pid)]
+        gone = [rank for rank, pid in local if not running(pid)]
         if gone or time.monotonic() >= deadline:
             return gone
         time.sleep(0.05)
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.NoSuchProcess:
-        return False
 
 
 RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
@@ -299,7 +296,15 @@ def _rank_context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS])
+    if not _ENDS_AT_EXIT:
+        # The last of multiprocessing's own exit finalizers: after those that still talk to
+        # the resource tracker (a queue's semaphores), which is stopped too.
+        _ENDS_AT_EXIT.append(mp_util.Finalize(None, end_forkserver_at_exit, exitpriority=-100))
     return ctx
+
+
+_ENDS_AT_EXIT: list = []
+"""The exit finalizer that stops this process's forkserver, once registered."""
 
 
 def run_world(
@@ -342,6 +347,7 @@ def run_world(
     # Ranks that finished or failed get a moment to exit on their own; a stop or an
     # unexpected error ends them at once.
     wait_s = 0.0
+    adopt_orphans(True)
     try:
         for proc in procs:
             proc.start()
@@ -356,6 +362,7 @@ def run_world(
         raise
     finally:
         _end_ranks(procs, wait_s)
+        adopt_orphans(False)
 
 
 def _collect_outcomes(procs: list, results: "mp.Queue", deadline: float, late: str) -> dict[int, tuple[bool, Any]]:
@@ -411,6 +418,9 @@ def _end_ranks(procs: list, wait_s: float, grace_s: float = 5.0) -> None:
         deadline = time.monotonic() + (wait or 0.0)
         for proc in started:
             proc.join(timeout=None if wait is None else max(0.0, deadline - time.monotonic()))
+    # A rank's children (its reward workers) are orphans once it is gone: SIGKILLed with its
+    # group above, they may take a moment to be gone.
+    end_groups({proc.pid for proc in started}, grace_s)
 
 
 def _signal_rank(proc, sig: int) -> None:

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_tree import ProcessTree
 
 from megatron_rl.checkpoint.hf_io import INCOMPLETE_MARKER, staging_dir
 from megatron_rl.train.main import main
@@ -95,11 +96,15 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
     _, uninterrupted = ep2_run
     run_dir = tmp_path / "crashed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    crashed = subprocess.run([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
-                              f"train.run_dir={run_dir}"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert crashed.returncode == 1, crashed.stderr
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as errors:
+        crashed = subprocess.Popen([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
+                                    f"train.run_dir={run_dir}"], stdout=out, stderr=errors, env=env, cwd=ROOT)
+    tree = ProcessTree(crashed.pid)
+    assert crashed.wait(900) == 1, (tmp_path / "err").read_text()
+    # When the command returns, nothing of the run is left (its forkserver used to outlive it).
+    assert tree.left() == [] and len(tree.seen) >= 3
     # Both ranks fail; the report is one line from the first, no traceback.
-    err = [line for line in crashed.stderr.splitlines() if "error" in line]
+    err = [line for line in (tmp_path / "err").read_text().splitlines() if "error" in line]
     assert len(err) == 1 and "injected failure after step 3" in err[0] and "Traceback" not in err[0], err
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     resumed = _run(run_dir)

@@ -3,12 +3,15 @@
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from process_tree import ProcessTree
 
 from megatron_rl.parallel import world
 from megatron_rl.parallel.world import (
@@ -99,13 +102,29 @@ def test_a_killed_rank_is_named_with_its_signal_before_its_peers_errors(tmp_path
     assert (tmp_path / "gone").read_text() == "[1]"
 
 
-def test_train_names_a_rank_killed_while_its_peer_was_busy(monkeypatch, capsys, tmp_path):
-    """Before any peer fails, the world has only the dead rank to report: one line, exit 1."""
-    import megatron_rl.train.main as train_main
+KILLED_RANK_RUN = """
+import sys
+import megatron_rl.train.main as train_main
+import test_world
+from megatron_rl.parallel.world import run_world
+train_main.run_world = lambda *args, **kwargs: run_world(test_world._killed_while_peer_works, 2, timeout_s=60)
+sys.exit(train_main.main(sys.argv[1:]))
+"""
 
-    monkeypatch.setattr(train_main, "run_world",
-                        lambda *args, **kwargs: run_world(_killed_while_peer_works, 2, timeout_s=60))
-    assert train_main.main(["--config", str(DEMO), f"train.run_dir={tmp_path}"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == ("megatron-rl-train: error: rank 1 was killed by SIGKILL "
-                   "(MEGATRON_RL_TRACEBACK=1 prints every rank's traceback)"), err
+
+def test_train_names_a_rank_killed_while_its_peer_was_busy_and_leaves_no_process(tmp_path):
+    """The command with its world's rank 1 SIGKILLed: before any peer fails, the world has only
+    the dead rank to report (one line, exit 1), and when the command returns, nothing of the
+    run is left: not the ranks, not their forkserver (it used to outlive the command by 3-20 s,
+    holding its output pipes, then stay a zombie of PID 1)."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        command = subprocess.Popen([sys.executable, "-c", KILLED_RANK_RUN, "--config", str(DEMO),
+                                    f"train.run_dir={tmp_path / 'run'}"], stdout=out, stderr=err, env=env)
+    tree = ProcessTree(command.pid)
+    assert command.wait(300) == 1
+    assert tree.left() == [] and len(tree.seen) >= 3  # the forkserver and two ranks, all gone
+    assert (tmp_path / "err").read_text().strip() == (
+        "megatron-rl-train: error: rank 1 was killed by SIGKILL (MEGATRON_RL_TRACEBACK=1 prints every rank's "
+        "traceback)")
