@@ -34,7 +34,7 @@ from megatron_rl.parallel.comm import (
 )
 from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.multiturn import trajectory_stats
+from megatron_rl.rollout.multiturn import is_env_count, trajectory_stats
 from megatron_rl.rollout.trajectory import ENV_FAULTS
 from megatron_rl.train.phases import phase_timer
 
@@ -388,13 +388,16 @@ class RolloutSource:
 
     def agreed_means(self, values: dict[str, list[float]]) -> dict[str, torch.Tensor]:
         """Collective: each name's mean over every rank's values (a rank may lack a name:
-        the names are agreed on first, so every rank reduces the same tensor)."""
+        the names are agreed on first, so every rank reduces the same tensor). An environment's
+        count (:func:`~megatron_rl.rollout.multiturn.is_env_count`) is a mean over every
+        trajectory (``env/turns`` has one value per trajectory), 0 where it was not reported."""
         names = set(values)
         if self.groups.dp_size > 1:
             names = set().union(*all_gather_objects(sorted(names), self.groups.dp))
         names = sorted(names)
-        totals = torch.tensor([sum(values.get(n, [])) for n in names] + [len(values.get(n, [])) for n in names],
-                              dtype=torch.float64)
+        trajectories = len(values.get("env/turns", []))
+        counted = [trajectories if is_env_count(n) else len(values.get(n, [])) for n in names]
+        totals = torch.tensor([sum(values.get(n, [])) for n in names] + counted, dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
         return {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
