@@ -93,7 +93,8 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         kept = [] if resume_from_step is None else _rows_up_to(self.path, resume_from_step)
-        _replace_lines(self.path, [line for line, _ in kept])
+        with reporting_a_full_disk(self.run_dir, "rewriting the metrics file of the resumed run"):
+            _replace_lines(self.path, [line for line, _ in kept])
         self._last_step = kept[-1][1]["step"] if kept else None
         self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:

@@ -143,15 +143,16 @@ class Trainer:
                 if trackers is not None:
                     trackers.log(step, row)
 
-            state = self._start(self._print_warm_start)
+            state, written = self._start(self._print_warm_start)
             self._setup_reference(state)
             self._finish_owed_export(state)
-            if state.step == 0:
+            if written is not None:  # as every step: its row, then its checkpoint published
                 log(0, {**self.evaluate(), **self._engine_metrics(),
                         "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
                         "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
                         "data/prompts_over_length": torch.tensor(
                             float(self.train_set.num_filtered + self.eval_set.num_filtered))})
+                publish_checkpoint(written, self.groups.world)
             watch = StepWatch(self.cfg.profile, t.run_dir, rank(self.groups.world))
             bar = progress(range(state.step + 1, t.steps + 1), "RL steps", self.rank0 and t.progress)
             for step in bar:
@@ -372,9 +373,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ start and checkpoints
 
-    def _start(self, log) -> TrainerState:
+    def _start(self, log) -> tuple[TrainerState, WrittenCheckpoint | None]:
         """Resume from the run's latest checkpoint, or start (from ``init_checkpoint`` when set,
-        already loaded by the constructor), optionally warm-start, and save step 0."""
+        already loaded by the constructor), optionally warm-start, and write step 0's checkpoint
+        (returned, for the caller to publish after step 0's row)."""
         path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer, self.groups.world)
@@ -384,7 +386,7 @@ class Trainer:
             self.turns.weights_changed(state.weight_version)
             if self.rank0:
                 print(f"resumed from {path} (step {state.step})", flush=True)
-            return state
+            return state, None
         state = TrainerState(step=0, data_position=0, weight_version=0)
         if self.rank0 and self.init is not None:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
@@ -396,8 +398,7 @@ class Trainer:
             self.optimizer.reload_model_params()
             # The warm start changed the weights the engine was built with (same version 0).
             self.turns.weights_changed(state.weight_version)
-        self._save(state)
-        return state
+        return state, self._save(state, publish=False)
 
     def _warm_start(self, log) -> None:
         """Supervised steps on the training prompts' reference answers (``train.sft_steps``)."""

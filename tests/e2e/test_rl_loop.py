@@ -116,6 +116,23 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
             assert resumed[step][key] == value, (step, key, resumed[step][key], value)
 
 
+def test_a_run_resumed_at_step_0_holds_step_0_once(ep2_run, tmp_path):
+    """What a run that failed on a full disk saving step 1 leaves: step 0 published, its row
+    logged, a partial step 1. The same command resumes at step 0; step 0's row is not written
+    again (it was, after the checkpoint: metrics.jsonl held step 0 twice)."""
+    run_dir, _ = ep2_run
+    failed = Path(shutil.copytree(run_dir, tmp_path / "failed"))
+    (failed / "checkpoints" / "latest").write_text("step_000000")
+    rows = (failed / "metrics.jsonl").read_text().splitlines()
+    (failed / "metrics.jsonl").write_text(rows[0] + "\n")
+    partial = failed / "checkpoints" / "step_000001"
+    partial.mkdir(exist_ok=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    assert main(["--config", str(CONFIG), *SMALL, f"train.run_dir={failed}", "train.steps=1"]) == 0
+    assert [row["step"] for row in read_metrics(failed / "metrics.jsonl")] == [0, 1]
+    assert (failed / "checkpoints" / "latest").read_text().strip() == "step_000001"
+
+
 def test_a_resumed_run_writes_the_hf_export_its_step_owes(ep2_run, tmp_path):
     """A run directory whose last checkpoint step has no HF export, only a stopped export's
     staging directory marked incomplete (what a run from before exports preceded publishing
