@@ -38,6 +38,7 @@ ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 TRAIN_ROWS = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 DEMO = REPO / "configs" / "demo_cpu.yaml"
 QWEN = REPO / "configs" / "qwen3_30b_a3b.yaml"
+TASK = REPO / "configs" / "demo_task.yaml"
 BIN = Path(sys.executable).parent
 LIMIT_S = 10.0
 
@@ -79,6 +80,8 @@ def build_inputs(root: Path) -> dict[str, Path]:
     paths["n_group"] = _copy(root, "n_group")
     family_config = {**COMMON, **FAMILIES["deepseek_v3"][2], "n_group": 3, "model_type": "deepseek_v3"}
     (paths["n_group"] / "config.json").write_text(json.dumps(family_config))
+    paths["n_group_0"] = _copy(root, "n_group_0")
+    (paths["n_group_0"] / "config.json").write_text(json.dumps({**family_config, "n_group": 0}))
     paths["odd_vocab"] = _copy(root, "odd_vocab")
     tensors = load_file(ASSET / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -173,7 +176,13 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: init truncated safetensors", [*train, f"init_checkpoint={p['trunc_st']}"], "model.safetensors"),
         Case("train: init config.json n_group=3", [*train, f"init_checkpoint={p['n_group']}"],
              "config.json n_group=3: must divide n_routed_experts (8)"),
+        Case("train: init config.json n_group=0", [*train, f"init_checkpoint={p['n_group_0']}"],
+             "config.json n_group=0: must be an integer >= 1"),
         Case("train: init config.json not JSON", [*train, f"init_checkpoint={p['bad_json']}"], "config.json"),
+        Case("train: no prompt fits beside the responses", [*train, "rollout.max_new_tokens=121"],
+             "rollout.max_new_tokens (121, of model.max_position_embeddings 128): leaves 7 tokens for a prompt"),
+        Case("train: task num_eval_prompts=0", ["megatron-rl-train", "--config", str(TASK),
+                                                "data.task.num_eval_prompts=0"], "data.task.num_eval_prompts"),
         Case("train: missing YAML file", ["megatron-rl-train", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("train: bad YAML file", ["megatron-rl-train", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("train: unknown key", [*train, "objective.no_such_key=1"], "objective.no_such_key"),
