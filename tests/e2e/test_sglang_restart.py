@@ -28,6 +28,7 @@ from megatron_rl.rollout.sglang.client import (
 )
 from megatron_rl.rollout.sglang.control import probe_servers, request_json
 from megatron_rl.rollout.sglang.engine import STEP_METRICS, SGLangEngine
+from megatron_rl.rollout.sglang.weight_sync import restarted_servers
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 DEMO_TASK = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
@@ -49,16 +50,22 @@ class VersionTag:
     in these tests, whose point is when the engine pushes, not what."""
 
     def __init__(self, urls: list[str]) -> None:
-        self.urls, self.calls = urls, []
+        self.urls, self.calls, self.started_at, self.restarts = urls, [], {}, 0
 
     def sync(self, version: int, *, reconnect: bool = False) -> None:
         self.calls.append((version, reconnect))
+        # As the real push does: a probe first, which tells a restarted server by its startup_time.
+        self.restarts += len(restarted_servers(self.started_at, probe_servers(self.urls, timeout_s=30)))
         for url in self.urls:
             status, body = request_json("POST", url + "/update_weight_version", {"new_version": str(version)})
             assert status == 200, body
 
     def close(self) -> None:
         pass
+
+    def take_restarts(self) -> int:
+        restarts, self.restarts = self.restarts, 0
+        return restarts
 
 
 def test_behind_means_older_or_a_launch_tag():
@@ -123,6 +130,7 @@ def test_server_restarted_mid_batch_gets_the_weights_again(server):
     metrics = engine.step_metrics()
     assert sorted(metrics) == sorted(f"sglang/{n}" for n in STEP_METRICS)
     assert float(metrics["sglang/resyncs"]) == 1 and float(metrics["sglang/duplicates"]) == 0
+    assert float(metrics["sglang/restarts"]) == 1  # the re-push's probe saw a new startup_time
     assert float(metrics["sglang/attempts"]) == stats.attempts
     assert float(metrics["sglang/retries"]) == sum(stats.retries.values())
     assert all(float(v) == 0 for v in engine.step_metrics().values())  # counted once per step

@@ -266,6 +266,9 @@ def test_launch_settings_and_probes_exist_in_sglang():
     assert "(GetInternalStateReq, self.get_internal_state)" in _source("managers/scheduler.py")
     loop = ast.unparse(_function("managers/scheduler.py", "event_loop_normal"))
     assert loop.index("self.ingest_requests()") < loop.index("if self._engine_paused:")
+    # A restart shows as a new startup_time, which the server sets as it starts.
+    assert '"startup_time": _global_state.tokenizer_manager.startup_time' in route[:route.index("\n@app.")]
+    assert 'tokenizer_manager.set_startup_time(scheduler_info["startup_time"])' in http
     ping = http[http.index('@app.get("/ping")'):]
     assert "tokenizer_manager.is_healthy()" in ping[:ping.index("\n@app.")]
     assert re.search(r"^    tp_size: A\[", _source("arg_groups/fields/parallel.py"), re.M)

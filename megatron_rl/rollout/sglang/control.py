@@ -101,8 +101,9 @@ def hung_problem(url: str, timeout_s: float) -> str | None:
 
 
 def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
-                  poll_s: float = 1.0) -> None:
-    """Fail unless every server answers :data:`LIVENESS_PATH` with 200 (blocking; cheap).
+                  poll_s: float = 1.0) -> dict[str, Any]:
+    """Fail unless every server answers :data:`LIVENESS_PATH` with 200 (blocking; cheap); returns
+    each server's answer (its ``/server_info``) by URL.
 
     Meant for before any heavy work (building the model, a weight push), so a run whose
     servers are not there fails in seconds instead of after it.
@@ -120,6 +121,7 @@ def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float
     """
     pending = [u.rstrip("/") for u in urls]
     deadline = time.monotonic() + wait_s
+    live: dict[str, Any] = {}
     while True:
         with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
             answers = list(pool.map(lambda u: (u, *request_json("GET", u + LIVENESS_PATH, timeout_s=timeout_s)),
@@ -128,9 +130,10 @@ def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float
         if hung:
             raise ServerHungError("; ".join(f"SGLang server {u} is hung: GET {LIVENESS_PATH} unanswered within "
                                             f"{timeout_s:g}s" for u in hung))
+        live.update((u, body) for u, status, body in answers if status == 200)
         failed = [(u, status, body) for u, status, body in answers if status != 200]
         if not failed:
-            return
+            return live
         if time.monotonic() + poll_s > deadline:
             lines = [f"SGLang server {u} is not live: " + (f"GET {LIVENESS_PATH}: {body}" if status == 0
                                                            else f"GET {LIVENESS_PATH} answered HTTP {status}")

@@ -115,6 +115,7 @@ class ProtocolServer(MemoryRoutes):
         self.host, self.model_path, self.weight_version = host, model_path, weight_version
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
+        self.startup_time = {"started": time.time()}  # as SGLang's /server_info has it (http_server.py:886)
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
                                          token_latency_s=token_latency_s, alone=deterministic)
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
@@ -270,7 +271,7 @@ class ProtocolServer(MemoryRoutes):
             "enable_memory_saver": self.memory.memory_saver,
             "enable_weights_cpu_backup": self.memory.weights_cpu_backup,
             "skip_tokenizer_init": True, "weight_version": self.launch_version, "version": SGLANG_VERSION,
-            "internal_states": [internal_state],
+            "startup_time": self.startup_time, "internal_states": [internal_state],
         })
 
     async def flush_cache(self, request: web.Request) -> web.Response:
