@@ -26,7 +26,8 @@ setup(
         "psutil",
         "tqdm",
         "safetensors>=0.4",
-        "transformers>=4.51",
+        # 5.24: the hf rollout engine passes the KV cache as cache= (rollout/local/hf_model.py).
+        "transformers>=5.24",
         "tokenizers",
         # Prompt files (JSONL / Parquet) are read with Hugging Face datasets.
         "datasets>=3",

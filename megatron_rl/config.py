@@ -1,24 +1,28 @@
-"""The run's configuration: one :class:`RunConfig` composed of every section, YAML presets,
-dotted overrides, and the rules that span sections.
+"""The run's configuration, read one way: one :class:`RunConfig` composed of every section,
+YAML presets, dotted overrides, the model section of the starting checkpoint, and the rules
+that span sections.
 
 Each section is a kw_only dataclass with one-line attribute docstrings, living with its
-owner: the shared ones in :mod:`megatron_rl.sections` (model, parallel, optim), the others
-next to their code (``data.config``, ``rewards.config``, ``rollout.config``,
-``rollout.sglang.config``, ``train.config``, ``train.logging_config``, ``fp8``, ``algos.section``). All of those are
-leaves, so this module sits just above them and below everything that runs. A YAML preset
-is a partial :class:`RunConfig`; ``key.sub=value`` overrides apply on top. :func:`validate`
-runs every section's rules and the cross-section ones before any model is built: an
-unknown key, a value of the wrong type or a broken rule raises :class:`ConfigError` naming
-the dotted key. Rules that need more than the config (the served architecture's table,
-files, the tokenizer) run in ``megatron_rl.train.prepare``.
+owner: the shared ones and the loop's in :mod:`megatron_rl.sections` (model, parallel, optim,
+train, logging), the others next to their code (``data.config``, ``rewards.config``,
+``rollout.config``, ``rollout.sglang.config``, ``rollout.envs.config``, ``fp8``,
+``algos.section``). All of those are leaves. A YAML preset is a partial :class:`RunConfig`;
+``key.sub=value`` overrides apply on top. :func:`load_config` is the only reader every
+program and test goes through: with ``init_checkpoint`` the ``model`` section comes from the
+checkpoint (``checkpoint.init_source``, the one function that turns a checkpoint into model
+settings; a contradicting key is an error naming both values), so this module sits above the
+checkpoint readers and below the loop. :func:`validate` runs every section's rules and the
+cross-section ones before any model is built: an unknown key, a value of the wrong type or a
+broken rule raises :class:`ConfigError` naming the dotted key. Rules that need files besides
+the checkpoint's headers (the tokenizer, the prompt files, the reward, a run directory to
+resume) run in ``megatron_rl.train.prepare``.
 """
-
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence, TypeVar
+from typing import Any, Sequence
 
 import yaml
 
@@ -47,16 +51,14 @@ from megatron_rl.sections import (
     validate_model,
     validate_optim,
 )
-from megatron_rl.train.config import EvalConfig, TrainerConfig, check_eval_config
-from megatron_rl.train.logging_config import (
+from megatron_rl.sections.logging import (
     LoggingConfig,
     ProfileConfig,
     check_logging_config,
 )
+from megatron_rl.sections.train import EvalConfig, TrainerConfig, check_eval_config
 
 __all__ = ["ConfigError", "RunConfig", "from_dict", "parse_overrides", "to_dict", "load_config", "validate"]
-
-T = TypeVar("T")
 
 
 GROUP_RELATIVE_ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -281,26 +283,44 @@ def read_preset(path: str | Path) -> dict[str, Any]:
     return merged
 
 
-def load_config(
-    path: str | Path | None = None,
-    overrides: Sequence[str] = (),
-    cls: type[T] = RunConfig,  # type: ignore[assignment]
-    world_size: int | None = None,
-    validate_fn=None,
-) -> T:
-    """Load a YAML preset, apply dotted overrides, build and validate ``cls``.
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), world_size: int | None = None,
+                *, check_pushes: bool = True) -> RunConfig:
+    """The one way a run's config is read (train, launch, smoke, plan, the stand-in, tests): a
+    YAML preset, dotted overrides on top, the ``model`` section from ``init_checkpoint`` when one
+    is named (:func:`megatron_rl.checkpoint.init_source.checkpoint_model_section`: headers and
+    JSON only), every section's rules and the cross-section ones, and the served architecture's.
 
     Args:
         path: YAML preset; None starts from the dataclass defaults.
         overrides: ``key.path=value`` strings, applied after the preset.
-        cls: the top-level config dataclass.
         world_size: number of processes, when known, for layout validation.
-        validate_fn: validation hook; defaults to :func:`validate` for RunConfig.
+        check_pushes: apply :func:`check_served_architecture`, the trainer's rule on what it
+            pushes into SGLang servers. The stand-in, a server that serves its starting
+            checkpoint's own architecture, reads the run's config without it.
+
+    Raises:
+        ConfigError: naming the key (for a contradiction with the checkpoint, both values).
     """
-    data = read_preset(path) if path is not None else {}
-    data = merge(data, parse_overrides(overrides))
-    cfg = from_dict(cls, data)
-    check = validate_fn or (validate if cls is RunConfig else None)
-    if check is not None:
-        check(cfg, world_size)
+    # Imported here: the checkpoint's headers are read with torch and safetensors, which
+    # importing the config's dataclasses and rules (the planner, --help) does not need.
+    from megatron_rl.checkpoint.init_source import checkpoint_model_section
+
+    data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
+    if data.get("init_checkpoint") is not None:
+        data["model"] = checkpoint_model_section(data["init_checkpoint"], data.get("model"))
+    cfg = validate(from_dict(RunConfig, data), world_size)
+    if check_pushes:
+        check_served_architecture(cfg)
     return cfg
+
+
+def check_served_architecture(cfg: RunConfig) -> None:
+    """SGLang servers run an HF architecture's own block: its table must exist and, when the
+    trainer pushes weights into it, compute the same model (or rollouts would silently come
+    from another policy). Needs the checkpoint tables (``checkpoint.hf_config``)."""
+    from megatron_rl.checkpoint.hf_config import check_architecture_holds
+
+    s = cfg.rollout.sglang
+    if cfg.rollout.engine == "sglang":
+        pushed = cfg.model if s.weight_sync != "none" else None
+        check_architecture_holds(s.hf_architecture, pushed, "rollout.sglang.hf_architecture")

@@ -54,14 +54,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence, TextIO
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, load_config
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.fp8 import Fp8Environment, check_fp8
 from megatron_rl.plan import Machine, make_plan, parse_bytes
 from megatron_rl.plan.report import layout_from_config
 from megatron_rl.rollout.sglang.server import FAILED_SUFFIX, parent_death_signal
 from megatron_rl.sections import validate_layout
-from megatron_rl.train.prepare import check_inputs, load_run_config
+from megatron_rl.train.prepare import check_inputs
 
 DEFAULT_ENTRY = "megatron_rl.train.main"
 """Module every worker runs unless ``--entry`` names another."""
@@ -403,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # another engine's checks, then validate the run with the SGLang section below.
         planning = args.overrides + (["rollout.engine=megatron", "rollout.max_staleness=0",
                                       "rollout.placement=disaggregated"] if args.sglang is not None else [])
-        cfg = load_run_config(args.config, planning)
+        cfg = load_config(args.config, planning)
         check_inputs(cfg)
         gpus = _gpus_on_node()
         plan = resolve_plan(args, cfg, env, gpus)
@@ -411,7 +411,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.sglang is not None:
             server_cmd, extra = colocated_sglang(plan, cfg, args.sglang)
             plan.overrides += extra
-            cfg = load_run_config(args.config, plan.overrides)  # validates the SGLang section too
+            cfg = load_config(args.config, plan.overrides)  # validates the SGLang section too
             if cfg.rollout.placement == "colocated":  # the servers release their memory between turns
                 server_cmd.insert(server_cmd.index("--url-file"), "--enable-memory-saver")
         validate_launch(cfg, plan.nnodes, plan.nproc_per_node, gpus_per_node=gpus)

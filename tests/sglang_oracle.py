@@ -11,6 +11,10 @@ Each job is a tuple; each answer ``("ok", value)`` or ``("error", "Type: message
 * ``("decode_flattened", entry)``: the same, then the named tensors a ``flattened_bucket`` entry
   becomes (``FlattenedTensorBucket``, ``srt/weight_sync/tensor_bucket.py``), each as ``(name,
   dtype, shape, its bytes)``.
+* ``("decode_cuda_handle", entry, uuids)``: a by-reference entry (CUDA IPC handles naming their GPU
+  by UUID) decoded as in ``decode`` on a machine whose GPUs have ``uuids``; CUDA is faked, and
+  torch's own rebuild of a handle (it needs a GPU) records the arguments SGLang's patched
+  rebuild (``srt/utils/patch_torch.py``) hands it: the answer.
 * ``("receive_layout", names, dtypes, shapes)``: the buffer layout a server receives an announced
   flattened bucket into (``FlattenedTensorBucket.empty``), or its refusal.
 * ``("validate", struct, body)``: the request body as FastAPI validates it into the
@@ -100,6 +104,25 @@ def decode(entry):
     return MultiprocessingSerializer.deserialize(raw)
 
 
+def decode_cuda_handle(entry, uuids):
+    import torch
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+    from torch.multiprocessing import reductions
+
+    monkey_patch_torch_reductions()
+    torch.cuda.device_count = lambda: len(uuids)
+    torch.cuda.get_device_properties = lambda index: types.SimpleNamespace(uuid=uuids[index])
+    calls = []
+
+    def rebuild(*args):
+        calls.append(args)
+        return torch.zeros(args[1], dtype=args[5])
+
+    reductions._rebuild_cuda_tensor_original = rebuild
+    decode(entry)
+    return calls
+
+
 def decode_flattened(entry):
     """A ``flattened_bucket`` entry as the model runner hands it to the loader: decoded, its metadata
     re-made as ``FlattenedTensorMetadata`` and the tensors rebuilt by ``FlattenedTensorBucket``
@@ -156,7 +179,8 @@ def allowed_globals():
 def main() -> int:
     bootstrap()
     jobs = pickle.load(sys.stdin.buffer)
-    handlers = {"decode": decode, "decode_flattened": decode_flattened, "receive_layout": receive_layout,
+    handlers = {"decode": decode, "decode_cuda_handle": decode_cuda_handle,
+                "decode_flattened": decode_flattened, "receive_layout": receive_layout,
                 "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
     answers = []
     for kind, *args in jobs:

@@ -3,7 +3,7 @@
     python tests/standin_faults.py --config configs/demo_task.yaml --port 30000 [stand-in options]
 
 :class:`FaultInjectingServer` extends the product's
-:class:`~megatron_rl.rollout.sglang.standin.ProtocolServer` (same command line, same
+:class:`~megatron_rl.sglang_standin.server.ProtocolServer` (same command line, same
 endpoints) with two test endpoints:
 
 * ``POST /_test/fault`` ``{"kind": K, "times": n, "delay_s": s}`` makes the next ``n``
@@ -44,7 +44,7 @@ import torch
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import split
-from megatron_rl.rollout.sglang.standin import ProtocolServer, argument_parser, serve
+from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, serve
 
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
                "stop_on_update", "hang_scheduler")

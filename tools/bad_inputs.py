@@ -143,12 +143,12 @@ def _trainer_run_dir(run_dir: Path, megatron: Path) -> Path:
     """
     import torch
 
+    from megatron_rl.config import load_config
     from megatron_rl.config_loading import to_dict
-    from megatron_rl.train.prepare import load_run_config
 
     step = Path(shutil.copytree(megatron, run_dir / "checkpoints" / "step_000002"))
     (run_dir / "checkpoints" / "latest").write_text("step_000002\n")
-    config = to_dict(load_run_config(DEMO, world_size=2))
+    config = to_dict(load_config(DEMO, world_size=2))
     state = {"step": 2, "data_position": 32, "weight_version": 2, "optimizer_state": False, "config": config}
     (step / "trainer_state.json").write_text(json.dumps(state, indent=1))
     (step / "rng").mkdir()

@@ -45,7 +45,7 @@ def _start_server(args, log: Path):
     from megatron_rl.rollout.sglang.control import probe_servers
     from megatron_rl.rollout.sglang.server import ManagedServer
 
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(CONFIG), "--port", "0",
+    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(CONFIG), "--port", "0",
            "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group

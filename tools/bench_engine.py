@@ -33,6 +33,7 @@ def _bench(batch: int, new_tokens: int, engines: list[str]) -> dict:
     import torch
 
     from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+    from megatron_rl.config import load_config
     from megatron_rl.data.prompts import load_prompts
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
@@ -41,10 +42,10 @@ def _bench(batch: int, new_tokens: int, engines: list[str]) -> dict:
     from megatron_rl.rollout.local.embedded import EmbeddedEngine
     from megatron_rl.rollout.local.hf_engine import HFEngine
     from megatron_rl.train.init_weights import load_initial_weights
-    from megatron_rl.train.prepare import load_run_config, run_tokenizer
+    from megatron_rl.train.prepare import run_tokenizer
 
     length = 512
-    cfg = load_run_config(str(DEMO), ["parallel.expert_model_parallel_size=1", "parallel.world_size=1"], world_size=1)
+    cfg = load_config(str(DEMO), ["parallel.expert_model_parallel_size=1", "parallel.world_size=1"], world_size=1)
     cfg.model = dataclasses.replace(cfg.model, max_position_embeddings=length)
     result: dict = {"batch": batch, "new_tokens": new_tokens, "threads": torch.get_num_threads()}
     with cpu_platform(), model_parallel(cfg.parallel, cfg.seed) as groups:

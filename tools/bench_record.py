@@ -50,7 +50,7 @@ def _worker(model_cfg: ModelConfig, samples: int, length: int, repeats: int) -> 
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.model import build_model
-    from moe_routing.record import RouterRecorder
+    from megatron_rl.parallel.routing_record import RouterRecorder
 
     # The recorder's own work (finding and wrapping the routers, describing each router
     # call, assembling the record) is timed from inside the on passes: a direct figure

@@ -8,7 +8,7 @@ The model has Qwen3-30B-A3B's shapes (``configs/qwen3_30b_a3b.yaml``: hidden 204
 x 128 / 4 KV heads, 128 experts of 768, vocabulary 151936, untied output) with ``--layers`` layers
 (one layer is 1.25 GB of bf16, the two embeddings another 1.24 GB) and random weights. The
 trainer is a 2-process gloo world (EP2, one torch thread per rank, as ``run_world`` gives a
-2-core machine); the server is the CPU stand-in (``python -m megatron_rl.rollout.sglang.standin
+2-core machine); the server is the CPU stand-in (``python -m megatron_rl.sglang_standin.server
 --engine megatron``), started as a subprocess as the e2e tests do, with SGLang 0.5.23's rules
 (sessions, ``SafeUnpickler``, loader rules). Each mode pushes ``--repeats`` times through
 :class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync` (the median push is reported).
@@ -57,7 +57,7 @@ def start_server(overrides: list[str], log: Path):
     from megatron_rl.rollout.sglang.control import probe_servers
     from megatron_rl.rollout.sglang.server import SERVER_ENV, ManagedServer
 
-    cmd = [sys.executable, "-m", "megatron_rl.rollout.sglang.standin", "--config", str(BASE), "--port", "0",
+    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(BASE), "--port", "0",
            "--engine", "megatron", "--threads", "1", *overrides]
     log.unlink(missing_ok=True)
     server = ManagedServer(cmd, "http://127.0.0.1:0", env={**SERVER_ENV, "PYTHONWARNINGS": "ignore"}, log_path=log,
@@ -265,14 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.layers < 1 or args.repeats < 1 or args.bucket_mb < 1:
         parser.error("--layers, --repeats and --bucket-mb: at least 1")
-    from megatron_rl.checkpoint.init_source import run_config_from_checkpoint
+    from megatron_rl.config import load_config
     from megatron_rl.config_loading import to_dict
     from megatron_rl.parallel.world import run_world
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = model_overrides(args.layers)
-    cfg = run_config_from_checkpoint(BASE, overrides)
+    cfg = load_config(BASE, overrides)
     log = out / "server.log"
     load_start = os.getloadavg()[0]
     server = start_server(overrides, log)

@@ -152,6 +152,11 @@ class ObjectiveConfig:
         self._validate_ranges()
         self._validate_combinations()
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a KL term (as a loss or in the reward) needs a frozen reference model's log-probs."""
+        return self.kl_coef > 0 or self.kl_in_reward_coef > 0
+
     def mismatch_bounds(self) -> tuple[float, float]:
         """Returns the (low, high) band of the mismatch correction, defaults resolved."""
         default_low, default_high = MISMATCH_DEFAULT_BOUNDS.get(self.mismatch, (0.0, 0.0))

@@ -9,29 +9,23 @@ sets must agree with the checkpoint: the error names the key and both values. On
 choices that do not change what the weights compute may differ (:data:`RUN_CHOICES`; over
 an HF checkpoint also :data:`HF_RUN_CHOICES`).
 
-Runs before any process group or model exists (headers and JSON only, no Megatron import).
-Does not own filling the model (``megatron_rl.checkpoint.megatron_io.fill_from_hf``, called
-by the trainer) or resuming (a run's own checkpoint always takes precedence).
+Runs before any process group or model exists (headers and JSON only, no Megatron import);
+the config loader calls :func:`checkpoint_model_section`. Does not own filling the model
+(``megatron_rl.checkpoint.megatron_io.fill_from_hf``, called by the trainer), reading the
+config (``megatron_rl.config``) or resuming (a run's own checkpoint always takes precedence).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal, Sequence
+from typing import Any, Literal
 
 from megatron_rl.checkpoint.convert import RECORD_NAME, read_export_source
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_source import HFSource, inspect_hf_checkpoint
 from megatron_rl.checkpoint.trainer_source import is_trainer_checkpoint
-from megatron_rl.config import RunConfig, read_preset, validate
-from megatron_rl.config_loading import (
-    ConfigError,
-    from_dict,
-    merge,
-    parse_overrides,
-    unknown_key_message,
-)
+from megatron_rl.config_loading import ConfigError, unknown_key_message
 
 RUN_CHOICES = ("params_dtype", "init_method_std", "moe_aux_loss_coeff")
 """``model`` keys a run may set freely on top of a checkpoint: the dtype it trains in (weights
@@ -118,22 +112,21 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
-def run_config_from_checkpoint(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> RunConfig:
-    """Read a run config (preset + overrides), take its ``model`` section from ``init_checkpoint``
-    when one is named, and validate it (no files besides the checkpoint's headers).
+def checkpoint_model_section(init: Any, requested: Any) -> dict[str, Any]:
+    """The ``model`` section of a run that starts from ``init`` (the ``init_checkpoint`` value as
+    read from the YAML and the overrides): the one function through which a checkpoint's model
+    settings reach the config loader (``megatron_rl.config.load_config``).
+
+    Args:
+        init: the ``init_checkpoint`` value.
+        requested: the ``model`` keys the YAML preset and the overrides set (may be None).
 
     Raises:
-        ConfigError: naming the key (and, for a contradiction, both values).
+        ConfigError: not a path or not a checkpoint (:func:`inspect_init_checkpoint`), or a
+            requested key that contradicts it (:func:`model_section`).
     """
-    data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
-    init = data.get("init_checkpoint")
-    if init is not None:
-        if not isinstance(init, str):
-            raise ConfigError(f"init_checkpoint: expected a directory path, got {init!r}")
-        requested = data.get("model")
-        if requested is not None and not isinstance(requested, dict):
-            raise ConfigError("model: expected a mapping")
-        data["model"] = model_section(inspect_init_checkpoint(init), requested)
-    cfg = from_dict(RunConfig, data)
-    validate(cfg, world_size)
-    return cfg
+    if not isinstance(init, str):
+        raise ConfigError(f"init_checkpoint: expected a directory path, got {init!r}")
+    if requested is not None and not isinstance(requested, dict):
+        raise ConfigError("model: expected a mapping")
+    return model_section(inspect_init_checkpoint(init), requested)

@@ -8,7 +8,7 @@ forward-only pipeline schedule, computes on the last stage each response token's
 log-probability and the entropy of the full next-token distribution from vocab-sharded
 logits (never gathering the vocabulary), and broadcasts them to every pipeline stage, so
 every rank of the model-parallel group returns the same tensors. With
-``record_routing=True`` a :class:`~moe_routing.record.RouterRecorder` watches every MoE
+``record_routing=True`` a :class:`~megatron_rl.parallel.routing_record.RouterRecorder` watches every MoE
 router and the result carries one :class:`~moe_routing.types.RouterRecord` over all
 prompt+response positions.
 
@@ -41,11 +41,11 @@ from megatron_rl.parallel.packing import (
     padded_row_length,
     slot_lengths,
 )
+from megatron_rl.parallel.routing_layout import assemble_record, gather_call_field, local_ids_per_call
+from megatron_rl.parallel.routing_record import RouterRecorder
+from megatron_rl.parallel.routing_replay import RoutingReplay, replay_ids_per_call
 from megatron_rl.parallel.schedule import run_schedule, unwrap
 from megatron_rl.sections.parallel import thd_row_multiple
-from moe_routing.layout import assemble_record, gather_call_field, local_ids_per_call
-from moe_routing.record import RouterRecorder
-from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.shift import router_shift_TL, rspo_gamma_T
 from moe_routing.stats import routing_metrics
 from moe_routing.types import RouterRecord

@@ -65,9 +65,9 @@ from megatron_rl.parallel.logprobs import (
     pack_for_rank,
 )
 from megatron_rl.parallel.packing import PackedMicroBatch
+from megatron_rl.parallel.routing_record import find_routers
+from megatron_rl.parallel.routing_replay import RoutingReplay, replay_ids_per_call
 from megatron_rl.parallel.schedule import run_schedule, unwrap
-from moe_routing.record import find_routers
-from moe_routing.replay import RoutingReplay, replay_ids_per_call
 from moe_routing.stats import gamma_metrics
 from moe_routing.types import RouterRecord
 from moe_routing.validate import RoutingDataError, validate_expert_ids

@@ -1,7 +1,8 @@
 """The RL memory planner: what one RL step needs per GPU and per node, before anything starts.
 
 Pure arithmetic over the config sections (no torch, no Megatron): parameter counts
-(:mod:`.params`), training state per parameter (:mod:`.state`), activations
+(:mod:`.params`), training state per parameter (:mod:`.state`, from the one home of those
+facts, :mod:`megatron_rl.parallel.optimizer_memory`), activations
 (:mod:`.activations`), the rollout engines (:mod:`.generation`), the phases of a step
 (:mod:`.phases`), the report and verdict (:mod:`.report`) and the layout search
 (:mod:`.search`). The command line is :mod:`megatron_rl.plan.cli` (``megatron-rl-plan``);

@@ -45,12 +45,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from megatron_rl.parallel.optimizer_memory import DTYPE_BYTES
 from megatron_rl.sections import ModelConfig
 
 Recompute = Literal["none", "selective", "full"]
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of each parameter dtype."""
 
 
 @dataclass(frozen=True)

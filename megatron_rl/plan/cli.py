@@ -20,17 +20,16 @@ import argparse
 import sys
 from typing import Sequence
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, load_config
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.plan.machine import Machine, parse_bytes
 from megatron_rl.plan.report import format_plan, layout_from_config, make_plan
 from megatron_rl.plan.search import format_search, search
-from megatron_rl.train.prepare import load_run_config
 
 
 def load_plan_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
     """The run config as the trainer reads it."""
-    return load_run_config(path, list(overrides))
+    return load_config(path, list(overrides))
 
 
 def _parser() -> argparse.ArgumentParser:

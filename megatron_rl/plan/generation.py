@@ -28,12 +28,12 @@ forward-only pass, planned like the log-prob pass. Pure arithmetic.
 from __future__ import annotations
 
 from megatron_rl.config import RunConfig, longest_sequence
-from megatron_rl.plan.activations import DTYPE_BYTES
+from megatron_rl.parallel.optimizer_memory import DTYPE_BYTES
+from megatron_rl.plan.machine import GIB
 from megatron_rl.plan.params import model_params
 from megatron_rl.sections import ModelConfig
 
 MIB = 1 << 20
-GIB = 1 << 30
 KV_BYTES = 2
 """SGLang's KV cache holds bf16 (its ``kv_cache_dtype=auto`` follows the bf16 checkpoint)."""
 

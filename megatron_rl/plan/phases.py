@@ -37,14 +37,21 @@ from megatron_rl.plan.machine import GIB, Layout, Machine
 from megatron_rl.plan.params import rank_params, stage_layers
 from megatron_rl.plan.state import optimizer_bytes_per_param, uses_reference
 from megatron_rl.rollout.sglang.config import SGLangConfig
+from moe_routing.types import compact_id_dtype
 
 SGLANG_RELEASED = 1 * GIB
 """A colocated SGLang server's process while its memory is released: CUDA context and NCCL buffers."""
 LOGPROB_CHUNK_TOKENS = 1024
 """``chunk_tokens`` of the trainer's log-prob passes and updates (``parallel.logprobs``, ``parallel.train_step``)."""
-RECORD_BYTES_PER_ENTRY = 9
-"""A routing record's bytes per (token, MoE layer, k): uint8 expert id, fp32 probability, fp32 gate
-(``moe_routing.types``; ids widen to int16 beyond 256 experts)."""
+RECORD_VALUE_BYTES = 8
+"""A routing record's bytes per (token, MoE layer, k) besides the expert id: fp32 probability and
+fp32 gate (``moe_routing.types``)."""
+
+
+def record_bytes_per_entry(num_experts: int) -> int:
+    """A routing record's bytes per (token, MoE layer, k): the expert id in the record's own
+    compact dtype (``moe_routing.types.compact_id_dtype``) and :data:`RECORD_VALUE_BYTES`."""
+    return compact_id_dtype(num_experts).itemsize + RECORD_VALUE_BYTES
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,7 @@ def state_terms(cfg: RunConfig, layout: Layout, stage: int, distributed: bool) -
         return int(counts.dense * getattr(dense, field) + counts.expert * getattr(expert, field))
 
     terms = [Term("weights", total("weights")), Term("gradient buffer (fp32)", total("grads")),
-             Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer"))]
+             Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer_state"))]
     if uses_reference(cfg):
         terms.append(Term("reference model weights", total("weights")))
     return terms
@@ -209,10 +216,9 @@ def _loss_terms(cfg: RunConfig, s: act.RankShape, shape: StepShape) -> list[Term
 
 def _record_bytes(cfg: RunConfig, s: act.RankShape, tokens: int, layers: range) -> int:
     """Routing records a pass holds on the device until it ends (each router call's rows; then they
-    move to host memory, ``moe_routing.layout.gather_call_field``). The update's probe pass (RSPO,
+    move to host memory, ``megatron_rl.parallel.routing_layout.gather_call_field``). The update's probe pass (RSPO,
     diagnostics) records only a mini-batch, so the old-policy pass bounds it."""
-    id_bytes = 1 if cfg.model.num_experts <= 256 else 2
-    per_entry = RECORD_BYTES_PER_ENTRY - 1 + id_bytes
+    per_entry = record_bytes_per_entry(cfg.model.num_experts)
     rows = tokens // s.tp if s.sequence_parallel else tokens
     return rows * _moe_layers(cfg, layers) * cfg.model.moe_router_topk * per_entry
 
@@ -288,7 +294,7 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
     saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights")
     shape = step_shape(cfg, layout)
     m = cfg.model
-    record = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * RECORD_BYTES_PER_ENTRY
+    record = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * record_bytes_per_entry(m.num_experts)
     terms = [Term(f"routing records of a step ({procs} processes)", procs * record)]
     if cfg.train.routing_replay == "R3":
         routes = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * 4

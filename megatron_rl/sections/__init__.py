@@ -1,8 +1,10 @@
-"""Config sections shared by many owners: ``model``, ``parallel``, ``optim``.
+"""Config sections shared by many owners: ``model``, ``parallel``, ``optim``; and the RL loop's
+own, ``train`` (with ``eval``) and ``logging`` (with ``profile``), whose owner ``megatron_rl.train``
+sits above the config loader.
 
 Leaves of the import graph: they import only ``megatron_rl.config_loading``. Sections with a
-single owner live next to it (``data.config``, ``rewards.config``, ``rollout.config``,
-``rollout.sglang.config``, ``train.config``, ``fp8``, ``algos.section``);
+single owner below the loader live next to it (``data.config``, ``rewards.config``,
+``rollout.config``, ``rollout.sglang.config``, ``fp8``, ``algos.section``);
 ``megatron_rl.config`` composes them all into one run.
 """
 

@@ -10,7 +10,7 @@ option left to its preset also shows the preset's value. The printed YAML loads 
 would be read relative to the printed file.
 
 Does not own loading or validating the config (``megatron_rl.config``,
-``train.prepare.load_run_config``) nor the docs themselves (the sections' attribute docstrings).
+``megatron_rl.config.load_config``) nor the docs themselves (the sections' attribute docstrings).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.section import FROM_PRESET, ObjectiveSection
-from megatron_rl.config import PATH_KEYS, RunConfig, preset_chain, resolve_objective
+from megatron_rl.config import PATH_KEYS, RunConfig, load_config, preset_chain, resolve_objective
 from megatron_rl.config_loading import (
     attribute_docs,
     flatten,
@@ -31,7 +31,6 @@ from megatron_rl.config_loading import (
     to_dict,
     yaml_with_comments,
 )
-from megatron_rl.train.prepare import load_run_config
 
 
 def value_sources(path: str | Path | None, overrides: Sequence[str], cfg: RunConfig) -> dict[str, str]:
@@ -54,7 +53,7 @@ def resolved_config_yaml(path: str | Path | None, overrides: Sequence[str] = (),
     Raises:
         ConfigError: the config is invalid (the same error a run would stop with).
     """
-    cfg = load_run_config(path, overrides, world_size)
+    cfg = load_config(path, overrides, world_size)
     comments = value_sources(path, overrides, cfg)
     objective = resolve_objective(cfg)
     for f in dataclasses.fields(ObjectiveConfig):

@@ -10,8 +10,10 @@ hidden staging directory that is renamed into place only when complete.
 Where the side files come from: the starting checkpoint's own ``config.json``,
 ``generation_config.json`` and tokenizer files when the run started from one (dtype
 updated to the trained weights'), else a ``config.json`` generated from the run's model;
-a tokenizer loaded from elsewhere is saved with ``save_pretrained``. Does not own when
-exports happen (the trainer) or the HF <-> Megatron tables (``megatron_rl.checkpoint.mapping``).
+a tokenizer loaded from elsewhere is saved with ``save_pretrained``. :class:`RunExports` is a
+run's: every ``train.save_hf_every`` steps and at the last, into ``<run_dir>/hf/step_NNNNNN``,
+and the export a resumed step still owes. Does not own the HF <-> Megatron tables
+(``megatron_rl.checkpoint.mapping``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -40,6 +42,12 @@ from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 from megatron_rl.sections import ModelConfig
 from megatron_rl.train.disk_space import as_no_space_left
+from megatron_rl.train.engines import hf_architecture
+
+if TYPE_CHECKING:
+    from megatron_rl.checkpoint.init_source import InitSource
+    from megatron_rl.config import RunConfig
+    from megatron_rl.data.tokenizer import PromptTokenizer
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 """transformers' default shard size for ``save_pretrained``."""
@@ -146,3 +154,56 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
             output.__exit__(type(error), error, error.__traceback__)
     comm.raise_first_failure(error, groups.world, f"exporting the HF checkpoint {out_dir}")
     return out_dir
+
+
+class RunExports:
+    """A run's HF checkpoints (construct and call on every rank together).
+
+    Args:
+        cfg: the run config (``train.save_hf*``, ``train.run_dir``, the model, the tokenizer's source).
+        groups: this rank's parallel groups.
+        ddp: the DDP-wrapped policy stage.
+        init: the starting checkpoint (its side files are carried over), or None.
+        tokenizer: the run's tokenizer (saved when it does not come from the starting checkpoint).
+    """
+
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, ddp: torch.nn.Module, init: InitSource | None,
+                 tokenizer: PromptTokenizer) -> None:
+        self.cfg, self.groups, self.ddp, self.init, self.tokenizer = cfg, groups, ddp, init, tokenizer
+        self.rank0 = comm.rank(groups.world) == 0
+
+    def due(self, step: int) -> bool:
+        """Whether step ``step`` writes an HF checkpoint."""
+        t = self.cfg.train
+        return bool(t.save_hf and (step == t.steps or (t.save_hf_every and step % t.save_hf_every == 0)))
+
+    def __call__(self, step: int) -> Path:
+        """Collective: the current policy as an HF checkpoint in ``<run_dir>/hf/step_NNNNNN``."""
+        cfg = self.cfg
+        side_files = [Path(f) for f in self.init.hf.files] if self.init is not None else []
+        own_tokenizer = cfg.data.source == "files" and cfg.tokenizer.path is not None
+        spec = HFExportSpec(
+            architecture=hf_architecture(cfg, self.init),
+            model=cfg.model, side_files=side_files,
+            save_tokenizer=self.tokenizer.hf_tokenizer.save_pretrained if own_tokenizer else None,
+        )
+        out = export_hf(self.ddp, self.groups, Path(cfg.train.run_dir) / "hf" / f"step_{step:06d}", spec)
+        if self.rank0:
+            print(f"HF checkpoint: {out}", flush=True)
+        return out
+
+    def finish_owed(self, step: int, resumed: bool) -> None:
+        """Collective: the HF checkpoint a resumed step owes, when it is missing. A step
+        publishes its training checkpoint after its export, so a run stopped during the export
+        resumes at the step before; this covers the rest (a run directory written before that
+        order, ``train.save_hf`` turned on for the resume): the weights loaded are that step's,
+        so the export is made now. Staging left by a stopped export is removed either way."""
+        if not resumed or step == 0 or not self.due(step):
+            return
+        out = Path(self.cfg.train.run_dir) / "hf" / f"step_{step:06d}"
+        # Rank 0 alone writes the export: on nodes without a shared file system only it can tell.
+        if comm.broadcast_object(self.rank0 and not out.is_dir(), 0, self.groups.world):
+            if self.rank0:
+                print(f"the HF export of step {step} did not finish before the run stopped: writing it now",
+                      flush=True)
+            self(step)

@@ -28,7 +28,7 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_rl.config import RunConfig, validate  # noqa: E402
+from megatron_rl.config import RunConfig, load_config, validate  # noqa: E402
 from megatron_rl.config_loading import ConfigError, from_dict, to_dict  # noqa: E402
 from megatron_rl.parallel import comm  # noqa: E402
 from megatron_rl.parallel.world import (  # noqa: E402
@@ -42,7 +42,7 @@ from megatron_rl.parallel.world import (  # noqa: E402
     run_world,
 )
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
-from megatron_rl.train.prepare import check_inputs, load_run_config  # noqa: E402
+from megatron_rl.train.prepare import check_inputs  # noqa: E402
 from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
@@ -63,7 +63,7 @@ def run_rank(cfg_dict: dict) -> list[dict]:
     with cpu_platform(enable=cfg.parallel.use_cpu_platform is not False):
         with model_parallel(cfg.parallel, cfg.seed) as groups:
             trainer = Trainer(cfg, groups)
-            with Trackers(cfg, enabled=rank0, resumed=trainer.resume_path is not None) as trackers:
+            with Trackers(cfg, enabled=rank0, resumed=trainer.checkpoints.resumed_step is not None) as trackers:
                 history = trainer.run(trackers)
                 if rank0:
                     trackers.log_plots(_report(Path(cfg.train.run_dir), agentic=cfg.rollout.env.name is not None))
@@ -144,7 +144,7 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
     rank0 = not launched or int(os.environ["RANK"]) == 0
     lock, busy = None, None
     try:
-        cfg = load_run_config(args.config, args.overrides, world_size=world_size)
+        cfg = load_config(args.config, args.overrides, world_size=world_size)
         summary = check_inputs(cfg)
         if rank0:
             lock = RunDirLock(cfg.train.run_dir).acquire()

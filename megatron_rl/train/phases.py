@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from megatron_rl.train.logging_config import ProfileConfig
+from megatron_rl.sections.logging import ProfileConfig
 
 _GIB = float(1 << 30)
 _PHASE_SECONDS = re.compile(r"perf/phase/(.+)/seconds")

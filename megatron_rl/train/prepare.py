@@ -1,12 +1,11 @@
-"""A run's config, read and checked against its files before any process group or model exists.
+"""A run's inputs, checked against its config before any process group or model exists.
 
-Owns: :func:`load_run_config` (YAML preset + overrides; with ``init_checkpoint`` the
-``model`` section comes from the checkpoint and a contradicting key is an error naming
-both values) and :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat
-template, the prompt files row by row, the reward function's import path and signature, the
-environment's class and arguments).
-Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) calls these first, so a
-bad input costs seconds and one line, never a started world. Imports no Megatron.
+Owns :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat template, the
+prompt files row by row, the reward function's import path and signature, the environment's
+class and arguments, a run directory to resume) and the tokenizer and prompt limit a run
+uses. Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) reads the config
+(``megatron_rl.config.load_config``) and calls this first, so a bad input costs seconds and
+one line, never a started world. Imports no Megatron.
 """
 
 from __future__ import annotations
@@ -15,15 +14,9 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
-from megatron_rl.checkpoint.hf_config import check_architecture_holds
-from megatron_rl.checkpoint.init_source import (
-    InitSource,
-    inspect_init_checkpoint,
-    run_config_from_checkpoint,
-)
+from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoint
 from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
 from megatron_rl.config import RunConfig
 from megatron_rl.config_loading import ConfigError
@@ -56,28 +49,6 @@ class InputSummary:
         start = f"{self.init.hf.architecture} checkpoint {self.init.path}" if self.init else "random weights"
         return (f"policy from {start}; prompts: {self.train_prompts} train, {self.eval_prompts} eval "
                 f"({self.dropped} over the length limit dropped)")
-
-
-def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), world_size: int | None = None) -> RunConfig:
-    """Read, fill from the starting checkpoint, and validate a run config (no files besides the
-    checkpoint's headers); the served architecture's rule included.
-
-    Raises:
-        ConfigError: naming the key (and, for a contradiction, both values).
-    """
-    cfg = run_config_from_checkpoint(path, overrides, world_size)
-    check_served_architecture(cfg)
-    return cfg
-
-
-def check_served_architecture(cfg: RunConfig) -> None:
-    """SGLang servers run an HF architecture's own block: its table must exist and, when the
-    trainer pushes weights into it, compute the same model (or rollouts would silently come
-    from another policy). Needs the checkpoint tables, so it runs here, not in ``config``."""
-    s = cfg.rollout.sglang
-    if cfg.rollout.engine == "sglang":
-        pushed = cfg.model if s.weight_sync != "none" else None
-        check_architecture_holds(s.hf_architecture, pushed, "rollout.sglang.hf_architecture")
 
 
 def max_prompt_tokens(cfg: RunConfig) -> int:

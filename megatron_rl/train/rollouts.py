@@ -10,6 +10,8 @@ sampling (DAPO) samples further rounds until every rank holds enough groups whos
 differ, topping up with uninformative ones. Its public methods are also what the batch generated ahead draws and
 generates through (:mod:`megatron_rl.train.async_rollouts`).
 
+After the rollouts it re-deals whole groups over the DP ranks by tokens (with a token budget)
+and measures, for multi-turn R3, how far the rollout routes agree with the old policy's.
 Does not own the batch in flight (``async_rollouts``), the old-policy pass, advantages or
 updates (:mod:`megatron_rl.train.trainer`), nor how a reward is computed
 (:mod:`megatron_rl.rewards`).
@@ -35,7 +37,8 @@ from megatron_rl.parallel.comm import (
 from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
 from megatron_rl.rollout.multiturn import is_env_count, trajectory_stats
-from megatron_rl.rollout.trajectory import ENV_FAULTS
+from megatron_rl.rollout.trajectory import ENV_FAULTS, turn_of_positions
+from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.train.phases import phase_timer
 
 if TYPE_CHECKING:
@@ -385,6 +388,37 @@ class RolloutSource:
             target.problems.append(problem)
             target.samples.append(group)
             target.rewards.append(rewards)
+
+    # ------------------------------------------------------------------ after the rollouts
+
+    def balanced(self, chosen: Groups, metrics: dict) -> Groups:
+        """With a token budget, whole groups re-dealt over the DP ranks so that tokens per rank
+        balance (:mod:`megatron_rl.train.dp_balance`); collective over the DP group."""
+        if self.cfg.train.micro_batch_tokens is None or self.groups.dp_size == 1:
+            return chosen
+        items = list(zip(chosen.problems, chosen.samples, chosen.rewards))
+        tokens = [sum(len(s.prompt_ids) + len(s.output_ids) for s in group) for group in chosen.samples]
+        mine, balance = rebalance_over_dp(items, tokens, self.groups, self.cfg.train.mini_batches)
+        metrics.update(balance)
+        return Groups(*(list(column) for column in zip(*mine)))
+
+    def route_agreement_per_turn(self, samples: list[RolloutSample], old_record) -> dict[str, torch.Tensor]:
+        """``routing/rollout_agreement/turn<k>``: share of (position, layer) pairs whose rollout
+        routes (what R3 replays) are the experts the old-policy pass chose, among the positions
+        turn k's engine pass computed (``turn_of_positions``), averaged over the DP group."""
+        same, count = {}, {}
+        for i, s in enumerate(samples):
+            rollout_NLK = s.routed_experts.long()
+            old_NLK = old_record.sample(i).expert_ids_TLK[:-1].long()
+            if rollout_NLK.shape[1] != old_NLK.shape[1]:
+                rollout_NLK = rollout_NLK[:, [n - 1 for n in old_record.layer_numbers]]
+            agree_N = (rollout_NLK.sort(-1).values == old_NLK.sort(-1).values).all(-1).double().mean(-1)
+            turn_N = turn_of_positions(len(s.prompt_ids), s.turns or [(0, len(s.output_ids))], agree_N.numel())
+            for k in range(1, int(turn_N.max()) + 1):
+                same[k] = same.get(k, 0.0) + float(agree_N[turn_N == k].sum())
+                count[k] = count.get(k, 0.0) + float((turn_N == k).sum())
+        values = {f"routing/rollout_agreement/turn{k}": [same[k] / max(count[k], 1.0)] for k in same}
+        return self.agreed_means(values)
 
     def agreed_means(self, values: dict[str, list[float]]) -> dict[str, torch.Tensor]:
         """Collective: each name's mean over every rank's values (a rank may lack a name:

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from protocol_servers import protocol_server
 
-from megatron_rl.checkpoint.init_source import run_config_from_checkpoint
+from megatron_rl.config import load_config as run_config_from_checkpoint
 from megatron_rl.config_loading import to_dict
 from megatron_rl.parallel.world import run_world
 from megatron_rl.rollout.sglang.control import request_json

@@ -24,7 +24,7 @@ from wandb_files import read_offline_run  # noqa: E402
 from megatron_rl.config_loading import to_dict  # noqa: E402
 from megatron_rl.parallel.world import run_world  # noqa: E402
 from megatron_rl.train.metrics import read_metrics  # noqa: E402
-from megatron_rl.train.prepare import load_run_config  # noqa: E402
+from megatron_rl.config import load_config as load_run_config  # noqa: E402
 
 pytestmark = pytest.mark.parallel
 

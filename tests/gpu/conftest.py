@@ -9,10 +9,12 @@ from megatron_rl.sections import ParallelConfig
 
 @pytest.fixture(scope="module")
 def one_gpu_world():
-    """A one-process NCCL world on GPU 0 with Megatron's groups for the default layout."""
+    """A one-process NCCL world on GPU 0 with Megatron's groups for the default layout (over an
+    in-memory store: no port that another process could take first)."""
     from megatron_rl.parallel.groups import model_parallel
+
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)  # one process: no port
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         with model_parallel(ParallelConfig(), seed=1234) as groups:
             yield groups

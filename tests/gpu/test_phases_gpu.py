@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from megatron_rl.train.logging_config import ProfileConfig
+from megatron_rl.sections.logging import ProfileConfig
 from megatron_rl.train.phases import StepWatch, phase_timer
 
 pytestmark = pytest.mark.gpu

@@ -113,7 +113,7 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
 def _worker(export_root: str) -> dict:
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
 
     results = {}
     with cpu_platform():

@@ -72,7 +72,7 @@ def _worker(checkpoints: dict[str, str], prompts: dict[str, list], export_dir: s
     from megatron_rl.sections import ParallelConfig
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
 
     results: dict = {"layouts": {}, "exported": None}
     hf_to_megatron_world_entry(checkpoints["random"], megatron_dir, ParallelConfig(), False)

@@ -71,7 +71,7 @@ STEP_KEYS = ["env/turns", "env/tool_calls", "env/tool_errors", "env/time_s", "en
 def _one_rl_step(run_dir: str) -> list[dict]:
     """The trainer's metrics of one step of the agentic demo (every rank returns them)."""
     from megatron_rl.parallel.groups import model_parallel
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
     from megatron_rl.train.trainer import Trainer
 
     cfg = load_run_config(str(CONFIG), [*ONE_STEP, f"train.run_dir={run_dir}"], world_size=2)
@@ -98,7 +98,7 @@ def _async_run(run_dir: str, url: str) -> dict:
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.rollout.sglang.server import health_status
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
     from megatron_rl.train.trainer import Trainer
 
     deadline = time.monotonic() + 300
@@ -171,8 +171,8 @@ def _worker(run_dir: str, url: str) -> dict:
     from megatron_rl.rollout.local.hf_engine import HFEngine
     from megatron_rl.rollout.multiturn import GroupPeers, MultiTurnRollout
     from megatron_rl.train.init_weights import load_initial_weights
+    from megatron_rl.config import load_config as load_run_config
     from megatron_rl.train.prepare import (
-        load_run_config,
         max_prompt_tokens,
         run_tokenizer,
     )

@@ -13,7 +13,7 @@ import torch
 
 from megatron_rl.parallel.smoke_worker import random_sequences
 from megatron_rl.parallel.world import run_world
-from megatron_rl.train.prepare import load_run_config as load_config
+from megatron_rl.config import load_config
 
 pytestmark = pytest.mark.parallel
 

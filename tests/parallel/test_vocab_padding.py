@@ -126,7 +126,7 @@ def _worker(hf_dir: str, megatron_dir: str, export_dir: str) -> dict:
     from megatron_rl.sections import ParallelConfig
     from megatron_rl.train.hf_export import HFExportSpec, export_hf
     from megatron_rl.train.init_weights import load_initial_weights
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
 
     tp2 = ParallelConfig(tensor_model_parallel_size=2)
     hf_to_megatron_world_entry(hf_dir, megatron_dir, tp2, False, MULTIPLE)

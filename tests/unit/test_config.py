@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.config import RunConfig, load_config, validate
+from megatron_rl.config import load_config as load_run_config
 from megatron_rl.config_loading import ConfigError, parse_overrides
-from megatron_rl.train.prepare import load_run_config
 
 PRESET = Path(__file__).resolve().parents[2] / "configs" / "tiny_moe.yaml"
 
@@ -212,6 +212,25 @@ def test_objective_preset_configs_resolve_to_their_presets():
         assert cfg.train.run_dir.endswith(path.stem) and cfg.model.num_experts == 8
 
 
+def test_every_program_reads_the_starting_checkpoint_through_the_one_loader():
+    """Issue 35: ``config.load_config`` (smoke, plan, tests) accepted ``init_checkpoint`` naming
+    nothing while the runs' loader refused it, and gave the demo a model section of its own
+    while the runs took the checkpoint's. Every reader is ``load_config`` now."""
+    from megatron_rl.checkpoint.init_source import checkpoint_model_section
+    from megatron_rl.plan.cli import load_plan_config
+    from megatron_rl.smoke import smoke_config
+    from megatron_rl.train.config_report import resolved_config_yaml
+
+    missing = ["init_checkpoint=/nonexistent/ckpt"]
+    for read in (load_config, smoke_config, load_plan_config, resolved_config_yaml):
+        with pytest.raises(ConfigError, match=r"^init_checkpoint: /nonexistent/ckpt does not exist$"):
+            read(PRESET, missing)
+    demo = load_config(DEMO, world_size=2)
+    assert dataclasses.asdict(demo.model) == checkpoint_model_section(demo.init_checkpoint, None)
+    with pytest.raises(ConfigError, match=r"^model.num_experts: the config sets 4 but the checkpoint .* says 8"):
+        load_config(DEMO, ["model.num_experts=4"])
+
+
 def test_base_chain_loops_are_rejected(tmp_path):
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\n")
@@ -292,5 +311,6 @@ GPU_PRESETS = sorted(p for p in PRESET.parent.glob("*.yaml") if "params_dtype: b
 @pytest.mark.parametrize("preset", GPU_PRESETS, ids=[p.stem for p in GPU_PRESETS])
 def test_gpu_presets_use_the_distributed_optimizer(preset):
     assert len(GPU_PRESETS) >= 5
-    cfg = load_config(preset, ["fp8.enabled=false"])  # FP8 needs TE and a GPU to validate
+    # FP8 needs TE and a GPU to validate; the checkpoint path names a cluster's copy.
+    cfg = load_config(preset, ["fp8.enabled=false", "init_checkpoint=null"])
     assert cfg.optim.distributed and cfg.optim.checkpoint_sharding == "fully_reshardable"

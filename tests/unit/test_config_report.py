@@ -13,7 +13,7 @@ from megatron_rl.config import RunConfig
 from megatron_rl.config_loading import ConfigError, attribute_docs, flatten, to_dict
 from megatron_rl.train.config_report import config_help, resolved_config_yaml
 from megatron_rl.train.main import main
-from megatron_rl.train.prepare import load_run_config
+from megatron_rl.config import load_config as load_run_config
 
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = ROOT / "configs" / "demo_cpu.yaml"

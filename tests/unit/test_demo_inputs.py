@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.data.prompts import load_prompts
+from megatron_rl.config import load_config as load_run_config
 from megatron_rl.train.prepare import (
     check_inputs,
-    load_run_config,
     max_prompt_tokens,
     run_tokenizer,
 )

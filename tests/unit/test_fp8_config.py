@@ -27,7 +27,7 @@ from megatron_rl.fp8 import (
     transformer_config_fields,
     validate_fp8,
 )
-from megatron_rl.train.prepare import load_run_config as load_config
+from megatron_rl.config import load_config
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 CPU = Fp8Environment(te_version=None, cuda_available=False, compute_capability=None)

@@ -25,6 +25,7 @@ from megatron_rl.rollout.local.hf_model import (
     UnsupportedArchitecture,
     build_hf_model,
     check_architecture,
+    check_transformers,
 )
 from megatron_rl.sections import ModelConfig
 
@@ -86,6 +87,14 @@ def test_loader_names_what_is_missing_unknown_or_misshapen():
 def test_unmapped_architecture_is_named():
     with pytest.raises(UnsupportedArchitecture, match="'deepseek_v3'.*supported: mixtral, qwen3_moe"):
         check_architecture("deepseek_v3")
+
+
+def test_a_transformers_that_would_decode_without_the_cache_is_refused():
+    """transformers 5.17 (a GPU image's) takes ``cache=`` into ``**kwargs``: every decode step then
+    runs without the KV cache (the test below fails there by 6.1 nats). Refused, naming both versions."""
+    with pytest.raises(RuntimeError, match=r"transformers >= 5\.24\.0 .* this is transformers 5\.17\.0"):
+        check_transformers("5.17.0")
+    check_transformers("5.24.0")
 
 
 def test_kv_cached_batch_equals_full_forward_per_sample():

@@ -22,7 +22,7 @@ from megatron_rl.launcher import (
     validate_launch,
     worker_environment,
 )
-from megatron_rl.train.prepare import load_run_config as load_config
+from megatron_rl.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 DEMO = CONFIGS / "demo_cpu.yaml"

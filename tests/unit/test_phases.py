@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from megatron_rl.train.logging_config import ProfileConfig
+from megatron_rl.sections.logging import ProfileConfig
 from megatron_rl.train.metrics import MetricsLogger, plot_run
 from megatron_rl.train.phases import StepWatch, phase_table, phase_timer
 

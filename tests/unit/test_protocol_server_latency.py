@@ -15,7 +15,7 @@ import torch
 from aiohttp.test_utils import TestClient, TestServer
 
 from megatron_rl.rollout.engine import RolloutSample
-from megatron_rl.rollout.sglang.standin import ProtocolServer
+from megatron_rl.sglang_standin.server import ProtocolServer
 
 MINUTES = 300.0
 """The first request's modelled decode time: far beyond anything the test waits for."""

@@ -19,7 +19,7 @@ from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.model import build_transformer_config, check_replay_fields
 from megatron_rl.sections import ModelConfig, ParallelConfig
-from moe_routing.replay import RoutingReplay
+from megatron_rl.parallel.routing_replay import RoutingReplay
 
 HAZARDS = {
     "fused router": ({"moe_router_fusion": True}, "moe_router_fusion=True"),

@@ -111,7 +111,7 @@ def test_rspo_gamma_worked_example():
 def test_replay_gate_worked_example():
     """objectives.md §19.14: logits [2.0, 1.9, 0.5, -1.0], replayed experts {0, 2}."""
     from megatron_rl.parallel import mcore_compat as mc
-    from moe_routing.replay import RoutingReplay
+    from megatron_rl.parallel.routing_replay import RoutingReplay
 
     replay = mc.RouterReplay()
     mc.RouterReplay.global_router_replay_instances.remove(replay)

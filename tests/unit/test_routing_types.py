@@ -99,7 +99,7 @@ def test_logprob_pass_rejects_bad_samples_naming_them():
 
 
 def test_recording_a_model_without_moe_layers_is_an_error():
-    from moe_routing.record import RouterRecorder
+    from megatron_rl.parallel.routing_record import RouterRecorder
 
     with pytest.raises(ValueError, match="the model has no MoE layers"):
         RouterRecorder([torch.nn.Sequential(torch.nn.Linear(4, 4))])

@@ -52,7 +52,7 @@ def bad_inputs(tmp_path_factory):
     (root / "my_envs.py").write_text("class NoStep:\n    def reset(self, row):\n        return None\n")
     (root / "broken_envs.py").write_text("raise RuntimeError('no sandbox credentials')\n")
     from megatron_rl.config_loading import to_dict
-    from megatron_rl.train.prepare import load_run_config
+    from megatron_rl.config import load_config as load_run_config
 
     stored = to_dict(load_run_config(DEMO, world_size=2))
     for name, change in (("other_seed", {"seed": 7}), ("other_model", {"model": {**stored["model"], "num_layers": 2}}),
@@ -202,7 +202,8 @@ def test_the_world_guard_is_live(monkeypatch, tmp_path):
     ("ep2_plain", ["optim.distributed=false", "parallel.world_size=4", "parallel.tensor_model_parallel_size=2"]),
 ])
 def test_layout_changes_the_checkpoint_reshards_are_let_through(bad_inputs, saved, overrides):
-    from megatron_rl.train.prepare import check_resume_layout, load_run_config
+    from megatron_rl.config import load_config as load_run_config
+    from megatron_rl.train.prepare import check_resume_layout
 
     cfg = load_run_config(DEMO, [f"train.run_dir={bad_inputs}/{saved}", *overrides])
     stored = json.loads((bad_inputs / saved / "checkpoints" / "step_000002" / "trainer_state.json").read_text())

@@ -25,13 +25,14 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang import standin_weights
+from megatron_rl.sglang_standin import weights as standin_weights
+from megatron_rl.sglang_standin.server import ProtocolServer
 from megatron_rl.rollout.sglang.server import (
     SERVER_ENV,
     SGLangServerConfig,
     build_command,
 )
-from megatron_rl.rollout.sglang.standin_weights import (
+from megatron_rl.sglang_standin.weights import (
     SchedulerCrash,
     decode_entries,
     flat_receive_layout,
@@ -153,6 +154,52 @@ def test_by_reference_needs_cuda_buffers():
         TensorTransport(["http://x"], 1, True, LIMITS).entries(flatten([("w", torch.zeros(3))]))
 
 
+class _CudaHandle:
+    """Pickles as ``serialize_by_reference`` pickles a CUDA bucket (torch's ``reduce_tensor``
+    arguments, here made up, with the GPU named by its UUID): no GPU is needed to write it."""
+
+    def __init__(self, uuid: str) -> None:
+        self.uuid = uuid
+
+    def __reduce__(self):
+        from torch.multiprocessing import reductions
+
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, (16,), (1,), 0, torch.UntypedStorage, torch.uint8,
+                                                self.uuid, b"ipc-handle", 16, 0, False, b"/torch_ref", 0, b"ev", True)
+
+
+def test_cuda_ipc_handles_open_on_the_gpu_sglang_opens(monkeypatch):
+    """A by-reference entry opens on the server's index of the GPU the UUID names, as SGLang's
+    patched rebuild maps it (its own code, on the same faked two-GPU machine), and an unknown
+    UUID kills the stand-in with SGLang's words; torch's rebuild itself needs a GPU (recorded
+    here; the real handle is opened by ``tools/gpu_check.py``'s ``ipc`` step)."""
+    from types import SimpleNamespace
+
+    from torch.multiprocessing import reductions
+
+    uuids = ["GPU-0000-aaaa", "GPU-1111-bbbb"]
+    metadata = [SimpleNamespace(name="w", shape=torch.Size([4]), dtype=torch.float32, start_idx=0, end_idx=16,
+                                numel=16)]
+
+    def entry(uuid: str) -> bytes:
+        return base64.b64encode(pickle.dumps({"flattened_tensor": _CudaHandle(uuid), "metadata": metadata}))
+
+    good, unknown = entry(uuids[1]), entry("GPU-2222-cccc")
+    (status, theirs), (bad_status, bad_message) = ask([("decode_cuda_handle", good, uuids),
+                                                       ("decode_cuda_handle", unknown, uuids)])
+    assert status == "ok" and len(theirs) == 1 and theirs[0][6] == 1, theirs
+    ours = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(uuids))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: SimpleNamespace(uuid=uuids[index]))
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor",
+                        lambda *args: ours.append(args) or torch.zeros(16, dtype=torch.uint8))
+    ((name, tensor),) = decode_entries([good], 1, "flattened_bucket")
+    assert ours == theirs and (name, tensor.dtype, tuple(tensor.shape)) == ("w", torch.float32, (4,))
+    assert bad_status == "error" and "Invalid device_uuid=GPU-2222-cccc" in bad_message
+    with pytest.raises(SchedulerCrash, match="Invalid device_uuid=GPU-2222-cccc"):
+        decode_entries([unknown], 1, "flattened_bucket")
+
+
 def test_flattened_buckets_are_laid_out_as_sglang_receives_them(verdicts):
     """A broadcast bucket is one buffer whose layout the server derives from the announce
     (FlattenedTensorBucket.empty): ours is the same, every offset aligned (widest dtype first);
@@ -269,6 +316,9 @@ def test_launch_settings_and_probes_exist_in_sglang():
     # A restart shows as a new startup_time, which the server sets as it starts.
     assert '"startup_time": _global_state.tokenizer_manager.startup_time' in route[:route.index("\n@app.")]
     assert 'tokenizer_manager.set_startup_time(scheduler_info["startup_time"])' in http
+    (returned,) = [n.value for n in ast.walk(_function("observability/startup_time.py", "build_scheduler_startup_time"))
+                   if isinstance(n, ast.Return)]
+    assert [k.value for k in returned.keys] == list(ProtocolServer(None).startup_time)  # the stand-in's, same keys
     ping = http[http.index('@app.get("/ping")'):]
     assert "tokenizer_manager.is_healthy()" in ping[:ping.index("\n@app.")]
     assert re.search(r"^    tp_size: A\[", _source("arg_groups/fields/parallel.py"), re.M)
@@ -281,7 +331,8 @@ def test_launch_settings_and_probes_exist_in_sglang():
 
 def test_the_stand_ins_memory_rules_are_sglangs():
     """Item 9: tags, the idle assert, the KeyError of a resume, the pause, the flags (release/resume)."""
-    from megatron_rl.rollout.sglang import memory, standin_memory
+    from megatron_rl.rollout.sglang import memory
+    from megatron_rl.sglang_standin import memory as standin_memory
 
     constants = _source("constants.py")
     all_types = re.search(r"GPU_MEMORY_ALL_TYPES = \[(.*?)\]", constants, re.S).group(1)

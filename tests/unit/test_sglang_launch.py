@@ -37,7 +37,7 @@ def test_stand_in_mode_runs_the_protocol_server_and_model_path_is_required():
     out = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in", "configs/x.yaml",
                           "--port", "31001", "--print-command", "--", "--threads", "1"],
                          capture_output=True, text=True, check=True).stdout.split()
-    assert out[1:3] == ["-m", "megatron_rl.rollout.sglang.standin"]
+    assert out[1:3] == ["-m", "megatron_rl.sglang_standin.server"]
     assert out[out.index("--config") + 1] == "configs/x.yaml" and out[out.index("--port") + 1] == "31001"
     assert out[-2:] == ["--threads", "1"]
     missing = subprocess.run([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--port", "1"],

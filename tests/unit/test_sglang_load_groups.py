@@ -22,7 +22,7 @@ from megatron_rl.rollout.sglang.loader_rules import (
     loader_rules,
     unknown_name_outcome,
 )
-from megatron_rl.rollout.sglang.standin_weights import ServedWeights
+from megatron_rl.sglang_standin.weights import ServedWeights
 from megatron_rl.sections import ModelConfig
 
 DEEPSEEK = ModelConfig(vocab_size=64, hidden_size=32, num_layers=3, num_attention_heads=2, num_query_groups=2,

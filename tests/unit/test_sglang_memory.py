@@ -1,6 +1,6 @@
 """Colocated runs' memory protocol: the stand-in dies where SGLang 0.5.23 dies, and our client
 refuses first (the rules and their SGLang lines: ``rollout/sglang/memory.py``,
-``rollout/sglang/standin_memory.py``; the texts against SGLang's source:
+``sglang_standin/memory.py``; the texts against SGLang's source:
 ``test_sglang_conformance.py``). The order of calls in a run: ``tests/e2e/test_colocated.py``."""
 
 import json
@@ -19,9 +19,9 @@ from megatron_rl.rollout.sglang.memory import (
     ServerMemory,
     release_servers,
 )
-from megatron_rl.rollout.sglang.standin_memory import TAGS as STANDIN_TAGS
-from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, parse_tags
-from megatron_rl.rollout.sglang.standin_weights import SchedulerCrash
+from megatron_rl.sglang_standin.memory import TAGS as STANDIN_TAGS
+from megatron_rl.sglang_standin.memory import MemoryOccupation, parse_tags
+from megatron_rl.sglang_standin.weights import SchedulerCrash
 from megatron_rl.rollout.sglang.weight_transport import Limits
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.sglang.standin import ProtocolServer
+from megatron_rl.sglang_standin.server import ProtocolServer
 from megatron_rl.rollout.sglang.wire import (
     WireFormatError,
     decode_generate_response,

@@ -51,8 +51,27 @@ EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
 """Architectures the HF engine can serve (keys of ``mapping.ARCHITECTURES``)."""
 
 
+MIN_TRANSFORMERS = "5.24.0"
+"""``hf_generate`` hands the KV cache to the model as ``cache=``, the keyword transformers 5.24
+introduced (``past_key_values`` before): an earlier release takes it into ``**kwargs`` and decodes
+every step without the cache, silently wrong (6.1 nats off at 5.17.0)."""
+
+
 class UnsupportedArchitecture(ValueError):
     """The HF engine has no transformers weight layout for this architecture."""
+
+
+def check_transformers(version: str) -> None:
+    """Refuse a transformers release the engine would decode wrongly with.
+
+    Raises:
+        RuntimeError: naming the version found and the one needed.
+    """
+    from packaging.version import Version
+
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise RuntimeError(f"the hf rollout engine needs transformers >= {MIN_TRANSFORMERS} (it passes the KV cache "
+                           f"as cache=, which earlier releases ignore); this is transformers {version}")
 
 
 def check_architecture(architecture: str) -> ExpertLayout:
@@ -86,8 +105,10 @@ def build_hf_model(
     the model an exported checkpoint would load as. SDPA attention, eager experts; weights
     in ``dtype`` (default ``model.params_dtype``).
     """
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    check_transformers(transformers.__version__)
     check_architecture(architecture)
     config_dict = hf_config_from_model(architecture, model, model.params_dtype)
     config_dict.pop("architectures")

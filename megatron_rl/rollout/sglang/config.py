@@ -69,7 +69,7 @@ class SGLangConfig:
 
 def check_sglang_section(s: SGLangConfig, prefix: str = "rollout.sglang") -> None:
     """The section's own rules (checked when SGLang is the engine); the served architecture's
-    rule is ``rollout.sglang.weight_sync.check_served_architecture``."""
+    rule is ``megatron_rl.config.check_served_architecture``."""
     require(bool(s.urls) != (s.url_dir is not None), f"{prefix}.urls",
              "rollout.engine is sglang: give either server URLs or url_dir (exactly one)")
     require(s.num_servers >= 1, f"{prefix}.num_servers", "must be >= 1")

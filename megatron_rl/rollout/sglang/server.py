@@ -373,7 +373,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
     parser.add_argument("--model-path", default=None, help="HF checkpoint to serve (required unless --stand-in)")
     parser.add_argument("--stand-in", metavar="CONFIG", default=None,
                         help="serve CONFIG's model with the HF engine behind SGLang's protocol "
-                             "(megatron_rl.rollout.sglang.standin) instead of SGLang: a CPU dry run of "
+                             "(megatron_rl.sglang_standin.server) instead of SGLang: a CPU dry run of "
                              "the launch path")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=30000)
@@ -408,7 +408,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
 
 def stand_in_command(cfg: SGLangServerConfig) -> list[str]:
     """The protocol server's command line for ``--stand-in`` (``model_path`` is the run config)."""
-    return [cfg.python, "-m", "megatron_rl.rollout.sglang.standin", "--config", cfg.model_path,
+    return [cfg.python, "-m", "megatron_rl.sglang_standin.server", "--config", cfg.model_path,
             "--host", cfg.host, "--port", str(cfg.port), "--weight-version", cfg.weight_version,
             "--tp-size", str(cfg.tp_size),
             *(["--enable-deterministic-inference"] if cfg.deterministic_inference else []),

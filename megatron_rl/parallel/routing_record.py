@@ -24,7 +24,7 @@ scaling factor. Both are recorded. RSPO compares ``log sigma(z_e)`` at the old e
 the router's own selection, bias and groups included (:func:`natural_topk`).
 
 What it does not own: assembling calls from shards, micro-batches and stages into one
-:class:`~moe_routing.types.RouterRecord` (``moe_routing.layout``).
+:class:`~moe_routing.types.RouterRecord` (``megatron_rl.parallel.routing_layout``).
 """
 
 from __future__ import annotations

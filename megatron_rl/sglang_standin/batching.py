@@ -10,7 +10,7 @@ its compute: after a batch is computed its answers wait that long per token of i
 response, beside the batches after it (benchmarks on CPU, ``tools/bench_async.py``).
 
 Owns the queue, the batch window and size, and the modelled decode time. Does not own
-HTTP or request parsing (:mod:`~megatron_rl.rollout.sglang.standin`) or the engine.
+HTTP or request parsing (:mod:`~megatron_rl.sglang_standin.server`) or the engine.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 Builds the config's model on one dedicated thread (the CPU platform and the parallel state
 live there; every Megatron call runs on it), a generator over it (the HF engine, a
 transformers replica with its own numerics, refreshed when a weight-update session ends;
-or the Megatron model itself, exact), and :class:`~megatron_rl.rollout.sglang.
-standin_weights.ServedWeights`, which writes pushed HF tensors into the model by SGLang's
+or the Megatron model itself, exact), and :class:`~megatron_rl.sglang_standin.
+weights.ServedWeights`, which writes pushed HF tensors into the model by SGLang's
 loader rules. Joins weight-update groups (gloo) and receives their broadcasts. Frees and
 re-allocates the served weights when the server releases and resumes them (colocated runs,
-:mod:`~megatron_rl.rollout.sglang.standin_memory`). Does not own HTTP or SGLang's request
-rules (:mod:`~megatron_rl.rollout.sglang.standin`).
+:mod:`~megatron_rl.sglang_standin.memory`). Does not own HTTP or SGLang's request
+rules (:mod:`~megatron_rl.sglang_standin.server`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from megatron_rl.parallel.comm import broadcast
 from megatron_rl.parallel.offload import StorageSet
-from megatron_rl.rollout.sglang.standin_weights import (
+from megatron_rl.sglang_standin.weights import (
     ServedWeights,
     flat_receive_layout,
 )

@@ -24,7 +24,7 @@ import torch
 
 from megatron_rl.parallel.comm import all_gather_cat, all_gather_varlen
 from megatron_rl.parallel.context_parallel import whole_row
-from moe_routing.record import LayerCall, RouterRecorder
+from megatron_rl.parallel.routing_record import LayerCall, RouterRecorder
 from moe_routing.types import RouterRecord
 
 

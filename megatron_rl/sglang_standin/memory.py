@@ -3,7 +3,7 @@
 SGLang keeps a set of released tags and, with ``--enable-memory-saver``, one
 torch_memory_saver region per tag whose memory it unmaps; every rule here is SGLang's
 (paths under ``sglang/srt/``) or torch_memory_saver's (``csrc/core.cpp``), and where they
-kill the server the stand-in dies too (:class:`~megatron_rl.rollout.sglang.standin_weights.
+kill the server the stand-in dies too (:class:`~megatron_rl.sglang_standin.weights.
 SchedulerCrash`), so a client that breaks one is caught by the crash, not forgiven:
 
 * **Release** (``managers/scheduler_components/weight_updater.py:337-381``): a plain
@@ -30,9 +30,9 @@ SchedulerCrash`), so a client that breaks one is caught by the crash, not forgiv
   instead of aborting them, and refuses the other modes (``retract``, ``in_place``) with a 400.
 
 Owns the tags, the regions, their endpoints (:class:`MemoryRoutes`, a part of the
-stand-in's :class:`~megatron_rl.rollout.sglang.standin.ProtocolServer`) and the report
+stand-in's :class:`~megatron_rl.sglang_standin.server.ProtocolServer`) and the report
 (``GET /memory_occupation``, the stand-in's own: SGLang has no such endpoint); freeing the
-weights is :mod:`~megatron_rl.rollout.sglang.standin_engine`'s.
+weights is :mod:`~megatron_rl.sglang_standin.engine`'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 from aiohttp import web
 
-from megatron_rl.rollout.sglang.standin_weights import SchedulerCrash
+from megatron_rl.sglang_standin.weights import SchedulerCrash
 
 TAGS = ("kv_cache", "weights", "cuda_graph")
 """``GPU_MEMORY_ALL_TYPES`` (constants.py:2-10), in SGLang's order."""

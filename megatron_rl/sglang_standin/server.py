@@ -1,20 +1,20 @@
 """The CPU SGLang stand-in: SGLang 0.5.23's HTTP protocol and rules, served by a local engine.
 
-    python -m megatron_rl.rollout.sglang.standin --config configs/demo_cpu.yaml --port 30000 \\
+    python -m megatron_rl.sglang_standin.server --config configs/demo_cpu.yaml --port 30000 \\
         [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
         [--weight-version default] [--max-batch N] [--token-latency-s S] [--enable-memory-saver]
         [--enable-weights-cpu-backup] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
-the config's model (:mod:`~megatron_rl.rollout.sglang.standin_engine`) and serves it through
+the config's model (:mod:`~megatron_rl.sglang_standin.engine`) and serves it through
 SGLang's endpoints, request and response fields (:mod:`~megatron_rl.rollout.sglang.wire`),
 and rules, each next to its SGLang line (``sglang/srt/...``):
 
 * weight updates only inside a ``begin_weight_update`` / ``end_weight_update`` session,
   payloads decoded by ``SafeUnpickler``'s rule, HF names loaded by the served architecture's
   loader rules, a crash where SGLang's scheduler would die
-  (:mod:`~megatron_rl.rollout.sglang.standin_weights`);
+  (:mod:`~megatron_rl.sglang_standin.weights`);
 * log-probs ``log_softmax(logits / T)`` for sampled requests unless
   ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true in its environment, read once at start
   (``layers/sampler.py:82``, ``:186-196``, ``:273-323``; ``utils/common.py:1424-1442`` reads it);
@@ -32,10 +32,10 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   ``/model_info`` with SGLang's keys (``:812-850``);
 * ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
   ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
-  dying where SGLang dies (:mod:`~megatron_rl.rollout.sglang.standin_memory`), and
+  dying where SGLang dies (:mod:`~megatron_rl.sglang_standin.memory`), and
   ``GET /memory_occupation`` (the stand-in's own) reporting what it holds.
 
-Requests are batched by :mod:`~megatron_rl.rollout.sglang.standin_batching`. On stop it prints
+Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints
 one line of what it did. Owns the endpoints and the command line.
 """
 
@@ -56,11 +56,11 @@ from aiohttp import web
 
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.sockets import inherited_socket
-from megatron_rl.rollout.sglang.standin_batching import ContinuousBatcher
-from megatron_rl.rollout.sglang.standin_body import json_body
-from megatron_rl.rollout.sglang.standin_engine import EngineHost
-from megatron_rl.rollout.sglang.standin_memory import MemoryOccupation, MemoryRoutes
-from megatron_rl.rollout.sglang.standin_weights import (
+from megatron_rl.sglang_standin.batching import ContinuousBatcher
+from megatron_rl.sglang_standin.body import json_body
+from megatron_rl.sglang_standin.engine import EngineHost
+from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
+from megatron_rl.sglang_standin.weights import (
     NO_SESSION,
     SchedulerCrash,
     decode_entries,
@@ -90,7 +90,7 @@ class ServerCounters:
 
 
 class ProtocolServer(MemoryRoutes):
-    """The HTTP application over an :class:`~megatron_rl.rollout.sglang.standin_engine.EngineHost`.
+    """The HTTP application over an :class:`~megatron_rl.sglang_standin.engine.EngineHost`.
 
     A subclass may extend it: :meth:`app` returns the application before it starts (more
     routes or middlewares can be added), and each endpoint is a method.
@@ -105,7 +105,7 @@ class ProtocolServer(MemoryRoutes):
         max_batch: most sequences per engine call.
         model_path: reported by ``/model_info``.
         token_latency_s: modelled GPU decode time per token
-            (:class:`~megatron_rl.rollout.sglang.standin_batching.ContinuousBatcher`).
+            (:class:`~megatron_rl.sglang_standin.batching.ContinuousBatcher`).
         memory: its memory occupation (``--enable-memory-saver``, ``--enable-weights-cpu-backup``).
     """
 
@@ -115,7 +115,10 @@ class ProtocolServer(MemoryRoutes):
         self.host, self.model_path, self.weight_version = host, model_path, weight_version
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
-        self.startup_time = {"started": time.time()}  # as SGLang's /server_info has it (http_server.py:886)
+        self.startup_time = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {}}
+        """``/server_info``'s ``startup_time`` (http_server.py:886): the scheduler's startup durations in
+        seconds, SGLang's keys (observability/startup_time.py:11-28), set by :func:`serve`; a server
+        started again reports new ones, which is how a client tells a restart."""
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
                                          token_latency_s=token_latency_s, alone=deterministic)
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
@@ -440,23 +443,26 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     import torch
 
     # As the run reads it: a config that starts from a checkpoint takes its model section from it.
-    from megatron_rl.checkpoint.init_source import (
-        inspect_init_checkpoint,
-        run_config_from_checkpoint,
-    )
+    # The trainer's rule on rollout.sglang.hf_architecture is the trainer's: a stand-in started
+    # from a checkpoint serves that checkpoint's architecture.
+    from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+    from megatron_rl.config import load_config
 
-    cfg = run_config_from_checkpoint(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, check_pushes=False)
     architecture = (inspect_init_checkpoint(cfg.init_checkpoint).hf.architecture if cfg.init_checkpoint
                     else cfg.rollout.sglang.hf_architecture)
     if args.threads:
         torch.set_num_threads(args.threads)
     original = bool_env("SGLANG_RETURN_ORIGINAL_LOGPROB")  # layers/sampler.py:82, read once
+    began = time.perf_counter()
     host = EngineHost(cfg.model, architecture, cfg.seed, args.micro_batch_sequences, args.engine,
                       logprobs_after_temperature=not original)
+    built = time.perf_counter()
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
                          token_latency_s=args.token_latency_s,
                          memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
+    server.startup_time.update(load_weight=built - began, scheduler_e2e=time.perf_counter() - began)
     sock = inherited_socket()  # bound by whoever started us (server.ManagedServer): --port is its port
     port = sock.getsockname()[1] if sock is not None else args.port
     try:

@@ -40,8 +40,8 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_rl.parallel import mcore_compat as mc
-from moe_routing.layout import local_ids_per_call
-from moe_routing.record import find_routers
+from megatron_rl.parallel.routing_layout import local_ids_per_call
+from megatron_rl.parallel.routing_record import find_routers
 
 NATURAL = -1
 """Expert id that marks a row with nothing to replay: the router routes it by its own top-K."""
@@ -72,7 +72,7 @@ class RoutingReplay:
     Args:
         model_chunks: this rank's model chunk(s), built with ``moe_enable_routing_replay``.
         ids_per_call: for every local MoE layer number, one ``[N, K]`` id tensor per
-            micro-batch (``moe_routing.layout.local_ids_per_call``).
+            micro-batch (``megatron_rl.parallel.routing_layout.local_ids_per_call``).
 
     Raises:
         ValueError: a router has no ``RouterReplay``, or ids are missing for a local layer.

@@ -68,12 +68,14 @@ _TORCH_TYPES = {("torch", n) for n in ("Size", "device", "dtype", "float32", "fl
                                        "uint16", "uint32", "uint64")}
 ALLOWED_GLOBALS = frozenset({
     ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
     ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
     ("collections", "OrderedDict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"),
     ("types", "SimpleNamespace"), *_TORCH_TYPES,
 })
 """The part of ``SafeUnpickler.ALLOWED_GLOBALS`` (utils/common.py:3148-3359) that torch's pickling of
-CPU tensors names, and a flattened bucket's metadata; every entry is SGLang's (tests/unit/test_sglang_conformance.py reads its set)."""
+CPU tensors and of CUDA IPC handles names, and a flattened bucket's metadata; every entry is SGLang's
+(tests/unit/test_sglang_conformance.py reads its set)."""
 
 
 class SchedulerCrash(RuntimeError):
@@ -88,12 +90,30 @@ def _safe_load_torch_storage(data: bytes):
     return storage
 
 
+def _rebuild_cuda_tensor(*args):
+    """torch's ``rebuild_cuda_tensor`` as SGLang's ``monkey_patch_torch_reductions`` makes it
+    (utils/patch_torch.py): argument 6, the device, may name the GPU by UUID, and becomes this
+    process's index of that GPU (trainer and server may see different ``CUDA_VISIBLE_DEVICES``)."""
+    from torch.multiprocessing import reductions
+
+    device = args[6]
+    if isinstance(device, str):
+        found = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device]
+        if not found:
+            raise Exception("Invalid device_uuid=" + device)  # noqa: TRY002 - SGLang's own exception
+        device = found[0]
+    return reductions.rebuild_cuda_tensor(*args[:6], device, *args[7:])
+
+
 class SafeUnpickler(pickle.Unpickler):
-    """SGLang's allow-list unpickler (utils/common.py:3361-3370), over :data:`ALLOWED_GLOBALS`."""
+    """SGLang's allow-list unpickler (utils/common.py:3361-3370), over :data:`ALLOWED_GLOBALS`; a CUDA
+    IPC handle is rebuilt as on a SGLang server, whose torch reductions are patched."""
 
     def find_class(self, module: str, name: str):
         if (module, name) == ("torch.storage", "_load_from_bytes"):
             return _safe_load_torch_storage
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
         if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
         raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
