@@ -17,7 +17,8 @@ the parent. However ``run_world`` ends (results, failure, an exception such as
 :class:`Stopped`), no rank or rank child outlives it: ranks still running are sent
 SIGTERM, then SIGKILL, group by group, and it returns once no process of those groups runs.
 When the caller dies abruptly (SIGKILL, OOM killer) every rank kills its own group at once
-(:func:`exit_with_process`); the forkserver exits when its last client has. A caller that
+(:func:`exit_with_process`); the forkserver exits when its last client has, without its
+interpreter's teardown (:mod:`~megatron_rl.parallel.forkserver_exit`). A caller that
 exits normally stops and reaps its forkserver first (:func:`~megatron_rl.parallel.world_end.end_forkserver`), so when a
 command returns, no process of its run remains. Entry points turn
 SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
@@ -284,6 +285,10 @@ def _rank_main(
             torch.distributed.destroy_process_group()
 
 
+FORKSERVER_EXIT = "megatron_rl.parallel.forkserver_exit"
+"""The module the forkserver imports last, to exit at once (its caller dead or done)."""
+
+
 def _rank_context() -> Any:
     """Ranks are forks of a forkserver (Python's, one per process, started by the first world
     and kept for the next) that imported torch and Megatron-Core's heavy modules
@@ -295,7 +300,8 @@ def _rank_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS])
+    # Last: its exit handler then runs first, and the forkserver exits without a teardown.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS, FORKSERVER_EXIT])
     if not _ENDS_AT_EXIT:
         # The last of multiprocessing's own exit finalizers: after those that still talk to
         # the resource tracker (a queue's semaphores), which is stopped too.

@@ -6,6 +6,7 @@ import socket
 import subprocess
 import sys
 import time
+from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,32 @@ def test_train_names_a_rank_killed_while_its_peer_was_busy_and_leaves_no_process
     assert (tmp_path / "err").read_text().strip() == (
         "megatron-rl-train: error: rank 1 was killed by SIGKILL (MEGATRON_RL_TRACEBACK=1 prints every rank's "
         "traceback)")
+
+
+FORKSERVER_EXIT_RUN = """
+import atexit, os, sys
+atexit.register(lambda: open(sys.argv[1], "a").write(f"{os.getpid()}\\n"))  # as torch's: before the module
+import megatron_rl.parallel.forkserver_exit
+print("flushed", end="")
+child = os.fork()
+if child == 0:
+    sys.exit(3)  # a process forked from it keeps its own exit, handlers and status
+_, status = os.waitpid(child, 0)
+print(f" child {child} exited {os.waitstatus_to_exitcode(status)}", end="")
+raise SystemExit  # what the forkserver does at its pipe's EOF
+"""
+
+
+def test_the_forkserver_exits_without_its_teardown(tmp_path):
+    """The forkserver imports forkserver_exit last, so that on its caller's death it leaves at
+    once (its teardown with torch and Megatron-Core loaded took 13 s on busy cores, the
+    forkserver outliving the SIGKILLed command): handlers registered before it never run."""
+    world._rank_context()
+    assert mp_forkserver._forkserver._preload_modules[-1] == world.FORKSERVER_EXIT
+    ran = tmp_path / "handlers_ran"
+    done = subprocess.run([sys.executable, "-c", FORKSERVER_EXIT_RUN, str(ran)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out, child = done.stdout, done.stdout.split()[2]
+    assert out == f"flushed child {child} exited 3"
+    assert ran.read_text() == f"{child}\n"  # the child's handler ran; the forkserver's own did not
