@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -51,6 +51,7 @@ from megatron_rl.sections import (
     validate_model,
     validate_optim,
 )
+from megatron_rl.sections.distill import DistillConfig, validate_distill
 from megatron_rl.sections.logging import (
     LoggingConfig,
     ProfileConfig,
@@ -94,6 +95,8 @@ class RunConfig:
     """Held-out evaluation."""
     objective: ObjectiveSection = field(default_factory=ObjectiveSection)
     """Objective: ``preset`` plus typed ObjectiveConfig overrides (megatron_rl.algos.section)."""
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    """On-policy distillation's teachers (megatron_rl.sections.distill; weighed by objective.distill_coef)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Weights & Biases and MLflow (megatron_rl.train.sinks)."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
@@ -113,9 +116,17 @@ def resolve_objective(cfg: RunConfig) -> ObjectiveConfig:
         raise ConfigError(str(err)) from None
 
 
-def validate_run(cfg: RunConfig) -> None:
+def validate_run(cfg: RunConfig, world_size: int | None = None) -> None:
     """Rules across sections of an RL run (cheap: no file is read, no model is built)."""
     objective = resolve_objective(cfg)
+    validate_distill(cfg.distill, cfg.parallel.world_size or world_size, distill_coef=objective.distill_coef,
+                     estimator=objective.distill_estimator)
+    require(not cfg.distill.teachers or cfg.data.source == "files", "distill.teachers",
+            "a teacher must share the run's tokenizer: distillation needs prompt files (data.source=files)")
+    key = cfg.distill.teacher_key
+    require(key is None or key in cfg.data.metadata_keys, "distill.teacher_key",
+            f"{key!r} is not a prompt-file column the trainer reads (data.metadata_keys: {cfg.data.metadata_keys}); "
+            "add it to data.metadata_keys")
     for key, rule in [*check_eval_config(cfg.eval), *check_logging_config(cfg.logging, cfg.profile)]:
         raise ConfigError(f"{key}: {rule}")
     r, t = cfg.rollout, cfg.train
@@ -207,7 +218,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
     validate_layout(cfg.model, cfg.parallel, world_size)
     validate_optim(cfg.optim)
     check_fp8(cfg.fp8)
-    validate_run(cfg)
+    validate_run(cfg, world_size)
     world = cfg.parallel.world_size or world_size
     if world is not None:
         validate_batch_split(cfg, cfg.parallel.data_parallel_size(world))
@@ -225,8 +236,29 @@ def validate_batch_split(cfg: RunConfig, dp_size: int) -> None:
              f"{t.sft_batch_size} must split evenly over {dp_size} data-parallel ranks")
 
 
-PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"))
-"""Input paths; a relative one in a YAML preset is relative to that file (on the command line: to the cwd)."""
+PATH_KEYS = (("init_checkpoint",), ("tokenizer", "path"), ("data", "train_files"), ("data", "eval_files"),
+             ("distill", "teachers", "*", "path"))
+"""Input paths; a relative one in a YAML preset is relative to that file (on the command line: to the cwd);
+``*`` is every item of a list."""
+
+
+def map_paths(data: dict[str, Any], change: Callable[[Any], Any]) -> dict[str, Any]:
+    """``data`` (a config as nested dicts) with ``change`` applied to the value of every
+    :data:`PATH_KEYS` key it has (a string, a list of them, or None), in place."""
+
+    def visit(node: Any, keys: tuple[str, ...]) -> None:
+        if keys[0] == "*":
+            for item in node if isinstance(node, list) else []:
+                visit(item, keys[1:])
+        elif isinstance(node, dict) and keys[0] in node:
+            if len(keys) == 1:
+                node[keys[0]] = change(node[keys[0]])
+            else:
+                visit(node[keys[0]], keys[1:])
+
+    for keys in PATH_KEYS:
+        visit(data, keys)
+    return data
 
 
 def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
@@ -239,13 +271,7 @@ def _anchor_paths(loaded: dict[str, Any], directory: Path) -> dict[str, Any]:
             return [anchor(v) for v in value]
         return value
 
-    for keys in PATH_KEYS:
-        node = loaded
-        for key in keys[:-1]:
-            node = node.get(key) if isinstance(node, dict) else None
-        if isinstance(node, dict) and keys[-1] in node:
-            node[keys[-1]] = anchor(node[keys[-1]])
-    return loaded
+    return map_paths(loaded, anchor)
 
 
 def preset_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
@@ -303,11 +329,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), w
     """
     # Imported here: the checkpoint's headers are read with torch and safetensors, which
     # importing the config's dataclasses and rules (the planner, --help) does not need.
-    from megatron_rl.checkpoint.init_source import checkpoint_model_section
+    from megatron_rl.checkpoint.init_source import checkpoint_model_section, teacher_model_sections
 
     data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
     if data.get("init_checkpoint") is not None:
         data["model"] = checkpoint_model_section(data["init_checkpoint"], data.get("model"))
+    teacher_model_sections(data)
     cfg = validate(from_dict(RunConfig, data), world_size)
     if check_pushes:
         check_served_architecture(cfg)

@@ -170,6 +170,15 @@ def contract(body):
     return generate_contract_error(body)
 
 
+def sampling_params(params: dict, vocab_size: int):
+    """SGLang's own SamplingParams check of a request's ``sampling_params`` (what its scheduler runs)."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    checked = SamplingParams(**params)
+    checked.verify(vocab_size)
+    return {"max_new_tokens": checked.max_new_tokens}
+
+
 def allowed_globals():
     from sglang.srt.utils.common import SafeUnpickler
 
@@ -181,7 +190,8 @@ def main() -> int:
     jobs = pickle.load(sys.stdin.buffer)
     handlers = {"decode": decode, "decode_cuda_handle": decode_cuda_handle,
                 "decode_flattened": decode_flattened, "receive_layout": receive_layout,
-                "validate": validate, "contract": contract, "allowed_globals": allowed_globals}
+                "validate": validate, "contract": contract, "allowed_globals": allowed_globals,
+                "sampling_params": sampling_params}
     answers = []
     for kind, *args in jobs:
         try:

@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 TRAIN_ROWS = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 DEMO = REPO / "configs" / "demo_cpu.yaml"
+DISTILL = REPO / "configs" / "demo_distill.yaml"
 QWEN = REPO / "configs" / "qwen3_30b_a3b.yaml"
 TASK = REPO / "configs" / "demo_task.yaml"
 BIN = Path(sys.executable).parent
@@ -110,6 +111,13 @@ def build_inputs(root: Path) -> dict[str, Path]:
     (root / "bad_line.jsonl").write_text("\n".join([*rows[:2], rows[2][:-5], *rows[3:]]) + "\n")
     (root / "latin1.jsonl").write_bytes("\n".join([*rows[:2], rows[2].replace("What", "Qu\u00e9"), *rows[3:]])
                                         .encode("latin-1") + b"\n")
+    paths["swapped_tokens"] = _copy(root, "swapped_tokens")
+    tokenizer_json = json.loads((ASSET / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (paths["swapped_tokens"] / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (root / "sourced.jsonl").write_text("".join(json.dumps({**json.loads(row), "source": "chat"}) + "\n"
+                                                for row in TRAIN_ROWS.read_text().splitlines()[:5]))
     state = root / "truncated_state" / "checkpoints" / "step_000002"
     state.mkdir(parents=True)
     (root / "truncated_state" / "checkpoints" / "latest").write_text("step_000002\n")
@@ -157,9 +165,15 @@ def _trainer_run_dir(run_dir: Path, megatron: Path) -> Path:
     return run_dir
 
 
+def _teacher(path, sources: str = "[]") -> str:
+    """The override of ``configs/demo_distill.yaml``'s teacher list: one teacher at ``path``."""
+    return f"distill.teachers=[{{path: {path}, sources: {sources}, parallel: {{tensor_model_parallel_size: 2}}}}]"
+
+
 def cases(root: Path, p: dict[str, Path]) -> list[Case]:
     """Every case; ``{run}`` in a train argument becomes a fresh run directory under ``root``."""
     train = ["megatron-rl-train", "--config", str(DEMO)]
+    distill = ["megatron-rl-train", "--config", str(DISTILL)]
     launch = ["megatron-rl-launch", "--config", str(DEMO)]
     to_meg = "megatron-rl-convert-hf-to-megatron"
     to_hf = "megatron-rl-convert-megatron-to-hf"
@@ -236,6 +250,18 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
              "rollout.env.step_timeout_s: must be a finite number > 0"),
         Case("train: env limit, no rollout.env.name", [*train, "rollout.env.max_turns=0"],
              "rollout.env.max_turns: 0 is set, but rollout.env.name is null"),
+        Case("train: distill teacher path missing", [*distill, _teacher(f"{root}/nowhere")],
+             f"distill.teachers[0].path: {root}/nowhere does not exist"),
+        Case("train: distill tokenizer mismatch", [*distill, _teacher(p["swapped_tokens"])],
+             "distill.teachers[0].path: the teacher's tokenizer"),
+        Case("train: distill teacher_key not read", [*distill, "distill.teacher_key=source"],
+             "distill.teacher_key: 'source' is not a prompt-file column"),
+        Case("train: distill data column unknown", [*distill, "distill.teacher_key=source", "data.metadata_keys=[source]"],
+             "has no column 'source'"),
+        Case("train: distill source no teacher takes", [*distill, "distill.teacher_key=source",
+                                                        "data.metadata_keys=[source]", f"data.train_files=[{root}/sourced.jsonl]",
+                                                        f"data.eval_files=[{root}/sourced.jsonl]", _teacher(ASSET, "[math]")],
+             "has source 'chat', which no teacher takes"),
         Case("launch: missing YAML file", ["megatron-rl-launch", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("launch: bad YAML file", ["megatron-rl-launch", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("launch: nproc does not match world", [*launch, "--nproc-per-node", "3"], "parallel.world_size"),

@@ -15,6 +15,14 @@ Run from the repository root (a few minutes on 2 CPU cores)::
 
     python tools/make_tiny_model.py
 
+``--teacher`` writes instead the distillation demo's teacher (``tiny_qwen3_moe_teacher``): the
+same tokenizer (read back from the shipped student, so every id is the same token), a larger
+model (hidden 96, expert FFN 96, and a vocabulary of 576 rows against the student's
+512: the ids past the student's are padding to it) trained longer, on the "a + b" training
+problems only, until it answers the held-out ones well (``docs/distillation.md``)::
+
+    python tools/make_tiny_model.py --teacher
+
 Reproducibility: every random draw is seeded, training runs on one CPU thread with
 deterministic algorithms, and the files are written with sorted keys, so a re-run with the
 same torch / tokenizers / transformers versions on the same kind of CPU writes
@@ -78,6 +86,11 @@ TOOL_SHARE = 0.3
 """Share of the multi-step training problems whose transcript calls the calculator."""
 TOOL_MAX_NEW_TOKENS = 32
 """Tokens per model turn when evaluating tool use (a tool call is about 20)."""
+TEACHER_SHAPE = dict(hidden_size=96, intermediate_size=96, head_dim=24, num_experts=8, moe_intermediate_size=96,
+                     vocab_size=576)
+"""The teacher's dimensions where they differ from the student's (``build_model``)."""
+TEACHER_STEPS = 2000
+"""Supervised steps of the teacher, on "a + b" only."""
 
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -209,19 +222,18 @@ def prompt_ids(tokenizer: PreTrainedTokenizerFast, prompt: str) -> list[int]:
     )
 
 
-def build_model(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeForCausalLM:
-    """A freshly initialized Qwen3-MoE of the shape the project's Megatron model supports."""
+def build_model(tokenizer: PreTrainedTokenizerFast, **shape) -> Qwen3MoeForCausalLM:
+    """A freshly initialized Qwen3-MoE of the shape the project's Megatron model supports
+    (``shape``: dimensions that differ from the student's, the teacher's)."""
+    dims = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=64, head_dim=16, num_experts=8,
+                moe_intermediate_size=64)
+    dims.update(shape)
     config = Qwen3MoeConfig(
-        vocab_size=MODEL_VOCAB,
-        hidden_size=64,
-        intermediate_size=64,
+        **dims,
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        num_experts=8,
         num_experts_per_tok=2,
-        moe_intermediate_size=64,
         norm_topk_prob=True,
         decoder_sparse_step=1,
         mlp_only_layers=[],
@@ -400,19 +412,49 @@ def save_checkpoint(model, tokenizer, directory: Path) -> None:
     tokenizer_path = directory / "tokenizer_config.json"
     tokenizer_config = json.loads(tokenizer_path.read_text())
     tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    tokenizer_config["additional_special_tokens"] = tokenizer_config.pop("extra_special_tokens")
+    for loader_only in ("is_local", "local_files_only"):  # from_pretrained's own arguments (the teacher's)
+        tokenizer_config.pop(loader_only, None)
+    tokenizer_config["additional_special_tokens"] = tokenizer_config.pop(
+        "extra_special_tokens", tokenizer_config.get("additional_special_tokens"))
     tokenizer_path.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+
+
+def make_teacher(out: Path, steps: int, eval_every: int) -> None:
+    """The distillation demo's teacher: the shipped student's tokenizer, :data:`TEACHER_SHAPE`,
+    trained on the "a + b" training problems (the student's prompt files) only."""
+    started = time.time()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(out / "tiny_qwen3_moe"))
+    tokenizer.response_template = RESPONSE_TEMPLATE
+    train_rows, eval_rows = make_problems(SEED)
+    model = build_model(tokenizer, **TEACHER_SHAPE)
+    print(f"teacher: {sum(p.numel() for p in model.parameters())} parameters")
+
+    def report(tag: str) -> None:
+        for label, temperature in (("sampled (T=1)", 1.0), ("greedy", 0.0)):
+            got = evaluate(model, tokenizer, eval_rows, temperature, SEED, 1, MAX_NEW_TOKENS)
+            print(f"{tag} a + b {label:13s} accuracy {got['accuracy']:.3f}  format {got['format']:.3f}", flush=True)
+
+    examples = [sft_example(tokenizer, transcript(row, use_tool=False)) for row in train_rows]
+    train(model, examples, tokenizer.pad_token_id, steps, eval_every, lambda: report("    held-out"))
+    save_checkpoint(model, tokenizer, out / "tiny_qwen3_moe_teacher")
+    report("held-out")
+    print(f"done in {time.time() - started:.0f}s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("megatron_rl/assets"), help="assets directory")
-    parser.add_argument("--steps", type=int, default=STEPS, help="supervised steps")
+    parser.add_argument("--steps", type=int, default=None, help="supervised steps (default: the model's own)")
     parser.add_argument("--eval-every", type=int, default=0, help="held-out sampled accuracy every N steps")
+    parser.add_argument("--teacher", action="store_true", help="write the distillation demo's teacher instead")
     args = parser.parse_args()
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
+    if args.teacher:
+        make_teacher(args.out, args.steps or TEACHER_STEPS, args.eval_every)
+        return
+    args.steps = args.steps or STEPS
     started = time.time()
 
     train_rows, eval_rows = make_problems(SEED)

@@ -14,7 +14,7 @@ Modules: ``config`` (ObjectiveConfig), ``presets`` (named configs), ``batch`` (T
 the packed inputs and their checks), ``loss`` (entry point),
 ``surrogate`` (ratio units and gates), ``weights`` (RSPO, TIS/MIS/IcePop), ``masks``
 (overlong, 80/20, STAPO), ``aggregation``, ``kl``, ``advantages``, ``turn_credit`` (per-turn returns), ``shaping``,
-``segments`` (packed-axis kernels), ``log_ratio`` (the overflow-safe exp of every ratio),
+``distill`` (on-policy distillation terms), ``segments`` (packed-axis kernels), ``log_ratio`` (the overflow-safe exp of every ratio),
 ``validation``.
 """
 
@@ -30,6 +30,7 @@ from .advantages import (
 from .aggregation import aggregate_loss, kept_counts
 from .batch import TokenBatch
 from .config import ObjectiveConfig, ObjectiveConfigError
+from .distill import distill_advantages_T, topk_reverse_kl_T
 from .kl import kl_estimate_T, kl_reward_penalty_T
 from .loss import policy_loss
 from .masks import build_loss_mask
@@ -50,6 +51,7 @@ __all__ = [
     "aggregate_loss",
     "build_loss_mask",
     "compute_advantages",
+    "distill_advantages_T",
     "dr_grpo_advantages_S",
     "dynamic_sampling_keep_S",
     "get_preset",
@@ -63,4 +65,5 @@ __all__ = [
     "seq_ids_from_cu_seqlens",
     "soft_overlong_penalty_S",
     "token_returns_T",
+    "topk_reverse_kl_T",
 ]

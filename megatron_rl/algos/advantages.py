@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ..registry import Registry
+from .distill import with_distillation_T
 from .kl import kl_reward_penalty_T
 from .segments import segment_count, segment_first_index, segment_sum
 from .turn_credit import (
@@ -76,6 +77,9 @@ class AdvantageSettings(Protocol):
     turn_credit: Literal["trajectory", "turn"]
     turn_discount: float
     check_inputs: bool
+    rl_coef: float
+    distill_coef: float
+    distill_estimator: Literal["sampled", "topk"]
 
 
 @dataclass(frozen=True)
@@ -287,8 +291,11 @@ def compute_advantages(
     old_logprobs_T: Tensor | None = None,
     ref_logprobs_T: Tensor | None = None,
     turns: TurnLayout | None = None,
+    teacher_logprobs_T: Tensor | None = None,
 ) -> Tensor:
     """Per-token advantages with the estimator named by ``cfg.advantage``.
+
+    Weighted by ``cfg.rl_coef``, plus the sampled distillation advantage (``algos.distill``).
 
     With ``cfg.turn_credit == 'turn'`` the estimator runs on the turns of ``turns`` instead
     of the sequences (``_per_turn``; formulas in ``algos.turn_credit``).
@@ -307,6 +314,7 @@ def compute_advantages(
         old_logprobs_T: [T] needed for KL in the reward.
         ref_logprobs_T: [T] needed for KL in the reward.
         turns: the turns of each sequence; required by (and only read under) per-turn credit.
+        teacher_logprobs_T: [T] teachers' log-probs (the sampled distillation estimator).
 
     Returns:
         [T] advantages, detached, in the dtype of ``rewards_S``.
@@ -350,7 +358,7 @@ def compute_advantages(
     )
     if per_turn:
         batch = _per_turn(batch, turns, cfg.turn_discount)
-    return estimator(batch, cfg).detach()
+    return with_distillation_T(cfg, estimator(batch, cfg).detach(), teacher_logprobs_T, old_logprobs_T, loss_mask_T)
 
 
 def _per_turn(batch: AdvantageBatch, turns: TurnLayout, discount: float) -> AdvantageBatch:

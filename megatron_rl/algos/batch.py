@@ -64,6 +64,11 @@ class TokenBatch:
     """[T] current-policy entropies; the entropy bonus differentiates through them, filters not."""
     rspo_gamma_T: Tensor | None = None
     """[T] unfloored RSPO router-shift weights in (0, 1]; read by ``rspo_gamma_min``."""
+    teacher_logprobs_T: Tensor | None = None
+    """[T] the distillation teachers' log-probs of the sampled tokens (the ``distill/*`` metrics)."""
+    distill_T: Tensor | None = None
+    """[T] the top-k distillation term per token (``algos.distill.topk_reverse_kl_T``); carries the
+    gradient; read by ``distill_coef > 0`` with ``distill_estimator='topk'``."""
     truncated_S: Tensor | None = None
     """[S] bool, True for samples cut at the length limit (overlong filter)."""
 
@@ -121,6 +126,8 @@ def _needed_inputs(cfg: ObjectiveConfig, *, loss: bool, filters: bool) -> list[t
             needs.append(("entropy_T", "ObjectiveConfig.entropy_coef > 0"))
         if cfg.rspo_gamma_min is not None:
             needs.append(("rspo_gamma_T", "ObjectiveConfig.rspo_gamma_min"))
+        if cfg.distill_coef > 0 and cfg.distill_estimator == "topk":
+            needs.append(("distill_T", "ObjectiveConfig.distill_estimator='topk'"))
     if filters:
         if cfg.overlong_filter:
             needs.append(("truncated_S", "ObjectiveConfig.overlong_filter"))

@@ -29,6 +29,7 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 STD_ESTIMATORS = ("sample", "population")
 RSPO_APPLY = ("before_clip", "after_clip")
 TURN_CREDITS = ("trajectory", "turn")
+DISTILL_ESTIMATORS = ("sampled", "topk")
 
 # Paper defaults of the (low, high) band per mismatch mode (objectives.md §16, §17, §19.10).
 MISMATCH_DEFAULT_BOUNDS = {"tis": (0.0, 2.0), "mis": (0.5, 2.0), "icepop": (0.5, 5.0)}
@@ -118,6 +119,12 @@ class ObjectiveConfig:
     """Weight beta of the k1 KL penalty put into the reward by ``compute_advantages``."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus (loss -= coef * entropy); 0 disables it."""
+    distill_coef: float = 0.0
+    """Weight of the on-policy distillation term (reverse KL to the ``distill`` teachers, ``algos.distill``); 0 disables it."""
+    distill_estimator: Literal["sampled", "topk"] = "sampled"
+    """sampled: the sampled token's log-ratio as an advantage; topk: the KL over the teacher's top-k (+ tail) as a loss."""
+    rl_coef: float = 1.0
+    """Weight of the reward advantages; 0 with distill_coef > 0 is pure distillation."""
     advantage: str = "grpo"
     """Advantage estimator name in ``ADVANTAGE_ESTIMATORS``."""
     std_estimator: Literal["sample", "population"] = "sample"
@@ -176,6 +183,7 @@ class ObjectiveConfig:
             "rspo_apply": RSPO_APPLY,
             "advantage": ADVANTAGE_ESTIMATORS.names(),
             "turn_credit": TURN_CREDITS,
+            "distill_estimator": DISTILL_ESTIMATORS,
         }
         for name, allowed in choices.items():
             value = getattr(self, name)
@@ -236,7 +244,8 @@ class ObjectiveConfig:
             )
         _require(0 < self.stapo_q <= 1, "stapo_q", f"must be in (0, 1], got {self.stapo_q}")
         _require(0 < self.turn_discount <= 1, "turn_discount", f"must be in (0, 1], got {self.turn_discount}")
-        for name in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "adv_std_eps", "whiten_eps"):
+        for name in ("kl_coef", "kl_in_reward_coef", "entropy_coef", "adv_std_eps", "whiten_eps", "distill_coef",
+                     "rl_coef"):
             _require(getattr(self, name) >= 0, name, f"must be >= 0, got {getattr(self, name)}")
         if self.overlong_penalty_max_len is not None:
             _require(
@@ -247,6 +256,8 @@ class ObjectiveConfig:
             )
 
     def _validate_combinations(self) -> None:
+        _require(self.rl_coef > 0 or self.distill_coef > 0, "rl_coef",
+                 "is 0 and so is distill_coef: the objective would have no signal")
         allowed = _UNIT_GATES[self.ratio_unit]
         _require(
             self.gate in allowed,

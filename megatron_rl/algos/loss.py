@@ -11,7 +11,9 @@ host except the optional input check). It owns the order of the pieces:
 3. the per-token gated surrogate (``algos.surrogate``), RSPO ``before_clip`` inside it;
 4. stop-gradient token weights: RSPO ``after_clip`` and the train/rollout mismatch
    correction (``algos.weights``) multiply the per-token loss;
-5. KL (``cfg.kl_coef``) and entropy (``cfg.entropy_coef``) terms on the same kept tokens;
+5. KL (``cfg.kl_coef``), entropy (``cfg.entropy_coef``) and top-k distillation
+   (``cfg.distill_coef`` with ``distill_estimator='topk'``, ``algos.distill``) terms on the same
+   kept tokens (the sampled distillation estimator is in the advantages already);
 6. aggregation with the caller's global counts (``algos.aggregation``).
 
 Micro-batching and data parallelism: split along sequences (sequence-level ratios need
@@ -22,7 +24,7 @@ with ``build_loss_mask`` when an 80/20 or STAPO filter is on, pass it with
 
 Metrics (0-dim tensors; fractions and stats over kept tokens; a ``*`` is ``mean``, ``min``
 and ``max``): ``loss/policy``, ``loss/kl``, ``loss/entropy`` (aggregated terms);
-``count/kept_tokens``, ``count/kept_seqs``, ``count/truncated_seqs``; ``mask/kept_frac``
+``loss/distill`` (the top-k term); ``count/kept_tokens``, ``count/kept_seqs``, ``count/truncated_seqs``; ``mask/kept_frac``
 and ``mask/<overlong|entropy|stapo>_frac`` (share of response tokens removed);
 ``ratio/*`` (the ratio the gate saw; sequence units: the sequence ratio);
 ``clip/<low|high>_<token|seq>_frac`` (token: share of kept tokens on a bound; seq: share
@@ -30,7 +32,9 @@ of sequences with at least one) and ``clip/dual_token_frac``; ``kl/*`` (the conf
 estimator, when reference log-probs are given); ``entropy/*``; ``weight/rspo/*`` (floored
 when RSPO is on); ``weight/mismatch/*``, ``weight/mismatch_rejected_frac`` (zeroed) and
 ``weight/mismatch_outside_frac`` (ratio outside the band: truncated by TIS, zeroed by MIS/IcePop);
-``mismatch/token_ratio/*`` (pi_old / pi_rollout per token, when rollout log-probs are given).
+``mismatch/token_ratio/*`` (pi_old / pi_rollout per token, when rollout log-probs are given);
+``distill/log_ratio/*`` (``log pi - log mu`` of the sampled tokens, the sampled estimate of the
+reverse KL, when teacher log-probs are given) and ``distill/topk_kl/*`` (the top-k term).
 
 Shape legend: T tokens, S sequences.
 """
@@ -122,6 +126,9 @@ def policy_loss(
     if cfg.entropy_coef > 0:
         metrics["loss/entropy"] = aggregate(batch.entropy_T)
         loss = loss - cfg.entropy_coef * metrics["loss/entropy"]
+    if cfg.distill_coef > 0 and cfg.distill_estimator == "topk":
+        metrics["loss/distill"] = aggregate(batch.distill_T)
+        loss = loss + cfg.distill_coef * metrics["loss/distill"]
     metrics = {name: value.detach() for name, value in metrics.items()}
     metrics.update(_diagnostics(batch, kept, surrogate, gamma_T, kl_T, cfg.log_ratio_clamp))
     return loss, metrics
@@ -195,6 +202,10 @@ def _diagnostics(
         metrics.update(_kept_stats("mismatch/token_ratio", rho_T, kept))
     if batch.truncated_S is not None:
         metrics["count/truncated_seqs"] = batch.truncated_S.bool().sum()
+    if batch.teacher_logprobs_T is not None and batch.logprobs_T is not None:
+        metrics.update(_kept_stats("distill/log_ratio", batch.logprobs_T - batch.teacher_logprobs_T, kept))
+    if batch.distill_T is not None:
+        metrics.update(_kept_stats("distill/topk_kl", batch.distill_T, kept))
     return metrics
 
 

@@ -10,7 +10,8 @@ choices that do not change what the weights compute may differ (:data:`RUN_CHOIC
 an HF checkpoint also :data:`HF_RUN_CHOICES`).
 
 Runs before any process group or model exists (headers and JSON only, no Megatron import);
-the config loader calls :func:`checkpoint_model_section`. Does not own filling the model
+the config loader calls :func:`checkpoint_model_section` (and :func:`teacher_model_sections` for the
+distillation teachers). Does not own filling the model
 (``megatron_rl.checkpoint.megatron_io.fill_from_hf``, called by the trainer), reading the
 config (``megatron_rl.config``) or resuming (a run's own checkpoint always takes precedence).
 """
@@ -79,12 +80,13 @@ def inspect_init_checkpoint(path: str | Path, key: str = "init_checkpoint") -> I
     )
 
 
-def model_section(source: InitSource, requested: dict[str, Any] | None) -> dict[str, Any]:
+def model_section(source: InitSource, requested: dict[str, Any] | None, prefix: str = "model") -> dict[str, Any]:
     """The run's ``model`` section: the checkpoint's, with the allowed run choices applied.
 
     Args:
         source: the validated checkpoint.
         requested: the ``model`` keys the YAML preset and the overrides set (may be None).
+        prefix: the section's dotted key (a distillation teacher's: ``distill.teachers[i].model``).
 
     Raises:
         ConfigError: a requested key contradicts the checkpoint (names the key, both
@@ -94,16 +96,33 @@ def model_section(source: InitSource, requested: dict[str, Any] | None) -> dict[
     where = source.path / ("config.json" if source.kind == "hf" else RECORD_NAME)
     for key, value in (requested or {}).items():
         if key not in section:
-            raise ConfigError(unknown_key_message(f"model.{key}", section, "ModelConfig"))
+            raise ConfigError(unknown_key_message(f"{prefix}.{key}", section, "ModelConfig"))
         if key in RUN_CHOICES or (source.kind == "hf" and key in HF_RUN_CHOICES):
             section[key] = value
             continue
         if not _same(value, section[key]):
             raise ConfigError(
-                f"model.{key}: the config sets {value!r} but the checkpoint {where} says {section[key]!r}; "
+                f"{prefix}.{key}: the config sets {value!r} but the checkpoint {where} says {section[key]!r}; "
                 "remove the key (the model section is read from the checkpoint) or use another checkpoint"
             )
     return section
+
+
+def teacher_model_sections(data: dict[str, Any]) -> None:
+    """Each distillation teacher's ``model`` section, read from its checkpoint (``distill.teachers[i].path``),
+    set in ``data`` (the config as read from the YAML and the overrides), as :func:`checkpoint_model_section`
+    does for the policy."""
+    teachers = (data.get("distill") or {}).get("teachers") if isinstance(data.get("distill"), dict) else None
+    for i, teacher in enumerate(teachers if isinstance(teachers, list) else []):
+        path = teacher.get("path") if isinstance(teacher, dict) else None
+        if not isinstance(path, str):
+            continue
+        key = f"distill.teachers[{i}]"
+        requested = teacher.get("model")
+        if requested is not None and not isinstance(requested, dict):
+            raise ConfigError(f"{key}.model: expected a mapping")
+        teacher["model"] = model_section(inspect_init_checkpoint(path, key=f"{key}.path"), requested,
+                                         prefix=f"{key}.model")
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -6,7 +6,7 @@ A forkserver whose caller died (SIGKILL, the OOM killer) sees its pipe at EOF an
 ``SystemExit``; with torch and Megatron-Core loaded, the teardown that follows took 13 s on a
 loaded 2-core machine (seconds on a quiet one), the run's forkserver outliving the command that
 started it. An exit handler registered after those modules' own runs before them, flushes the
-standard streams and leaves with ``os._exit``: 1.7 s on the same machine. Only the process
+standard streams and leaves with ``os._exit`` (1.7 s on the same machine). Only the process
 that imported this module leaves that way (its forked ranks inherit the handler: they end by
 ``os._exit`` as multiprocessing's children do, and any child of theirs keeps its own exit).
 The status is 0: the forkserver's only exit is ``SystemExit`` at its pipe's EOF.

@@ -39,12 +39,14 @@ from megatron_rl.parallel.packing import (
     PackedMicroBatch,
     pack_sequences,
     padded_row_length,
+    response_targets,
     slot_lengths,
 )
 from megatron_rl.parallel.routing_layout import assemble_record, gather_call_field, local_ids_per_call
 from megatron_rl.parallel.routing_record import RouterRecorder
 from megatron_rl.parallel.routing_replay import RoutingReplay, replay_ids_per_call
 from megatron_rl.parallel.schedule import run_schedule, unwrap
+from megatron_rl.parallel.vocab_topk import topk_logprobs
 from megatron_rl.sections.parallel import thd_row_multiple
 from moe_routing.shift import router_shift_TL, rspo_gamma_T
 from moe_routing.stats import routing_metrics
@@ -67,6 +69,10 @@ class LogProbResult:
     """``[T_resp]`` unfloored RSPO router-shift weight of each response token (with ``old_record``)."""
     routing_metrics: dict[str, torch.Tensor] | None = None
     """Replay agreement, flip rate and router shift per layer (when routing was watched)."""
+    topk_ids_TK: torch.Tensor | None = None
+    """``[T_resp, K]`` int64 the K most likely ids of each response token's distribution (``topk``)."""
+    topk_logprobs_TK: torch.Tensor | None = None
+    """``[T_resp, K]`` fp32 their log-probs."""
 
 
 def validate_samples(
@@ -225,6 +231,7 @@ def compute_logprobs(
     replay_ids_TLK: torch.Tensor | None = None,
     replay_layer_numbers: Sequence[int] | None = None,
     old_record: RouterRecord | None = None,
+    topk: int = 0,
 ) -> LogProbResult:
     """Response-token log-probs and entropies (and optionally routing) for this DP rank.
 
@@ -242,10 +249,14 @@ def compute_logprobs(
         replay_layer_numbers: layer number of each column of ``replay_ids_TLK``.
         old_record: the old policy's record of the same positions; the pass then measures
             the current router log-probs at its experts and returns RSPO weights.
+        topk: also return each response token's K most likely ids and their log-probs
+            (``parallel.vocab_topk``; without context parallelism).
     """
     gpt = unwrap(model)
     vocab = gpt.true_vocab_size
     validate_samples(sequences, prompt_lengths, vocab, gpt.max_sequence_length)
+    if topk and groups.cp_size > 1:
+        raise ValueError("log-prob pass: top-k log-probs are computed without context parallelism")
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
     probing = replay_ids_TLK is not None or old_record is not None
@@ -266,10 +277,10 @@ def compute_logprobs(
         )
     with torch.no_grad(), recorder or nullcontext(), replay or nullcontext():
         outputs = run_schedule(
-            model, micro_batches, _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab),
+            model, micro_batches, _response_logprobs_fn(groups, prompt_lengths, chunk_tokens, vocab, topk),
             forward_only=True, before_forward=replay.before_forward if replay is not None else None,
         )
-    result = _results_in_sample_order(outputs, micro_batches, groups, sequences, prompt_lengths)
+    result = _results_in_sample_order(outputs, micro_batches, groups, sequences, prompt_lengths, topk)
     if recorder is not None:
         record = assemble_record(recorder, micro_batches, groups, gpt.config.num_moe_experts)
         if record_routing:
@@ -279,21 +290,29 @@ def compute_logprobs(
     return result
 
 
-def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int):
-    """The schedule's loss function: each micro-batch's response log-probs and entropies (no loss)."""
+def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int,
+                          topk: int):
+    """The schedule's loss function: each micro-batch's response log-probs and entropies (no loss),
+    and with ``topk`` their top-k ids and log-probs."""
 
     def loss_fn(mb: PackedMicroBatch, logits_1TV: torch.Tensor):
         logprobs, entropy = response_logprobs_entropy(
             mb, logits_1TV, prompt_lengths, groups, chunk_tokens=chunk_tokens, vocab_size=vocab
         )
         zero = logits_1TV.new_zeros(())
-        return zero, torch.tensor(logprobs.numel(), dtype=torch.int), {"lp": logprobs, "ent": entropy}
+        out = {"lp": logprobs, "ent": entropy}
+        if topk:
+            rows_R, targets_R = response_targets(mb, prompt_lengths, logits_1TV.device)
+            out["topk_ids"], out["topk_lp"] = topk_logprobs(logits_1TV[0, rows_R], targets_R, logprobs, topk,
+                                                            groups.tp, vocab)
+        return zero, torch.tensor(logprobs.numel(), dtype=torch.int), out
 
     return loss_fn
 
 
 def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicroBatch], groups: ParallelGroups,
-                             sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int]) -> LogProbResult:
+                             sequences: Sequence[torch.Tensor], prompt_lengths: Sequence[int],
+                             topk: int = 0) -> LogProbResult:
     """The last stage's per-micro-batch outputs in sample order, on every pipeline stage (no record yet)."""
     response_lengths = torch.tensor([int(s.numel()) - p for s, p in zip(sequences, prompt_lengths)])
     total = int(response_lengths.sum())
@@ -305,7 +324,17 @@ def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicr
         packed.copy_(to_sample_order(per_mb, micro_batches, cu).T)
     if groups.pp_size > 1:
         broadcast(packed, groups.pp_size - 1, groups.pp)
-    return LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
+    result = LogProbResult(logprobs_T=packed[0], entropy_T=packed[1], cu_seqlens_S1=cu, record=None)
+    if topk:
+        # ids travel as exact small integers in the float buffer (ids < 2^24).
+        top = torch.empty(total, 2 * topk, dtype=torch.float32)
+        if groups.is_last_stage:
+            per_mb = [torch.cat([o["topk_ids"].float(), o["topk_lp"].float()], dim=1).cpu() for o in outputs]
+            top.copy_(to_sample_order(per_mb, micro_batches, cu))
+        if groups.pp_size > 1:
+            broadcast(top, groups.pp_size - 1, groups.pp)
+        result.topk_ids_TK, result.topk_logprobs_TK = top[:, :topk].long(), top[:, topk:]
+    return result
 
 
 def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:

@@ -19,7 +19,8 @@ checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the ve
 is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
 build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
 0.19.2 unless it says otherwise; the optimizer and training-state helpers live in its
-optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
+optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, and ``parallel_state``'s globals in
+:mod:`megatron_rl.parallel.mcore_state`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
 Megatron-Core: the checkpoint-format constants serve the input checks, which run first.

@@ -46,6 +46,7 @@ import torch
 from megatron_rl.algos.aggregation import kept_counts
 from megatron_rl.algos.batch import TokenBatch
 from megatron_rl.algos.config import ObjectiveConfig
+from megatron_rl.algos.distill import topk_reverse_kl_T
 from megatron_rl.algos.loss import policy_loss
 from megatron_rl.algos.masks import build_loss_mask
 from megatron_rl.algos.segments import seq_ids_from_cu_seqlens
@@ -68,6 +69,7 @@ from megatron_rl.parallel.packing import PackedMicroBatch
 from megatron_rl.parallel.routing_record import find_routers
 from megatron_rl.parallel.routing_replay import RoutingReplay, replay_ids_per_call
 from megatron_rl.parallel.schedule import run_schedule, unwrap
+from megatron_rl.parallel.vocab_topk import response_logprobs_at
 from moe_routing.stats import gamma_metrics
 from moe_routing.types import RouterRecord
 from moe_routing.validate import RoutingDataError, validate_expert_ids
@@ -99,6 +101,12 @@ class TrainBatch:
     """Old-policy routing record of every position (R2 and RSPO)."""
     rollout_routes: list[torch.Tensor] | None = None
     """R3: per sample the rollout engine's experts ``[len_s - 1, L, K]`` (SGLang layout)."""
+    teacher_logprobs_T: torch.Tensor | None = None
+    """``[T_resp]`` distillation teachers' log-probs of the sampled tokens (``train.teachers``)."""
+    teacher_topk_ids_TK: torch.Tensor | None = None
+    """``[T_resp, K]`` the teachers' top-k ids per response position (the top-k estimator)."""
+    teacher_topk_logprobs_TK: torch.Tensor | None = None
+    """``[T_resp, K]`` their log-probs."""
 
     def select(self, indices: list[int]) -> "TrainBatch":
         """The mini-batch made of the given samples (per-token tensors follow)."""
@@ -122,6 +130,9 @@ class TrainBatch:
             truncated_S=None if self.truncated_S is None else self.truncated_S[indices],
             old_record=None if self.old_record is None else self.old_record.select_samples(indices),
             rollout_routes=None if self.rollout_routes is None else [self.rollout_routes[i] for i in indices],
+            teacher_logprobs_T=tokens(self.teacher_logprobs_T),
+            teacher_topk_ids_TK=tokens(self.teacher_topk_ids_TK),
+            teacher_topk_logprobs_TK=tokens(self.teacher_topk_logprobs_TK),
         )
 
 
@@ -372,6 +383,11 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
             # reach every parameter its forward used (gradients are collective under DDP).
             loss = logits_1TV.sum() * 0.0
             return loss, torch.tensor(0, dtype=torch.int), {"loss": loss.detach()}
+        distill_T = None
+        if objective.distill_coef > 0 and objective.distill_estimator == "topk":
+            student_TK = response_logprobs_at(mb, logits_1TV, batch.prompt_lengths, groups,
+                                              part(batch.teacher_topk_ids_TK), logprobs_T)
+            distill_T = topk_reverse_kl_T(student_TK, part(batch.teacher_topk_logprobs_TK))
         tokens = TokenBatch(
             logprobs_T=logprobs_T,
             old_logprobs_T=part(batch.old_logprobs_T),
@@ -384,6 +400,8 @@ def _objective_loss_fn(batch, objective, groups, micro_batches, cu_S1, kept_T, g
             entropy_T=entropy_T,
             rspo_gamma_T=part(gamma_T),
             truncated_S=None if batch.truncated_S is None else batch.truncated_S[samples].to(device),
+            teacher_logprobs_T=part(batch.teacher_logprobs_T),
+            distill_T=distill_T,
         )
         loss, metrics = policy_loss(
             objective, tokens, global_num_tokens=counts[0].to(device), global_num_seqs=counts[1].to(device),

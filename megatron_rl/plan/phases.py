@@ -36,6 +36,13 @@ from megatron_rl.plan import generation as gen
 from megatron_rl.plan.machine import GIB, Layout, Machine
 from megatron_rl.plan.params import rank_params, stage_layers
 from megatron_rl.plan.state import optimizer_bytes_per_param, uses_reference
+from megatron_rl.plan.teachers import (
+    describe,
+    teacher_host_items,
+    teacher_weight_bytes,
+    teacher_weight_items,
+    trainer_teachers,
+)
 from megatron_rl.rollout.sglang.config import SGLangConfig
 from moe_routing.types import compact_id_dtype
 
@@ -149,7 +156,7 @@ def state_terms(cfg: RunConfig, layout: Layout, stage: int, distributed: bool) -
              Term("fp32 main weights", total("main_weights")), Term("optimizer state", total("optimizer_state"))]
     if uses_reference(cfg):
         terms.append(Term("reference model weights", total("weights")))
-    return terms
+    return terms + [Term(name, size) for name, size in teacher_weight_items(cfg, layout)]
 
 
 def _moe_layers(cfg: RunConfig, layers: range) -> int:
@@ -289,13 +296,14 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
     pp = layout.parallel.pipeline_model_parallel_size
     state = max((state_terms(cfg, layout, stage, distributed) for stage in range(pp)),
                 key=lambda terms: sum(t.bytes for t in terms))
-    # Gradient buffers are recomputed, not kept; the reference model is not checkpointed.
+    # Gradient buffers are recomputed, not kept; the reference model and teachers are not checkpointed.
     offloaded = sum(t.bytes for t in state if t.name != "gradient buffer (fp32)")
-    saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights")
+    saved = offloaded - sum(t.bytes for t in state if t.name == "reference model weights" or t.name.startswith("teacher "))
     shape = step_shape(cfg, layout)
     m = cfg.model
     record = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * record_bytes_per_entry(m.num_experts)
     terms = [Term(f"routing records of a step ({procs} processes)", procs * record)]
+    terms += [Term(name, size) for name, size in teacher_host_items(cfg, layout, procs)]
     if cfg.train.routing_replay == "R3":
         routes = shape.step_tokens * len(m.moe_layers) * m.moe_router_topk * 4
         terms.append(Term(f"rollout routes for R3, int32 ({procs} processes)", procs * routes))
@@ -306,3 +314,37 @@ def host_terms(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bo
     # saves too (dist_checkpointing/strategies/filesystem_async.py:212-232, preload_tensors).
     terms.append(Term(f"checkpoint save staging ({procs} processes)", procs * saved, moment="checkpoint"))
     return terms
+
+
+def teacher_phases(cfg: RunConfig, layout: Layout, machine: Machine, distributed: bool) -> list[Phase]:
+    """One phase per trainer-run teacher and stage of its layout: its pass beside the policy's
+    state (``plan.teachers``)."""
+    phases = []
+    policy_pp = layout.parallel.pipeline_model_parallel_size
+    policy = max((state_terms(cfg, layout, s, distributed) for s in range(policy_pp)),
+                 key=lambda terms: sum(t.bytes for t in terms))
+    for i, t in trainer_teachers(cfg):
+        mine = Layout(parallel=t.parallel, world=layout.world)
+        shape = step_shape(cfg, mine)
+        s = act.RankShape(tokens=shape.micro_batch_tokens, tp=t.parallel.tensor_model_parallel_size,
+                          sequence_parallel=t.parallel.sequence_parallel_enabled(),
+                          etp=t.parallel.expert_tensor_parallel_size, dtype_bytes=act.DTYPE_BYTES[t.model.params_dtype])
+        pp, name = t.parallel.pipeline_model_parallel_size, t.label(i)
+        for stage in range(pp):
+            layers = stage_layers(t.model, pp, stage)
+            terms = list(policy) + _runtime(machine)
+            if t.offload:
+                terms.append(Term(f"teacher {name} weights (back for its pass)", teacher_weight_bytes(t, layout)))
+            terms.append(Term(f"teacher {name}: one layer's forward intermediates",
+                              max(act.layer_bytes(t.model, s, j) for j in layers), moment="forward"))
+            if any(j >= t.model.num_dense_layers for j in layers):
+                terms.append(Term(f"teacher {name}: MoE dispatch buffers", act.dispatch_bytes(t.model, s),
+                                  moment="forward"))
+            if stage == pp - 1:
+                terms += [Term(f"teacher {name}: logits and the response rows' copy",
+                               act.logits_bytes(t.model, s, shape.response_tokens), moment="loss"),
+                          Term(f"teacher {name}: vocab-parallel log-prob chunks",
+                               act.logprob_chunk_bytes(t.model, s, LOGPROB_CHUNK_TOKENS), moment="loss")]
+            phases.append(Phase(f"teacher pass ({name}, {describe(t.parallel, mine)})",
+                                f"trainer GPU, teacher stage {stage}", tuple(terms)))
+    return phases

@@ -16,6 +16,7 @@ from megatron_rl.plan.phases import (
     generate_phases,
     host_terms,
     logprob_phase,
+    teacher_phases,
     train_phase,
 )
 from megatron_rl.plan.state import distributed_optimizer
@@ -96,6 +97,7 @@ def make_plan(cfg: RunConfig, machine: Machine, layout: Layout | None = None) ->
     stages = range(layout.parallel.pipeline_model_parallel_size)
     phases = [*generate_phases(cfg, layout, machine, distributed),
               *(logprob_phase(cfg, layout, machine, s, distributed) for s in stages),
+              *teacher_phases(cfg, layout, machine, distributed),
               *(train_phase(cfg, layout, machine, s, distributed) for s in stages)]
     train_peak_distributed = max(train_phase(cfg, layout, machine, s, True).peak for s in stages)
     return Plan(cfg=cfg, machine=machine, layout=layout, phases=tuple(phases),

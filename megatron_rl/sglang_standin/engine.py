@@ -42,10 +42,13 @@ class EngineHost:
         engine: hf (a transformers replica generates; Qwen3-MoE, Mixtral), megatron (the model
             itself), or auto (hf when it can serve the architecture).
         logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default).
+        checkpoint: weights served from the start (SGLang's ``--model-path``), else random ones
+            from ``seed`` until the first push.
     """
 
     def __init__(self, model_cfg: ModelConfig, architecture: str, seed: int, micro_batch_sequences: int = 64,
-                 engine: Literal["auto", "hf", "megatron"] = "auto", logprobs_after_temperature: bool = False) -> None:
+                 engine: Literal["auto", "hf", "megatron"] = "auto", logprobs_after_temperature: bool = False,
+                 checkpoint: str | None = None) -> None:
         from megatron_rl.rollout.local.hf_model import EXPERT_LAYOUTS
 
         if engine not in ("auto", "hf", "megatron"):
@@ -55,14 +58,14 @@ class EngineHost:
         self.logprobs_after_temperature = logprobs_after_temperature
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._stack = contextlib.ExitStack()
-        self._executor.submit(self._start, seed, micro_batch_sequences).result()
+        self._executor.submit(self._start, seed, micro_batch_sequences, checkpoint).result()
         self.update_groups: dict[str, dist.ProcessGroup] = {}
         self.released: StorageSet | None = None
         """The served model's weights while released."""
         self.backup = False
         """Their bytes were kept (``--enable-weights-cpu-backup``)."""
 
-    def _start(self, seed: int, micro_batch_sequences: int) -> None:
+    def _start(self, seed: int, micro_batch_sequences: int, checkpoint: str | None) -> None:
         from megatron_rl.checkpoint.megatron_io import named_weights
         from megatron_rl.parallel.cpu_platform import cpu_platform
         from megatron_rl.parallel.groups import model_parallel
@@ -75,7 +78,13 @@ class EngineHost:
         self._stack.enter_context(world_of_one())
         self._stack.enter_context(cpu_platform())
         groups = self._stack.enter_context(model_parallel(ParallelConfig(), seed))
+        self.groups = groups
         self.model = build_model(self.model_cfg, ParallelConfig(), moe_enable_routing_replay=True)
+        if checkpoint is not None:
+            from megatron_rl.checkpoint.init_source import inspect_init_checkpoint
+            from megatron_rl.train.init_weights import load_initial_weights
+
+            load_initial_weights(self.model, inspect_init_checkpoint(checkpoint), self.model_cfg, groups)
         self.model.eval()
         self.weights = ServedWeights(named_weights(self.model), self.model_cfg, self.architecture)
         if self.engine_kind == "hf":

@@ -15,6 +15,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   payloads decoded by ``SafeUnpickler``'s rule, HF names loaded by the served architecture's
   loader rules, a crash where SGLang's scheduler would die
   (:mod:`~megatron_rl.sglang_standin.weights`);
+* prompt scoring (``max_new_tokens`` 0 with ``return_logprob``: a distillation teacher's
+  prompt log-probs and top-k, :mod:`~megatron_rl.sglang_standin.scoring`), weights served from
+  the config's ``init_checkpoint`` from the start;
 * log-probs ``log_softmax(logits / T)`` for sampled requests unless
   ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is true in its environment, read once at start
   (``layers/sampler.py:82``, ``:186-196``, ``:273-323``; ``utils/common.py:1424-1442`` reads it);
@@ -60,6 +63,7 @@ from megatron_rl.sglang_standin.batching import ContinuousBatcher
 from megatron_rl.sglang_standin.body import json_body
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
+from megatron_rl.sglang_standin.scoring import answer_scoring, is_scoring
 from megatron_rl.sglang_standin.weights import (
     NO_SESSION,
     SchedulerCrash,
@@ -201,11 +205,13 @@ class ProtocolServer(MemoryRoutes):
         return start
 
     async def generate(self, request: web.Request) -> web.Response:
-        """``POST /generate`` (non-streaming, ``input_ids`` only)."""
+        """``POST /generate`` (non-streaming, ``input_ids`` only; ``max_new_tokens`` 0: prompt scoring)."""
         self.counters.generate_requests += 1
         started = time.monotonic()
         try:
             body = await json_body(request)
+            if is_scoring(body):
+                return await answer_scoring(self.host, body, self.weight_version, started)
             rid, prompt, params, want_routes, seed = self._parse(body)
             start = self._routes_start(body, prompt)
         except ValueError as err:
@@ -456,7 +462,7 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     original = bool_env("SGLANG_RETURN_ORIGINAL_LOGPROB")  # layers/sampler.py:82, read once
     began = time.perf_counter()
     host = EngineHost(cfg.model, architecture, cfg.seed, args.micro_batch_sequences, args.engine,
-                      logprobs_after_temperature=not original)
+                      logprobs_after_temperature=not original, checkpoint=cfg.init_checkpoint)
     built = time.perf_counter()
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,

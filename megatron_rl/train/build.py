@@ -6,8 +6,8 @@ run whose servers are missing fails in seconds), the policy in this run's layout
 starting weights (an HF checkpoint streamed in, or a Megatron one resharded; skipped when the
 run resumes), DDP and the optimizer, the rollout engine and its turns on the devices, the
 reward pool, the rollout source and the batch generated ahead; and the services the loop
-calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models, the HF
-exports and the run's log. The order is the one that matters: the starting weights are
+calls: the checkpoint lifecycle with the warm start, evaluation, the frozen models (the KL
+reference, the distillation teachers), the HF exports and the run's log. The order is the one that matters: the starting weights are
 loaded before the optimizer copies them into its fp32 main weights, and every random draw
 happens in the same order on every start.
 
@@ -41,7 +41,7 @@ from megatron_rl.train.frozen import FrozenModels
 from megatron_rl.train.hf_export import RunExports
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.lifecycle import CheckpointLifecycle
-from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
+from megatron_rl.train.prepare import prompt_limit, run_tokenizer
 from megatron_rl.train.rollouts import RolloutSource
 from megatron_rl.train.run_log import RunLog
 from megatron_rl.train.sft import WarmStart
@@ -90,7 +90,7 @@ class RunParts:
     evaluate: Evaluator
     """The held-out evaluation."""
     frozen: FrozenModels
-    """The frozen models scored beside the policy (the KL reference)."""
+    """The frozen models scored beside the policy (the KL reference, the distillation teachers)."""
     exports: RunExports
     """The HF checkpoints out."""
     log: RunLog
@@ -101,9 +101,9 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
     """Collective: every part of the run, on every rank of the world together."""
     objective = resolve_objective(cfg)
     tokenizer = run_tokenizer(cfg)
-    limit = max_prompt_tokens(cfg)
-    train_set = load_prompts(cfg.data, "train", tokenizer, limit)
-    eval_set = load_prompts(cfg.data, "eval", tokenizer, limit)
+    limit, set_by = prompt_limit(cfg)
+    train_set = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
+    eval_set = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
     init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
     validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
     # Before the model exists: a run whose rollout servers are missing fails in seconds.

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.section import FROM_PRESET, ObjectiveSection
-from megatron_rl.config import PATH_KEYS, RunConfig, load_config, preset_chain, resolve_objective
+from megatron_rl.config import RunConfig, load_config, map_paths, preset_chain, resolve_objective
 from megatron_rl.config_loading import (
     attribute_docs,
     flatten,
@@ -61,15 +61,8 @@ def resolved_config_yaml(path: str | Path | None, overrides: Sequence[str] = (),
             key = f"objective.{f.name}"
             comments[key] += f"; {cfg.objective.preset} gives {getattr(objective, f.name)!r}"
     data = to_dict(cfg)
-    for keys in PATH_KEYS:
-        node = data
-        for key in keys[:-1]:
-            node = node[key]
-        value = node[keys[-1]]
-        if isinstance(value, str):
-            node[keys[-1]] = os.path.abspath(value)
-        elif isinstance(value, list):
-            node[keys[-1]] = [os.path.abspath(v) for v in value]
+    map_paths(data, lambda value: os.path.abspath(value) if isinstance(value, str) else
+              [os.path.abspath(v) for v in value] if isinstance(value, list) else value)
     header = [f"# megatron-rl-train resolved config: --config {path}" if path is not None
               else "# megatron-rl-train resolved config (no --config)"]
     if overrides:

@@ -1,6 +1,6 @@
-"""Frozen models scored beside the policy: the KL reference today, distillation teachers next.
+"""Frozen models scored beside the policy: the KL reference and the distillation teachers.
 
-A frozen model is a model of the run's architecture in the policy's TP/EP/PP layout, loaded
+The reference is a model of the run's architecture in the policy's TP/EP/PP layout, loaded
 once from a Megatron checkpoint and never trained; each step it scores the batch's sequences
 with the same log-prob pass as the policy (one log-probability per token, on the packed token
 axis). In colocated runs it leaves the devices with the trainer while the engine generates
@@ -10,6 +10,10 @@ The reference (``ObjectiveConfig.uses_reference``: a KL loss or reward term) is 
 the run starts, after the warm start: saved next to the run's checkpoints when the run starts
 (``<run_dir>/checkpoints/reference``), so a resumed run keeps the same reference. Does not own
 how its log-probs enter the objective (``megatron_rl.algos``: KL as a loss or in the reward).
+
+The teachers (:meth:`FrozenModels.teachers`) have architectures, layouts or SGLang servers of
+their own: :mod:`megatron_rl.train.teachers` owns them; they leave the devices the same way
+unless they are offloaded between their passes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ if TYPE_CHECKING:
     from megatron_rl.config import RunConfig
     from megatron_rl.parallel.groups import ParallelGroups
     from megatron_rl.train.colocate import EngineTurns
+    from megatron_rl.train.teachers import Teachers
 
 
 class FrozenModel:
@@ -77,3 +82,13 @@ class FrozenModels:
         load_model(model, ref_dir)
         self.turns.add_frozen(model)
         return FrozenModel("reference", model, self.groups)
+
+    def teachers(self) -> Teachers | None:
+        """The distillation teachers (None without ``distill.teachers``). Collective: each is built
+        in its own layout and streamed from its checkpoint, drawing nothing from the policy's
+        random streams (``train.teachers``)."""
+        if not self.cfg.distill.teachers:
+            return None
+        from megatron_rl.train.teachers import Teachers
+
+        return Teachers(self.cfg, self.groups, self.turns)

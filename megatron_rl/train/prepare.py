@@ -2,8 +2,8 @@
 
 Owns :func:`check_inputs` (the starting checkpoint, the tokenizer and its chat template, the
 prompt files row by row, the reward function's import path and signature, the environment's
-class and arguments, a run directory to resume) and the tokenizer and prompt limit a run
-uses. Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) reads the config
+class and arguments, a run directory to resume, distillation's teachers: ``train.teacher_checks``)
+and the tokenizer and prompt limit a run uses. Every entry point (``megatron-rl-train``, ``megatron-rl-launch``) reads the config
 (``megatron_rl.config.load_config``) and calls this first, so a bad input costs seconds and
 one line, never a started world. Imports no Megatron.
 """
@@ -29,6 +29,7 @@ from megatron_rl.data.tokenizer import (
 from megatron_rl.parallel.mcore_optimizer import optimizer_member_count
 from megatron_rl.rewards.core import check_reward_config
 from megatron_rl.rollout.envs.load import check_env_config, env_tools
+from megatron_rl.train.teacher_checks import check_teacher_inputs
 
 
 @dataclass(kw_only=True)
@@ -112,6 +113,7 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
                           "chat template takes around an empty one")
     train = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
     evals = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
+    check_teacher_inputs(cfg, tokenizer, train.records)
     return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
                         dropped=train.num_filtered + evals.num_filtered)
 

@@ -1,4 +1,4 @@
-"""The RL loop: rollouts -> DP balance -> old-policy pass (+ frozen models' passes) ->
+"""The RL loop: rollouts -> DP balance -> old-policy pass (+ frozen models' and teachers' passes) ->
 advantages -> updates under the routing plan -> weight push -> log, evaluation, checkpoint
 (+ HF out).
 
@@ -11,7 +11,8 @@ rollouts (data draw, sampling rounds, rewards, dynamic sampling, DP balance:
 on the devices (:mod:`~megatron_rl.train.colocate`), the checkpoint lifecycle with the warm
 start (:mod:`~megatron_rl.train.lifecycle`, :mod:`~megatron_rl.train.sft`), evaluation
 (:mod:`~megatron_rl.train.evaluation`), the frozen models such as the KL reference
-(:mod:`~megatron_rl.train.frozen`), the HF exports (:mod:`~megatron_rl.train.hf_export`) and the
+and the distillation teachers (:mod:`~megatron_rl.train.frozen`, :mod:`~megatron_rl.train.teachers`),
+the HF exports (:mod:`~megatron_rl.train.hf_export`) and the
 rows (:mod:`~megatron_rl.train.run_log`). With ``rollout.env`` each sample is a multi-turn
 trajectory (:mod:`megatron_rl.rollout.multiturn`): the loss mask of every pass is the tokens
 the policy generated, and the environment's tokens stay in the context only.
@@ -58,6 +59,8 @@ class Trainer:
         self.frozen, self.log = parts.frozen, parts.log
         self.reference = None
         """The KL reference, once the run has started (None: the objective has no KL)."""
+        self.teachers = None
+        """The distillation teachers, once the run has started (None: no ``distill.teachers``)."""
 
     # ------------------------------------------------------------------ the run
 
@@ -68,6 +71,7 @@ class Trainer:
         with self.log.open(trackers, self.checkpoints.resumed_step) as log:
             state, written = self.checkpoints.start()
             self.reference = self.frozen.reference(state.step)
+            self.teachers = self.frozen.teachers()
             self.exports.finish_owed(state.step, resumed=self.checkpoints.resumed_step is not None)
             if written is not None:  # as every step: its row, then its checkpoint published
                 log.log(0, {**self.evaluate(), **log.engine_metrics(),
@@ -111,6 +115,8 @@ class Trainer:
             # Collective for SGLang (the weight-sync group spans every rank), so not in a
             # finally: a rank that failed must not wait here for peers that never come.
             self.engine.close()
+            if self.teachers is not None:
+                self.teachers.close()
         self.log.close()
         self.scorer.close()
         return self.log.history
@@ -187,6 +193,12 @@ class Trainer:
         if self.reference is not None:
             with phase_timer(metrics, "ref_logprobs"):
                 ref_lp = self.reference.logprobs_T(sequences, prompt_lengths, **packing)
+        taught = None
+        if self.teachers is not None:
+            with phase_timer(metrics, "teacher_logprobs"):
+                taught = self.teachers.score([p for p in chosen.problems for _ in range(G)], sequences,
+                                             prompt_lengths, packing)
+            metrics.update(mean_over(taught.metrics(old.logprobs_T, mask_T), self.groups.dp))
         seq_ids_T = seq_ids_from_cu_seqlens(old.cu_seqlens_S1)
         advantages = compute_advantages(
             self.objective, rewards_S=torch.cat(chosen.rewards).float(),
@@ -194,6 +206,7 @@ class Trainer:
             seq_ids_T=seq_ids_T, loss_mask_T=mask_T, num_groups=len(chosen.rewards),
             old_logprobs_T=old.logprobs_T, ref_logprobs_T=ref_lp,
             turns=turn_layout(samples) if self.objective.turn_credit == "turn" else None,
+            teacher_logprobs_T=None if taught is None else taught.logprobs_T,
         )
         routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
         if routes is not None and self.rollouts.multiturn is not None:
@@ -203,6 +216,9 @@ class Trainer:
             advantages_T=advantages.float(), loss_mask_T=mask_T, rollout_logprobs_T=rollout_lp,
             ref_logprobs_T=ref_lp, truncated_S=torch.tensor([s.finish_reason == "length" for s in samples]),
             old_record=old.record, rollout_routes=routes,
+            teacher_logprobs_T=None if taught is None else taught.logprobs_T,
+            teacher_topk_ids_TK=None if taught is None else taught.topk_ids_TK,
+            teacher_topk_logprobs_TK=None if taught is None else taught.topk_logprobs_TK,
         )
 
     def _update(self, batch: TrainBatch, metrics: dict) -> None:

@@ -29,6 +29,7 @@ from megatron_rl.rollout.sglang.client import (
 )
 from megatron_rl.rollout.sglang.control import EncodedJSON, request_json
 from megatron_rl.rollout.sglang.engine import SGLangEngine
+from megatron_rl.rollout.sglang.scoring import ScoringClient, ScoringError
 from megatron_rl.rollout.sglang.server import (
     ManagedServer,
     ServerStartError,
@@ -79,6 +80,27 @@ def _check_exactly_once(prompts, results):
 def _arm(server, kind, times=1, **extra):
     status, body = request_json("POST", server.url + "/_test/fault", {"kind": kind, "times": times, **extra})
     assert status == 200, body
+
+
+def test_prompt_scoring_gives_the_log_probs_generation_sampled_with(server):
+    """A distillation teacher's requests (``ScoringClient``: prefill-only, prompt log-probs with the
+    top-5): each response token's log-prob is the one generation at temperature 1 reported for it
+    (the HF replica generated it, the served Megatron model scores it: within 1e-4); the top-5 come
+    in decreasing order, the first at least the sampled token's, and a sampled token among them
+    has its own log-prob there. A request SGLang refuses fails at once, naming the sample."""
+    prompts = _prompts(4)
+    results, _ = _generate([server.url], prompts, routes=False)
+    client = ScoringClient([server.url], retry_budget_s=5.0)
+    scored = client.score([p + r.output_ids for p, r in zip(prompts, results)], [len(p) for p in prompts], topk=5)
+    for r, (logprobs, ids, top) in zip(results, scored):
+        assert (logprobs - r.output_logprobs).abs().max() < 1e-4
+        assert ids.shape == top.shape == (len(r.output_ids), 5)
+        assert bool((top[:, :-1] >= top[:, 1:]).all()) and bool((top[:, 0] >= logprobs - 1e-6).all())
+        for t, token in enumerate(r.output_ids):
+            if token in ids[t].tolist():
+                assert abs(float(top[t, ids[t].tolist().index(token)]) - float(logprobs[t])) < 1e-6
+    with pytest.raises(ScoringError, match="teacher sample 0 .* HTTP 400"):
+        client.score([[10, 20, 30]], [5], topk=0)  # logprob_start_len 4 is past the 3 input tokens
 
 
 def test_health_model_info_and_a_batch(server):

@@ -12,7 +12,10 @@ router probabilities (and gates) 1e-6, the step's loss and the router / output-l
 CP4), a perturbed sample moves no other sample (bitwise under replay, CP4), the CP attention
 in blocks of one or two queries against dense float64 attention (CP4), the embedded engine's
 greedy tokens (CP2 x TP2+SP), the TP x CP x PP replica group and the DP balance with CP in the
-world (CP2 x DP2).
+world (CP2 x DP2). And a step with the top-k distillation term (``algos.distill``: the
+student's log-probs at a teacher's top-k ids, through ``vocab_topk.response_logprobs_at``),
+with token-budget micro-batches in every CP layout: its loss and gradients equal the single
+process's (micro-batches of two samples) within the same 1e-5.
 """
 
 import functools
@@ -101,6 +104,36 @@ def _steps(model, ddp, groups, mine, old) -> dict:
         out[mode] = {"loss": float(result.loss), "grads": grads if groups.tp_rank == 0 else {},
                      "replayed": float(result.metrics["routing/replayed_micro_batches"])}
     return out
+
+
+def _teacher_topk(sample: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A teacher's top-4 ids and log-probs at each response position of ``sample`` (arbitrary, valid)."""
+    gen = torch.Generator().manual_seed(500 + sample)
+    logprobs = torch.log_softmax(torch.randn(LENGTHS[sample] - PROMPTS[sample], MODEL.vocab_size, generator=gen), -1)
+    top, ids = logprobs.topk(4, dim=-1)
+    return ids, top
+
+
+def _distill_step(model, ddp, groups, mine, old, budget: int | None) -> dict:
+    """GRPO plus the top-k distillation term (weight 0.5) under R2; loss and gradients."""
+    import dataclasses
+
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.parallel.smoke_worker import _gathered_grads
+    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+
+    topk = [_teacher_topk(i) for i in mine]
+    batch = TrainBatch(
+        sequences=[SEQUENCES[i] for i in mine], prompt_lengths=[PROMPTS[i] for i in mine],
+        old_logprobs_T=old.logprobs_T, advantages_T=torch.cat([_advantages(i) for i in mine]), old_record=old.record,
+        teacher_topk_ids_TK=torch.cat([ids for ids, _ in topk]), teacher_topk_logprobs_TK=torch.cat([t for _, t in topk]),
+    )
+    objective = dataclasses.replace(get_preset("grpo"), kl_coef=0.0, distill_coef=0.5, distill_estimator="topk")
+    packing = {"micro_batch_tokens": budget} if budget else {"micro_batch_sequences": 2}
+    result = forward_backward(ddp, groups, batch, objective, RoutingPlan(mode="R2"), **packing)
+    grads = _gathered_grads(model, groups)
+    return {"loss": float(result.loss), "distill": float(result.metrics["objective/loss/distill"]),
+            "grads": grads if groups.tp_rank == 0 else {}}
 
 
 def _isolation(model, groups, mine) -> dict:
@@ -218,6 +251,8 @@ def _layout(name: str, groups, checkpoint: str) -> dict:
         out["generation"] = _greedy_generation(model, groups)
     _perturb_routers(model)
     out.update(_steps(model, ddp, groups, mine, old))
+    out["distill"] = _distill_step(model, ddp, groups, mine, old,
+                                   None if name == "reference" else ROW_TOKENS // groups.cp_size)
     return out
 
 
@@ -346,3 +381,16 @@ def test_dp_balance_keeps_cp_peers_together(layouts):
     assert sorted(by_dp[0][0] + by_dp[1][0]) == list(range(len(SEQUENCES)))
     tokens = [sum(LENGTHS[i] for i in by_dp[d][0]) for d in (0, 1)]
     assert max(tokens) < sum(LENGTHS[i] for i in (1, 3, 5))  # samples moved: rank 1 held 290 + 11 + 57
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_topk_distillation_step_matches_the_single_process(name, layouts, reference):
+    ref = reference["distill"]
+    assert ref["distill"] > 0 and ref["loss"] != reference["R2"]["loss"]
+    grads = {}
+    for rank in layouts:
+        got = rank[name]["distill"]
+        assert abs(got["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (name, got["loss"], ref["loss"])
+        grads.update({k: g for k, g in got["grads"].items() if k not in grads})
+    for key, grad in ref["grads"].items():
+        assert relative_error(grads[key], grad) <= 1e-5, (name, key)

@@ -51,6 +51,17 @@ def test_printed_config_loads_back_as_the_same_run(tmp_path, monkeypatch):
     assert reloaded == dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, eval_files=reloaded.data.eval_files))
 
 
+def test_a_printed_distillation_config_names_its_teachers_absolutely(tmp_path, monkeypatch):
+    distill = ROOT / "configs" / "demo_distill.yaml"
+    cfg = load_run_config(distill)
+    printed = tmp_path / "printed.yaml"
+    printed.write_text(resolved_config_yaml(distill))
+    monkeypatch.chdir(tmp_path)
+    # The preset's relative teacher path, printed absolute: the same teacher from any directory.
+    assert load_run_config(printed).distill == cfg.distill
+    assert cfg.distill.teachers[0].path == str(ROOT / "megatron_rl" / "assets" / "tiny_qwen3_moe_teacher")
+
+
 def test_each_value_names_its_source():
     text = resolved_config_yaml(GSPO, ["train.steps=3", "optim.lr=2e-4"])
     comments = _comments(text)

@@ -168,3 +168,49 @@ def test_recompute_choices_reach_megatrons_transformer_config():
     selective = build_transformer_config(ModelConfig(), ParallelConfig(), **recompute_fields("selective"))
     assert selective.recompute_granularity == "selective" and selective.recompute_modules == ["moe"]
     assert build_transformer_config(ModelConfig(), ParallelConfig()).recompute_granularity is None
+
+
+def test_a_teacher_is_counted_in_every_trainer_phase_its_pass_and_when_offloaded_on_the_host():
+    """A trainer-run teacher in TP2 (+SP) beside the demo's EP2 policy: its weights are a rank's share
+    of its costliest stage in its own layout (``rank_params``), resident in every trainer phase and
+    moved out with the trainer's weights when colocated; its pass is a phase of its own with its
+    forward at its own width and vocabulary. Offloaded between passes, it leaves the other phases
+    and waits in host memory."""
+    from megatron_rl.plan.params import rank_params
+    from megatron_rl.sections import ParallelConfig
+    from megatron_rl.sections.distill import DistillConfig, TeacherConfig
+
+    cfg = _demo()
+    teacher_model = dataclasses.replace(cfg.model, hidden_size=96, moe_ffn_hidden_size=96, head_dim=24, vocab_size=576)
+    teacher = TeacherConfig(name="big", path="unused", model=teacher_model,
+                            parallel=ParallelConfig(tensor_model_parallel_size=2))
+    cfg = dataclasses.replace(cfg, distill=DistillConfig(teachers=[teacher]))
+    machine = Machine(gpus=2, gpu_memory=8 * GIB, cpu=True)
+    plan = make_plan(cfg, machine)
+    weights = rank_params(teacher_model, teacher.parallel, 0).total * 4  # fp32
+    for phase in plan.phases:
+        got = [t.bytes for t in phase.terms if t.name == "teacher big weights"]
+        assert got == ([weights] if phase.device.startswith("trainer GPU") else []), phase.name
+    passes = [p for p in plan.phases if p.name.startswith("teacher pass (big, TP2 SP EP1 ETP1 PP1 DP1)")]
+    assert len(passes) == 1
+    logits = next(t for t in passes[0].terms if t.name.endswith("logits and the response rows' copy"))
+    assert logits.bytes > 0
+    train = next(p for p in plan.phases if p.name == "train")
+    for name in ("weights", "gradient buffer (fp32)", "fp32 main weights", "optimizer state"):  # the policy's state
+        assert [t.bytes for t in passes[0].terms if t.name == name] == [t.bytes for t in train.terms if t.name == name]
+    # Colocated with offload: the resident teacher leaves the GPU with the trainer's weights while SGLang generates.
+    from megatron_rl.plan.machine import Layout
+    from megatron_rl.plan.phases import host_terms
+
+    colocated = Layout(parallel=cfg.parallel, world=2, placement="colocated", offload=True)
+    without = dataclasses.replace(cfg, distill=DistillConfig())
+    moved = [t.bytes for t in host_terms(cfg, colocated, machine, False) if t.name.startswith("offloaded trainer state")]
+    moved_without = [t.bytes for t in host_terms(without, colocated, machine, False)
+                     if t.name.startswith("offloaded trainer state")]
+    assert [a - b for a, b in zip(moved, moved_without)] == [2 * weights]
+    offloaded = dataclasses.replace(cfg, distill=DistillConfig(teachers=[dataclasses.replace(teacher, offload=True)]))
+    plan = make_plan(offloaded, machine)
+    assert not any(t.name == "teacher big weights" for p in plan.phases for t in p.terms)
+    pass_terms = next(p for p in plan.phases if p.name.startswith("teacher pass")).terms
+    assert [t.bytes for t in pass_terms if t.name == "teacher big weights (back for its pass)"] == [weights]
+    assert [t.bytes for t in plan.host.terms if t.name.startswith("teacher big weights, offloaded")] == [2 * weights]

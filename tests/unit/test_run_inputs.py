@@ -16,6 +16,7 @@ from megatron_rl.train.main import main
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo_cpu.yaml"
+DISTILL = REPO / "configs" / "demo_distill.yaml"
 ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
 TRAIN = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 
@@ -51,6 +52,13 @@ def bad_inputs(tmp_path_factory):
     )
     (root / "my_envs.py").write_text("class NoStep:\n    def reset(self, row):\n        return None\n")
     (root / "broken_envs.py").write_text("raise RuntimeError('no sandbox credentials')\n")
+    shutil.copytree(ASSET, root / "swapped_tokens")  # a teacher whose tokenizer gives 'a' and 'b' each other's ids
+    tokenizer_json = json.loads((ASSET / "tokenizer.json").read_text())
+    vocab = tokenizer_json["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    (root / "swapped_tokens" / "tokenizer.json").write_text(json.dumps(tokenizer_json))
+    (root / "sourced.jsonl").write_text("".join(json.dumps({**json.loads(row), "source": "chat"}) + "\n"
+                                                for row in TRAIN.read_text().splitlines()[:5]))
     from megatron_rl.config_loading import to_dict
     from megatron_rl.config import load_config as load_run_config
 
@@ -167,9 +175,30 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _teacher(path: str, sources: str = "[]") -> str:
+    return f"distill.teachers=[{{path: {path}, sources: {sources}}}]"
+
+
+DISTILL_CASES = {
+    "teacher path missing": ([_teacher("{root}/nowhere")], "distill.teachers[0].path: {root}/nowhere does not exist"),
+    "teacher tokenizer differs": ([_teacher("{root}/swapped_tokens")],
+                                  "distill.teachers[0].path: the teacher's tokenizer ({root}/swapped_tokens) is not the "
+                                  f"run's ({ASSET}): token 'a' is id"),
+    "routing column not read": (["distill.teacher_key=source"],
+                                "distill.teacher_key: 'source' is not a prompt-file column the trainer reads"),
+    "routing column not in the files": (["distill.teacher_key=source", "data.metadata_keys=[source]"],
+                                        f"data.metadata_keys[0]: {TRAIN} has no column 'source'"),
+    "a source no teacher takes": (["distill.teacher_key=source", "data.metadata_keys=[source]",
+                                   "data.train_files=[{root}/sourced.jsonl]", "data.eval_files=[{root}/sourced.jsonl]",
+                                   _teacher(str(ASSET), "[math]")], "has source 'chat', which no teacher takes"),
+}
+"""Bad distillation configs (``configs/demo_distill.yaml`` with one thing broken)."""
+
+
+@pytest.mark.parametrize("case", [*CASES, *(f"distill: {c}" for c in DISTILL_CASES)])
 def test_bad_input_is_one_line_exit_2_and_no_world(case, bad_inputs, capsys, monkeypatch):
-    overrides, expected = CASES[case]
+    config = DISTILL if case.startswith("distill: ") else DEMO
+    overrides, expected = DISTILL_CASES[case[len("distill: "):]] if config == DISTILL else CASES[case]
     root = str(bad_inputs)
     monkeypatch.syspath_prepend(root)
 
@@ -177,11 +206,11 @@ def test_bad_input_is_one_line_exit_2_and_no_world(case, bad_inputs, capsys, mon
         raise AssertionError("a process world was started for a bad input")
 
     monkeypatch.setattr(train_main, "run_world", no_world)
-    code = main(["--config", str(DEMO), *(o.format(root=root) for o in overrides)])
+    code = main(["--config", str(config), *(o.replace("{root}", root) for o in overrides)])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("megatron-rl-train: error: "), err
-    assert expected.format(root=root) in err, err
+    assert expected.replace("{root}", root) in err, err
 
 
 def test_the_world_guard_is_live(monkeypatch, tmp_path):

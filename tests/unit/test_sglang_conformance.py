@@ -48,7 +48,8 @@ from megatron_rl.rollout.sglang.weight_payload import (
     tensor_update_body,
 )
 from megatron_rl.rollout.sglang.weight_transport import Limits, TensorTransport
-from megatron_rl.rollout.sglang.wire import generate_payload
+from megatron_rl.rollout.sglang.wire import generate_payload, score_payload
+from megatron_rl.sglang_standin.scoring import parse_scoring
 
 ORACLE = Path(__file__).resolve().parents[1] / "sglang_oracle.py"
 SPEC = importlib.util.find_spec("sglang")
@@ -104,6 +105,7 @@ def verdicts():
                                 params=SamplingParams(temperature=0.7, top_p=0.9, top_k=4, max_new_tokens=8,
                                                       stop_token_ids=(2,)))
     bucket = flatten(named)
+    scoring = score_payload(rid="score-1", input_ids=[1, 2, 3, 4], logprob_start_len=2, top_logprobs_num=5)
     bodies = {
         "BeginWeightUpdateReqInput": begin_weight_update_body(),
         "EndWeightUpdateReqInput": end_weight_update_body(),
@@ -119,6 +121,8 @@ def verdicts():
                "negative": (["a"], ["float32"], [[-1]]), "empty": ([], [], [])}
     jobs = [("decode_flattened", e) for e in entries]
     jobs += [("decode", fp8), ("decode", hostile), ("allowed_globals",), ("contract", generate)]
+    jobs += [("validate", "GenerateReqInput", scoring), ("contract", scoring),
+             ("sampling_params", scoring["sampling_params"], 512)]
     jobs += [("receive_layout", *layout) for layout in layouts.values()]
     jobs += [("validate", struct, body) for struct, body in bodies.items()]
     answers = iter(ask(jobs))
@@ -126,6 +130,7 @@ def verdicts():
     return {"named": named, "bucket": bucket, "decoded": decoded, "fp8": fp8, "hostile": hostile,
             "fp8_verdict": next(answers), "hostile_verdict": next(answers),
             "allowed": {tuple(g) for g in next(answers)[1]}, "contract": next(answers),
+            "scoring": (scoring, next(answers), next(answers), next(answers)),
             "layouts": {key: (layout, next(answers)) for key, layout in layouts.items()},
             "bodies": bodies, "validated": {struct: next(answers) for struct in bodies}}
 
@@ -357,3 +362,39 @@ def test_the_stand_ins_memory_rules_are_sglangs():
     assert "--enable-memory-saver" in build_command(SGLangServerConfig(model_path="m", enable_memory_saver=True))
     adapter = _source("utils/torch_memory_saver_adapter.py")
     assert "_TorchMemorySaverAdapterReal() if enable else _TorchMemorySaverAdapterNoop()" in adapter
+
+
+def test_a_teachers_scoring_request_is_a_valid_prefill_only_request(verdicts):
+    """The distillation teacher's request (``wire.score_payload``): valid for GenerateReqInput with no
+    ignored field, passes /generate's contract gate, and its sampling_params pass SGLang's own
+    SamplingParams.verify with max_new_tokens 0 (a prefill-only request)."""
+    body, (status, value), contract, (sp_status, sp_value) = verdicts["scoring"]
+    assert status == "ok", value
+    assert not set(body) - set(value["fields"]), set(body) - set(value["fields"])
+    values = value["values"]
+    assert values["return_logprob"] and values["logprob_start_len"] == 2 and values["top_logprobs_num"] == 5
+    assert contract == ("ok", None)
+    assert (sp_status, sp_value) == ("ok", {"max_new_tokens": 0})
+
+
+def test_the_stand_ins_scoring_rules_are_sglangs():
+    """What the stand-in refuses and how it lays out prompt log-probs are SGLang's source, read here:
+    the message for a logprob_start_len past the input, the null first entry and the dropped last
+    position, the clipped ids, and the prefill-only test."""
+    scheduler = _source("managers/scheduler.py")
+    with pytest.raises(ValueError) as refused:
+        parse_scoring({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 5,
+                       "sampling_params": {"max_new_tokens": 0}}, 512, 128)
+    template = ('f"{req.logprob_start_len=} is higher than the number of input tokens {len(req.origin_input_ids)=}. '
+                'Please use a smaller logprob_start_len."')
+    assert template in scheduler
+    assert str(refused.value) == ("req.logprob_start_len=5 is higher than the number of input tokens "
+                                  "len(req.origin_input_ids)=3. Please use a smaller logprob_start_len.")
+    processor = ast.unparse(_function("managers/scheduler_components/logprob_result_processor.py",
+                                      "_process_input_token_logprobs"))
+    assert "req.logprob.input_token_logprobs_val = [None] + input_token_logprobs[:-1]" in processor
+    assert "x if x < self.model_config.vocab_size - 1 else 0" in processor
+    top = ast.unparse(_function("managers/scheduler_components/logprob_result_processor.py",
+                                "_process_input_top_logprobs"))
+    assert "[None]" in top and "req.logprob.input_top_logprobs_val.pop()" in top
+    assert "return self.sampling_params.max_new_tokens == 0 and spec_alg is None" in _source("managers/schedule_batch.py")
