@@ -22,9 +22,8 @@ build fixes, checkpoint format) give their reason in their docstring and hold fo
 optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, and ``parallel_state``'s globals in
 :mod:`megatron_rl.parallel.mcore_state`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
 
-Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
-Megatron-Core: the checkpoint-format constants serve the input checks, which run first.
-"""
+Names resolve lazily (PEP 562 ``__getattr__``): importing this module imports no Megatron-Core
+(the checkpoint-format constants serve the input checks, which run first)."""
 
 from __future__ import annotations
 
