@@ -17,7 +17,7 @@ Default plots (``DEFAULT_PLOTS``). Each plot is drawn only if a metric matches o
 keys; keys are ``fnmatch`` patterns, where ``*`` also matches ``/``:
 
 * ``reward``: train reward (``*reward*mean``, ``*reward``) and accuracy (``*accuracy``,
-  e.g. ``eval/accuracy``);
+  e.g. ``eval/accuracy``), not the seconds spent scoring (``time/*``, ``perf/*``);
 * ``entropy``: policy entropy (``*entropy/mean``, ``*entropy``);
 * ``clip_fraction``: shares on a clip bound (``*clip/*_frac``, ``*clip_frac*``);
 * ``rspo_gamma``: RSPO router-shift weights (``*gamma/min``, ``*gamma/mean``,
@@ -257,6 +257,13 @@ class PlotSpec:
     """``fnmatch`` patterns of metric names, tried in order (``*`` also matches ``/``)."""
     stacked: bool = False
     """Stack the series as areas (parts of a whole); a step a series lacks counts as 0."""
+    exclude: tuple[str, ...] = ()
+    """``fnmatch`` patterns of names never drawn here, though a key matches them."""
+
+    def matching(self, names: Sequence[str]) -> list[str]:
+        """The names drawn, in the order of :attr:`keys`, then of ``names``."""
+        return [name for name in dict.fromkeys(n for p in self.keys for n in names if fnmatchcase(n, p))
+                if not any(fnmatchcase(name, p) for p in self.exclude)]
 
 
 DEFAULT_PLOTS: dict[str, PlotSpec] = {
@@ -264,6 +271,7 @@ DEFAULT_PLOTS: dict[str, PlotSpec] = {
         title="Train reward and held-out accuracy",
         ylabel="reward / accuracy",
         keys=("*reward*mean", "*reward", "*accuracy"),
+        exclude=("time/*", "perf/*"),  # seconds (time/reward), not a reward
     ),
     "entropy": PlotSpec(title="Policy entropy", ylabel="nats", keys=("*entropy/mean", "*entropy")),
     "clip_fraction": PlotSpec(
@@ -311,7 +319,7 @@ def plot_run(
     written = []
     for plot_name, spec in plots.items():
         series = {}
-        for key in dict.fromkeys(k for p in spec.keys for k in names if fnmatchcase(k, p)):
+        for key in spec.matching(names):
             points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
             if points:
                 series[key] = points
