@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from make_tiny_family_checkpoint import COMMON, FAMILIES
+from make_tiny_family_checkpoint import COMMON, FAMILIES, TOKENIZER_FILES, build, save
 
 REPO = Path(__file__).resolve().parents[1]
 ASSET = REPO / "megatron_rl" / "assets" / "tiny_qwen3_moe"
@@ -83,6 +83,13 @@ def build_inputs(root: Path) -> dict[str, Path]:
     (paths["n_group"] / "config.json").write_text(json.dumps(family_config))
     paths["n_group_0"] = _copy(root, "n_group_0")
     (paths["n_group_0"] / "config.json").write_text(json.dumps({**family_config, "n_group": 0}))
+    paths["swiglu"] = _copy(root, "swiglu")
+    oss_config = {**config, "model_type": "gpt_oss", "swiglu_alpha": 1.5, "attention_bias": True, "num_local_experts": 8}
+    (paths["swiglu"] / "config.json").write_text(json.dumps(oss_config))
+    paths["qwen3_next"] = root / "qwen3_next"
+    save(build("qwen3_next"), "qwen3_next", paths["qwen3_next"])
+    for name in TOKENIZER_FILES:
+        shutil.copy(ASSET / name, paths["qwen3_next"] / name)
     paths["odd_vocab"] = _copy(root, "odd_vocab")
     tensors = load_file(ASSET / "model.safetensors")
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -197,6 +204,10 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
              "rollout.max_new_tokens (121, of model.max_position_embeddings 128): leaves 7 tokens for a prompt"),
         Case("train: task num_eval_prompts=0", ["megatron-rl-train", "--config", str(TASK),
                                                 "data.task.num_eval_prompts=0"], "data.task.num_eval_prompts"),
+        Case("train: Gated DeltaNet init, CP2", [*train, f"init_checkpoint={p['qwen3_next']}",
+                                                "parallel.expert_model_parallel_size=1",
+                                                "parallel.context_parallel_size=2"],
+             "parallel.context_parallel_size: must be 1 with Gated DeltaNet layers"),
         Case("train: missing YAML file", ["megatron-rl-train", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("train: bad YAML file", ["megatron-rl-train", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("train: unknown key", [*train, "objective.no_such_key=1"], "objective.no_such_key"),
@@ -278,6 +289,7 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("ckpt hf2meg: config.json n_group=3", [to_meg, str(p["n_group"]), out],
              "config.json n_group=3: must divide n_routed_experts (8)"),
         Case("ckpt hf2meg: no config.json", [to_meg, str(p["no_config"]), out], "config.json"),
+        Case("ckpt hf2meg: GPT-OSS swiglu_alpha=1.5", [to_meg, str(p["swiglu"]), out], "config.json swiglu_alpha=1.5"),
         Case("ckpt hf2meg: unsupported architecture", [to_meg, str(p["llama"]), out], "model_type"),
         Case("ckpt hf2meg: output parent is a file", [to_meg, str(ASSET), f"{root}/a_file/out"], "a_file"),
         Case("ckpt hf2meg: output exists", [to_meg, str(ASSET), f"{root}/exists"], f"{root}/exists"),

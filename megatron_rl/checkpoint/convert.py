@@ -2,9 +2,11 @@
 
 Owns: running a conversion on the ranks of a world (a local gloo world it starts, or the
 caller's) after the inputs are checked (``hf_source.inspect_hf_checkpoint``); the
-``conversion.json`` record and the copied HF side files that let a Megatron checkpoint be
+``conversion.json`` record, the copied HF side files and the tensors the family keeps aside
+(``hf_passthrough.safetensors``: a vision tower, MTP layers) that let a Megatron checkpoint be
 exported back to the very same HF layout, and where an export takes its HF config and
-shard layout from; and the all-or-nothing output directory.
+shard layout from (a checkpoint read dequantized exports without its ``quantization_config``);
+and the all-or-nothing output directory.
 
 A Megatron distributed checkpoint stores every tensor by its global offsets, so the
 layout a conversion runs under only decides how the work and memory are split: the
@@ -23,20 +25,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
 import torch
+from safetensors.torch import save_file
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.hf_config import (
     architecture_of,
+    dequantized_config,
     hf_config_from_model,
     model_config_from_hf,
     read_config,
 )
 from megatron_rl.checkpoint.hf_io import (
+    PASSTHROUGH_NAME,
     HFCheckpoint,
     ShardPlan,
     ShardWriter,
     atomic_output_dir,
     copy_files,
+    named_sizes,
+    read_named,
     staging_dir,
     tensor_bytes,
 )
@@ -58,6 +65,7 @@ from megatron_rl.checkpoint.local_world import (
     run_local,
 )
 from megatron_rl.checkpoint.mapping import all_weights
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.trainer_source import (
     TRAINER_STATE_NAME,
     check_same_model,
@@ -86,11 +94,15 @@ def write_record(directory: str | Path, source: HFSource) -> None:
     files_dir = Path(directory) / HF_FILES_DIR
     files_dir.mkdir()
     names = copy_files([Path(f) for f in source.files], files_dir)
+    if source.passthrough:
+        # Tensors kept aside (a vision tower, MTP layers) travel with the checkpoint, unchanged.
+        save_file(dict(read_named(source.passthrough)), str(Path(directory) / PASSTHROUGH_NAME))
     record = {
         "architecture": source.architecture,
         "model": asdict(source.model),
         "hf_index": source.index,
         "hf_files": names,
+        "hf_passthrough": sorted(source.passthrough),
     }
     (Path(directory) / RECORD_NAME).write_text(json.dumps(record, indent=1))
 
@@ -130,6 +142,10 @@ def read_export_source(megatron_dir: str | Path, hf_config: str | Path | None = 
     # The stored rows are padded as the checkpoint's own run or conversion padded them; an
     # HF config knows no padding, and the export strips it anyway.
     source.model.vocab_padding_multiple = stored.vocab_padding_multiple
+    carried = next((Path(f) for f in source.files if Path(f).name == "config.json"), None)
+    if source.config is None and carried is not None:
+        # A checkpoint read dequantized (MXFP4 experts) is exported in its stored dtype.
+        source.config = dequantized_config(read_json(carried))
     return source
 
 
@@ -166,6 +182,7 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
             model=model,
             index=record["hf_index"],
             files=[str(source / HF_FILES_DIR / name) for name in record["hf_files"]],
+            passthrough={name: str(source / PASSTHROUGH_NAME) for name in record.get("hf_passthrough", [])},
         )
     if not (source / "config.json").exists():
         raise CheckpointMismatchError(
@@ -176,11 +193,14 @@ def _recorded_or_hf_source(megatron_dir: str | Path, hf_config: str | Path | Non
     model = model_config_from_hf(config, DTYPE_NAMES[stored_dtype(megatron_dir)])
     checkpoint = HFCheckpoint(source) if any(source.glob("*.safetensors")) else None
     extra = checkpoint.extra_files() if checkpoint else sorted(p for p in source.iterdir() if p.is_file())
+    arch = architecture_of(config)
+    kept = passthrough_names(arch, checkpoint.names()) if checkpoint else []
     return HFSource(
-        architecture=architecture_of(config).name,
+        architecture=arch.name,
         model=model,
         index=checkpoint.index if checkpoint else None,
         files=[str(p) for p in extra],
+        passthrough={name: str(source / checkpoint.weight_map[name]) for name in kept},
     )
 
 
@@ -205,7 +225,7 @@ def stored_dtype(megatron_dir: str | Path) -> torch.dtype:
 def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPlan:
     """The carried HF shard layout when it names exactly the expected tensors, else shards by size."""
     weights = all_weights(source.arch, source.model)
-    names = [n for w in weights for n in w.hf]
+    names = [n for w in weights for n in w.hf] + list(source.passthrough)
     if max_shard_bytes is None:
         carried = ShardPlan.from_index(source.index, names)
         if set(carried.weight_map) == set(names):
@@ -213,7 +233,7 @@ def export_plan(source: HFSource, max_shard_bytes: int | None = None) -> ShardPl
         max_shard_bytes = 5 * 2**30
     dtype = getattr(torch, source.model.params_dtype)
     sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
-    return ShardPlan.by_size(sizes, max_shard_bytes)
+    return ShardPlan.by_size({**sizes, **named_sizes(source.passthrough)}, max_shard_bytes)
 
 
 # ------------------------------------------------------------------ running the conversions
@@ -289,6 +309,8 @@ def megatron_to_hf_collective(
             (staging / "config.json").write_text(json.dumps(source.config, indent=2) + "\n")
         writer = ShardWriter(staging, export_plan(source, max_shard_bytes), progress)
         megatron_to_hf_rank(source.arch, source.model, megatron_dir, writer, progress)
+        for name, tensor in read_named(source.passthrough):
+            writer.add(name, tensor)
         writer.finish()
 
 

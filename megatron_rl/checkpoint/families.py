@@ -1,13 +1,15 @@
 """HF weight tables of every supported family (Qwen3-MoE, Mixtral, DeepSeek-V3 with Kimi-K2 and
-Moonlight, GLM-4.5, Qwen2-MoE) and the config translation of the families past the first two.
+Moonlight, GLM-4.5, Qwen2-MoE; GPT-OSS, Qwen3-Next and Qwen3.5 from their own modules,
+``families_gpt_oss`` and ``families_qwen_next``) and the config translation of the families
+past the first two.
 
 Shape legend as in :mod:`megatron_rl.checkpoint.mapping`, plus: ffn (a dense layer's MLP
 width), shared_ffn (the shared expert's width), q_lora / kv_lora (MLA latent ranks), mla_q
 (heads x (nope + rope) query channels), mla_kv_down (kv_lora + rope), mla_kv_up (heads x
 (nope + v)), mla_o (heads x v).
 
-Owns: the weight tables, built from shared rows (embedding and norms, attention, experts) and
-registered in :data:`ARCHITECTURES`, and the config.json keys that describe their features (multi-latent attention, YaRN, dense
+Owns: the weight tables, built from shared rows (embedding and norms, attention, experts:
+``family_rows``) and registered in :data:`ARCHITECTURES`, and the config.json keys that describe their features (multi-latent attention, YaRN, dense
 first layers, shared experts, sigmoid routing with an expert-score-correction bias, group-
 limited top-K, routed scaling, partial rotary embeddings, QKV biases). Everything a config
 says that the Megatron model would compute differently stops here, naming the key:
@@ -34,165 +36,65 @@ import re
 from typing import Any, Iterable
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
+from megatron_rl.checkpoint.families_gpt_oss import GPT_OSS
+from megatron_rl.checkpoint.families_qwen_next import QWEN3_5_MOE, QWEN3_5_MOE_TEXT, QWEN3_NEXT
+from megatron_rl.checkpoint.family_rows import (
+    COMMON_UNSUPPORTED,
+    EMBEDDING_AND_NORMS,
+    GQA_WITH_BIAS,
+    QKV_AND_OUTPUT,
+    A,
+    H,
+    L,
+    experts,
+    get_key,
+    read_rope,
+    shared_expert,
+    write_rope,
+)
 from megatron_rl.checkpoint.weight_rules import Architecture
 from megatron_rl.checkpoint.weight_rules import weight_rule as _rule
 from megatron_rl.registry import Registry
 from megatron_rl.sections import ModelConfig
 
-_L = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-_A = _L + "self_attention."
-_VH = ("vocab", "hidden")
-
-_EMBEDDING_AND_NORMS = (
-    _rule("embedding.word_embeddings.weight", "model.embed_tokens.weight", _VH, tp_axis=0, pads_vocab=True),
-    _rule(_L + "input_layernorm.weight", _H + "input_layernorm.weight", ("hidden",)),
-    _rule(_L + "pre_mlp_layernorm.weight", _H + "post_attention_layernorm.weight", ("hidden",)),
-    _rule("decoder.final_layernorm.weight", "model.norm.weight", ("hidden",)),
-    _rule("output_layer.weight", "lm_head.weight", _VH, tp_axis=0, pads_vocab=True),
-)
-
-_QKV_AND_OUTPUT = (
-    _rule(
-        _A + "linear_qkv.weight",
-        (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"),
-        (("q", "hidden"), ("kv", "hidden"), ("kv", "hidden")), fuse="qkv", tp_axis=0, fp8=True,
-    ),
-    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "q"), tp_axis=1, fp8=True),
-)
-
-_GQA_WITH_BIAS = (
-    *_QKV_AND_OUTPUT,
-    _rule(
-        _A + "linear_qkv.bias",
-        (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"),
-        (("q",), ("kv",), ("kv",)), fuse="qkv", tp_axis=0, needs="qkv_bias",
-    ),
-    _rule(_A + "q_layernorm.weight", _H + "self_attn.q_norm.weight", ("head_dim",), needs="qk_norm"),
-    _rule(_A + "k_layernorm.weight", _H + "self_attn.k_norm.weight", ("head_dim",), needs="qk_norm"),
-)
-
 # MLA: the down projections are replicated over TP (``parallel.families.
 # replicated_mla_down_projections``), the up projections split by heads; every HF tensor keeps its layout (per head: [nope, rope] queries, [nope, v]
 # key/value up-projection, and the rope key after the kv latent).
 _MLA = (
-    _rule(_A + "linear_q_down_proj.weight", _H + "self_attn.q_a_proj.weight", ("q_lora", "hidden"),
+    _rule(A + "linear_q_down_proj.weight", H + "self_attn.q_a_proj.weight", ("q_lora", "hidden"),
           fp8=True, needs="q_lora"),
-    _rule(_A + "q_layernorm.weight", _H + "self_attn.q_a_layernorm.weight", ("q_lora",), needs="q_lora"),
-    _rule(_A + "linear_q_up_proj.weight", _H + "self_attn.q_b_proj.weight", ("mla_q", "q_lora"),
+    _rule(A + "q_layernorm.weight", H + "self_attn.q_a_layernorm.weight", ("q_lora",), needs="q_lora"),
+    _rule(A + "linear_q_up_proj.weight", H + "self_attn.q_b_proj.weight", ("mla_q", "q_lora"),
           tp_axis=0, fp8=True, needs="q_lora"),
-    _rule(_A + "linear_q_proj.weight", _H + "self_attn.q_proj.weight", ("mla_q", "hidden"),
+    _rule(A + "linear_q_proj.weight", H + "self_attn.q_proj.weight", ("mla_q", "hidden"),
           tp_axis=0, fp8=True, needs="no_q_lora"),
-    _rule(_A + "linear_kv_down_proj.weight", _H + "self_attn.kv_a_proj_with_mqa.weight",
+    _rule(A + "linear_kv_down_proj.weight", H + "self_attn.kv_a_proj_with_mqa.weight",
           ("mla_kv_down", "hidden"), fp8=True),
-    _rule(_A + "kv_layernorm.weight", _H + "self_attn.kv_a_layernorm.weight", ("kv_lora",)),
-    _rule(_A + "linear_kv_up_proj.weight", _H + "self_attn.kv_b_proj.weight", ("mla_kv_up", "kv_lora"),
+    _rule(A + "kv_layernorm.weight", H + "self_attn.kv_a_layernorm.weight", ("kv_lora",)),
+    _rule(A + "linear_kv_up_proj.weight", H + "self_attn.kv_b_proj.weight", ("mla_kv_up", "kv_lora"),
           tp_axis=0, fp8=True),
-    _rule(_A + "linear_proj.weight", _H + "self_attn.o_proj.weight", ("hidden", "mla_o"), tp_axis=1, fp8=True),
+    _rule(A + "linear_proj.weight", H + "self_attn.o_proj.weight", ("hidden", "mla_o"), tp_axis=1, fp8=True),
 )
 
 _DENSE_MLP = (
-    _rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"),
+    _rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"),
           ("ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="dense"),
-    _rule(_L + "mlp.linear_fc2.weight", _H + "mlp.down_proj.weight", ("hidden", "ffn"),
+    _rule(L + "mlp.linear_fc2.weight", H + "mlp.down_proj.weight", ("hidden", "ffn"),
           tp_axis=1, fp8=True, layers="dense"),
 )
 
 
-def _experts(hf_expert: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj") -> tuple:
-    return (
-        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc1.weight",
-              (hf_expert + gate + ".weight", hf_expert + up + ".weight"),
-              ("expert_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="moe"),
-        _rule(_L + "mlp.experts.local_experts.{expert}.linear_fc2.weight", hf_expert + down + ".weight",
-              ("hidden", "expert_ffn"), tp_axis=1, fp8=True, layers="moe"),
-    )
-
-
-def _shared_expert(hf: str) -> tuple:
-    return (
-        _rule(_L + "mlp.shared_experts.linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
-              ("shared_ffn", "hidden"), fuse="gate_up", tp_axis=0, fp8=True, layers="moe", needs="shared_expert"),
-        _rule(_L + "mlp.shared_experts.linear_fc2.weight", hf + "down_proj.weight", ("hidden", "shared_ffn"),
-              tp_axis=1, fp8=True, layers="moe", needs="shared_expert"),
-    )
-
-
 # DeepSeek-V3 and GLM-4.5 share the MoE block: sigmoid router with a selection bias.
 _SIGMOID_MOE = (
-    _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden"), layers="moe"),
-    _rule(_L + "mlp.router.expert_bias", _H + "mlp.gate.e_score_correction_bias", ("experts",),
+    _rule(L + "mlp.router.weight", H + "mlp.gate.weight", ("experts", "hidden"), layers="moe"),
+    _rule(L + "mlp.router.expert_bias", H + "mlp.gate.e_score_correction_bias", ("experts",),
           layers="moe", needs="expert_bias", buffer=True),
-    *_experts(_H + "mlp.experts.{expert}."),
-    *_shared_expert(_H + "mlp.shared_experts."),
+    *experts(H + "mlp.experts.{expert}."),
+    *shared_expert(H + "mlp.shared_experts."),
 )
 
 
 # ----------------------------------------------------------------------------- config keys
-
-
-def _get(config: dict[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise CheckpointMismatchError(f"config.json: key {key!r} is missing")
-    return config[key]
-
-
-_YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "partial_rotary_factor"}
-
-
-def read_rope(config: dict[str, Any], allow_yarn: bool) -> dict[str, Any]:
-    """ModelConfig RoPE fields (base, YaRN, partial rotary) of a config, refusing the rest.
-
-    Reads transformers 5's ``rope_parameters`` or 4.x / Hub ``rope_theta`` + ``rope_scaling``.
-    """
-    params = config.get("rope_parameters")
-    field = "rope_parameters"
-    if params is None:
-        params = dict(config.get("rope_scaling") or {})
-        field = "rope_scaling"
-        params.setdefault("rope_theta", _get(config, "rope_theta"))
-    kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if params.get("rope_theta") is None:
-        raise CheckpointMismatchError(f"config.json: key '{field}.rope_theta' is missing")
-    out: dict[str, Any] = {"rotary_base": float(params["rope_theta"]), "rotary_percent": float(partial)}
-    if kind == "default":
-        return out
-    if kind != "yarn" or not allow_yarn:
-        supported = "default or yarn" if allow_yarn else "default"
-        raise CheckpointMismatchError(f"config.json {field}.rope_type={kind!r}: only {supported} RoPE is implemented")
-    unknown = sorted(set(params) - _YARN_KEYS)
-    if unknown:
-        raise CheckpointMismatchError(f"config.json {field}.{unknown[0]}: YaRN setting not implemented")
-    if params.get("truncate", True) is not True:
-        # Megatron rounds YaRN's correction range to integers, as transformers does by default.
-        raise CheckpointMismatchError(f"config.json {field}.truncate=False: only the rounded YaRN ramp is implemented")
-    out.update(
-        rope_scaling="yarn",
-        yarn_factor=float(_get(params, "factor")),
-        yarn_original_max_position_embeddings=int(_get(params, "original_max_position_embeddings")),
-        yarn_beta_fast=float(params.get("beta_fast", 32.0)),
-        yarn_beta_slow=float(params.get("beta_slow", 1.0)),
-        yarn_mscale=float(params.get("mscale", 1.0)),
-        yarn_mscale_all_dim=float(params.get("mscale_all_dim", 0.0)),
-    )
-    return out
-
-
-def write_rope(model: ModelConfig) -> dict[str, Any]:
-    """config.json RoPE keys of a model (inverse of :func:`read_rope`)."""
-    params: dict[str, Any] = {"rope_type": "default", "rope_theta": float(model.rotary_base)}
-    if model.rope_scaling == "yarn":
-        params.update(
-            rope_type="yarn", factor=model.yarn_factor,
-            original_max_position_embeddings=model.yarn_original_max_position_embeddings,
-            beta_fast=model.yarn_beta_fast, beta_slow=model.yarn_beta_slow,
-            mscale=model.yarn_mscale, mscale_all_dim=model.yarn_mscale_all_dim,
-        )
-    if model.rotary_percent != 1.0:
-        params["partial_rotary_factor"] = model.rotary_percent
-    return {"rope_theta": float(model.rotary_base), "rope_parameters": params}
 
 
 _SIGMOID_ROUTER_KEYS = {
@@ -214,7 +116,7 @@ def _read_sigmoid_router(config: dict[str, Any]) -> dict[str, Any]:
             f"config.json quantization_config (quant_method={method!r}): quantized checkpoints are not "
             "converted; dequantize to bf16 first"
         )
-    topk = _get(config, "num_experts_per_tok")
+    topk = get_key(config, "num_experts_per_tok")
     # Absent (or null): one group. A value is read as written: 0 is not 1.
     groups, group_topk = (1 if config.get(key) is None else config[key] for key in ("n_group", "topk_group"))
     for key, value in (("n_group", groups), ("topk_group", group_topk)):
@@ -242,8 +144,8 @@ def _read_sigmoid_router(config: dict[str, Any]) -> dict[str, Any]:
         moe_router_group_topk=group_topk,
         moe_router_topk_scaling_factor=float(config.get("routed_scaling_factor") or 1.0),
         num_dense_layers=first_dense,
-        ffn_hidden_size=_get(config, "intermediate_size") if first_dense else 0,
-        moe_shared_expert_intermediate_size=shared * _get(config, "moe_intermediate_size"),
+        ffn_hidden_size=get_key(config, "intermediate_size") if first_dense else 0,
+        moe_shared_expert_intermediate_size=shared * get_key(config, "moe_intermediate_size"),
     )
 
 
@@ -281,8 +183,8 @@ def _read_deepseek_v3(config: dict[str, Any]) -> dict[str, Any]:
     if config.get("rope_interleave", True) is not True:
         # Megatron's MLA always de-interleaves the rope channels (DeepSeek's layout).
         raise CheckpointMismatchError("config.json rope_interleave=False: only interleaved MLA RoPE is implemented")
-    heads = _get(config, "num_attention_heads")
-    nope, rope = _get(config, "qk_nope_head_dim"), _get(config, "qk_rope_head_dim")
+    heads = get_key(config, "num_attention_heads")
+    nope, rope = get_key(config, "qk_nope_head_dim"), get_key(config, "qk_rope_head_dim")
     return dict(
         **_read_sigmoid_router(config),
         **read_rope(config, allow_yarn=True),
@@ -291,10 +193,10 @@ def _read_deepseek_v3(config: dict[str, Any]) -> dict[str, Any]:
         num_query_groups=heads,
         head_dim=nope + rope,
         q_lora_rank=config.get("q_lora_rank"),
-        kv_lora_rank=_get(config, "kv_lora_rank"),
+        kv_lora_rank=get_key(config, "kv_lora_rank"),
         qk_nope_head_dim=nope,
         qk_rope_head_dim=rope,
-        v_head_dim=_get(config, "v_head_dim"),
+        v_head_dim=get_key(config, "v_head_dim"),
     )
 
 
@@ -355,8 +257,6 @@ def _write_qwen2_moe(model: ModelConfig) -> dict[str, Any]:
     }
 
 
-_COMMON_UNSUPPORTED = {"tie_word_embeddings": False, "hidden_act": "silu"}
-
 QWEN3_MOE = Architecture(
     name="qwen3_moe",
     hf_class="Qwen3MoeForCausalLM",
@@ -366,13 +266,13 @@ QWEN3_MOE = Architecture(
     norm_topk_key="norm_topk_prob",
     qk_layernorm=True,
     supported_values={
-        **_COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
+        **COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False,
         "use_sliding_window": False,
     },
     rules=(
-        *_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS,
-        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
-        *_experts(_H + "mlp.experts.{expert}."),
+        *EMBEDDING_AND_NORMS, *GQA_WITH_BIAS,
+        _rule(L + "mlp.router.weight", H + "mlp.gate.weight", ("experts", "hidden")),
+        *experts(H + "mlp.experts.{expert}."),
     ),
 )
 
@@ -384,12 +284,12 @@ MIXTRAL = Architecture(
     # Mixtral always renormalizes its top-K softmax weights.
     norm_topk_key=None,
     qk_layernorm=False,
-    supported_values={**_COMMON_UNSUPPORTED, "sliding_window": None, "attention_bias": False},
+    supported_values={**COMMON_UNSUPPORTED, "sliding_window": None, "attention_bias": False},
     rules=(
-        *_EMBEDDING_AND_NORMS, *_QKV_AND_OUTPUT,
-        _rule(_L + "mlp.router.weight", _H + "block_sparse_moe.gate.weight", ("experts", "hidden")),
+        *EMBEDDING_AND_NORMS, *QKV_AND_OUTPUT,
+        _rule(L + "mlp.router.weight", H + "block_sparse_moe.gate.weight", ("experts", "hidden")),
         # w1 is the gate projection, w3 the up projection, w2 the down projection.
-        *_experts(_H + "block_sparse_moe.experts.{expert}.", gate="w1", up="w3", down="w2"),
+        *experts(H + "block_sparse_moe.experts.{expert}.", gate="w1", up="w3", down="w2"),
     ),
 )
 
@@ -402,10 +302,10 @@ DEEPSEEK_V3 = Architecture(
     norm_topk_key=None,
     qk_layernorm=True,
     supported_values={
-        **_COMMON_UNSUPPORTED, "norm_topk_prob": True, "attention_bias": False,
+        **COMMON_UNSUPPORTED, "norm_topk_prob": True, "attention_bias": False,
         "scoring_func": "sigmoid", "topk_method": "noaux_tc", "moe_layer_freq": 1,
     },
-    rules=(*_EMBEDDING_AND_NORMS, *_MLA, *_DENSE_MLP, *_SIGMOID_MOE),
+    rules=(*EMBEDDING_AND_NORMS, *_MLA, *_DENSE_MLP, *_SIGMOID_MOE),
     score_function="sigmoid",
     read_extra=_read_deepseek_v3,
     write_extra=_write_deepseek_v3,
@@ -420,8 +320,8 @@ GLM4_MOE = Architecture(
     norm_topk_key=None,
     # use_qk_norm decides (GLM-4.5 and -Air: false).
     qk_layernorm=None,
-    supported_values={**_COMMON_UNSUPPORTED, "norm_topk_prob": True},
-    rules=(*_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS, *_DENSE_MLP, *_SIGMOID_MOE),
+    supported_values={**COMMON_UNSUPPORTED, "norm_topk_prob": True},
+    rules=(*EMBEDDING_AND_NORMS, *GQA_WITH_BIAS, *_DENSE_MLP, *_SIGMOID_MOE),
     score_function="sigmoid",
     read_extra=_read_glm4_moe,
     write_extra=_write_glm4_moe,
@@ -436,14 +336,14 @@ QWEN2_MOE = Architecture(
     norm_topk_key="norm_topk_prob",
     qk_layernorm=False,
     supported_values={
-        **_COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+        **COMMON_UNSUPPORTED, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
     },
     rules=(
-        *_EMBEDDING_AND_NORMS, *_GQA_WITH_BIAS,
-        _rule(_L + "mlp.router.weight", _H + "mlp.gate.weight", ("experts", "hidden")),
-        *_experts(_H + "mlp.experts.{expert}."),
-        *_shared_expert(_H + "mlp.shared_expert."),
-        _rule(_L + "mlp.shared_experts.gate_weight", _H + "mlp.shared_expert_gate.weight", ("one", "hidden"),
+        *EMBEDDING_AND_NORMS, *GQA_WITH_BIAS,
+        _rule(L + "mlp.router.weight", H + "mlp.gate.weight", ("experts", "hidden")),
+        *experts(H + "mlp.experts.{expert}."),
+        *shared_expert(H + "mlp.shared_expert."),
+        _rule(L + "mlp.shared_experts.gate_weight", H + "mlp.shared_expert_gate.weight", ("one", "hidden"),
               needs="shared_expert_gate"),
     ),
     read_extra=_read_qwen2_moe,
@@ -458,7 +358,8 @@ KIMI_K2 = dataclasses.replace(DEEPSEEK_V3, name="kimi_k2", transformers_model_ty
 
 ARCHITECTURES: Registry[Architecture] = Registry("checkpoint architecture")
 """Every supported HF ``model_type`` and its table."""
-for _arch in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE):
+for _arch in (QWEN3_MOE, MIXTRAL, DEEPSEEK_V3, KIMI_K2, GLM4_MOE, QWEN2_MOE, GPT_OSS, QWEN3_NEXT, QWEN3_5_MOE,
+              QWEN3_5_MOE_TEXT):
     ARCHITECTURES.register(_arch.name)(_arch)
 
 

@@ -23,7 +23,7 @@ from typing import Any
 from megatron_rl.checkpoint.errors import CheckpointMismatchError
 from megatron_rl.checkpoint.families import ARCHITECTURES
 from megatron_rl.checkpoint.inputs import read_json
-from megatron_rl.checkpoint.weight_rules import Architecture
+from megatron_rl.checkpoint.weight_rules import MIXER_FIELDS, Architecture
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.registry import UnknownNameError
 from megatron_rl.sections.model import ModelConfig, validate_model
@@ -45,6 +45,19 @@ def architecture_of(config: dict[str, Any]) -> Architecture:
         return ARCHITECTURES.get(config.get("model_type"))
     except UnknownNameError as err:
         raise CheckpointMismatchError(f"config.json model_type: {err}") from None
+
+
+def language_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The keys of the language model: ``text_config`` for an architecture that nests them
+    (Qwen3.5's vision-language checkpoints; the top level's ``model_type`` and
+    ``tie_word_embeddings`` kept), else ``config`` itself."""
+    if not architecture_of(config).text_config:
+        return config
+    text = config.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointMismatchError(f"config.json: key 'text_config' is missing (model_type {config['model_type']!r})")
+    return {**text, "model_type": config["model_type"],
+            "tie_word_embeddings": config.get("tie_word_embeddings", text.get("tie_word_embeddings"))}
 
 
 def _require(config: dict[str, Any], key: str) -> Any:
@@ -99,6 +112,7 @@ def model_config_from_hf(config: dict[str, Any], params_dtype: str) -> ModelConf
         CheckpointMismatchError: a key is missing or holds a value the model cannot honour.
     """
     arch = architecture_of(config)
+    config = language_config(config)
     for key, wanted in arch.supported_values.items():
         if key in config and config[key] != wanted:
             raise CheckpointMismatchError(
@@ -240,6 +254,12 @@ def hf_config_from_model(arch: Architecture | str, model: ModelConfig, dtype: st
     # The values the reader insists on (every layer sparse, no biases, no sliding window,
     # untied output, SiLU), so that the generated config passes model_config_from_hf.
     config.update(arch.supported_values)
+    if arch.text_config:
+        # A vision-language checkpoint's language model (no vision tower: a model with no HF origin has none).
+        text = {k: v for k, v in config.items() if k not in ("architectures", "torch_dtype", "dtype")}
+        text["model_type"] = f"{arch.name}_text"
+        return {"architectures": [arch.hf_class], "model_type": arch.name, "text_config": text,
+                "tie_word_embeddings": False, "torch_dtype": dtype, "dtype": dtype}
     return config
 
 
@@ -253,6 +273,11 @@ def _unexportable_fields(model: ModelConfig, arch: Architecture) -> list[str]:
         )
     if arch.read_extra is None:
         problems.extend(_family_features_used(model, arch))
+    defaults = ModelConfig()
+    problems.extend(
+        f"model.{name}={getattr(model, name)!r}: {arch.name} has no such feature"
+        for name in MIXER_FIELDS if name not in arch.features and getattr(model, name) != getattr(defaults, name)
+    )
     if arch.qk_layernorm is not None and model.qk_layernorm != arch.qk_layernorm:
         problems.append(f"model.qk_layernorm={model.qk_layernorm}: {arch.name} has qk_layernorm={arch.qk_layernorm}")
     if not model.untie_embeddings_and_output_weights:
@@ -295,3 +320,12 @@ def check_architecture_holds(name: str, model: ModelConfig | None, key: str) -> 
         hf_config_from_model(name, model)
     except CheckpointMismatchError as err:
         raise ConfigError(f"{key}: {err}") from None
+
+
+def dequantized_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The config.json an export writes for a checkpoint that was read dequantized (GPT-OSS's
+    MXFP4 experts: the export is bf16, without ``quantization_config``); None when ``config``
+    has no quantization to drop."""
+    if config.get("quantization_config") is None:
+        return None
+    return {k: v for k, v in config.items() if k != "quantization_config"}

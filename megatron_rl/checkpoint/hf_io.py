@@ -1,7 +1,9 @@
 """Hugging Face safetensors checkpoints: streaming reads, planned shard writes, atomic output.
 
 Owns: :class:`HFCheckpoint` (names, shapes and dtypes from the safetensors headers without
-reading data; one tensor at a time on request), :class:`ShardPlan` / :class:`ShardWriter`
+reading data; one tensor, or one expert's slice of a stacked one, at a time on request; MXFP4
+block/scale pairs read as the bf16 weights they encode), the tensors a conversion keeps aside
+(:func:`read_named`), :class:`ShardPlan` / :class:`ShardWriter`
 (which tensor goes to which file; a file is written as soon as its last tensor arrives,
 so memory holds at most the shards still being filled), and :func:`atomic_output_dir`
 (a conversion writes into a hidden sibling directory marked ``INCOMPLETE`` that is
@@ -25,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from megatron_rl.checkpoint import mxfp4
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
 from megatron_rl.checkpoint.inputs import (
     check_output_dir,
@@ -41,6 +44,7 @@ _SAFETENSORS_DTYPES = {
     "BF16": torch.bfloat16,
     "F16": torch.float16,
     "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
 }
 
 
@@ -80,6 +84,7 @@ class HFCheckpoint:
                 f"{self.directory}: index and shards disagree; in shards but not the index: "
                 f"[{format_names(unlisted)}]; in the index but not in its shard: [{format_names(absent)}]"
             )
+        self._mxfp4 = self._pair_mxfp4()
 
     def _read_header(self, file: str) -> None:
         path = self.directory / file
@@ -96,25 +101,57 @@ class HFCheckpoint:
             if self.weight_map.get(name, file) == file:
                 self._headers[name] = (tuple(view.get_shape()), _SAFETENSORS_DTYPES[kind])
 
+    def _pair_mxfp4(self) -> dict[str, tuple[str, str]]:
+        """``{X: (X_blocks, X_scales)}`` of the MXFP4 weights (:mod:`~megatron_rl.checkpoint.mxfp4`),
+        which read as ``X``; any other uint8 tensor is refused."""
+        pairs, stray = {}, []
+        for name, (shape, dtype) in self._headers.items():
+            if dtype != torch.uint8:
+                continue
+            base = name.removesuffix(mxfp4.BLOCKS_SUFFIX).removesuffix(mxfp4.SCALES_SUFFIX)
+            blocks, scales = base + mxfp4.BLOCKS_SUFFIX, base + mxfp4.SCALES_SUFFIX
+            if base == name or self._headers.get(blocks, (None, None))[1] != torch.uint8 or \
+                    self._headers.get(scales, (None, None))[1] != torch.uint8:
+                stray.append(name)
+                continue
+            if tuple(self._headers[blocks][0][:-1]) != tuple(self._headers[scales][0]):
+                raise CheckpointMismatchError(
+                    f"{self.directory}: MXFP4 {blocks} {self._headers[blocks][0]} and {scales} "
+                    f"{self._headers[scales][0]} do not match (scales are the blocks without their last axis)")
+            pairs[base] = (blocks, scales)
+        if stray:
+            raise CheckpointMismatchError(f"{self.directory}: uint8 tensors that are not MXFP4 block/scale pairs: "
+                                          f"{format_names(stray, 3)}")
+        return pairs
+
     def names(self) -> list[str]:
-        """Every tensor name, in index order."""
-        return list(self.weight_map)
+        """Every tensor name, in index order (an MXFP4 weight by the name it encodes)."""
+        hidden = {n for pair in self._mxfp4.values() for n in pair}
+        out = [n for n in self.weight_map if n not in hidden]
+        return out + [base for base in self._mxfp4 if base not in self.weight_map]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape from the header (no data read)."""
+        if name in self._mxfp4:
+            return mxfp4.dequantized_shape(self._headers[self._mxfp4[name][0]][0])
         return self._headers[name][0]
 
     def dtype(self, name: str) -> torch.dtype:
-        """dtype from the header (no data read)."""
-        return self._headers[name][1]
+        """dtype from the header (no data read); MXFP4 weights read as bf16."""
+        return torch.bfloat16 if name in self._mxfp4 else self._headers[name][1]
 
-    def get(self, name: str) -> torch.Tensor:
-        """One tensor, read from its shard."""
+    def get(self, name: str, index: int | None = None) -> torch.Tensor:
+        """One tensor, read from its shard (``index``: only its slice along axis 0)."""
+        if name in self._mxfp4:
+            blocks, scales = (self.get(n, index) for n in self._mxfp4[name])
+            return mxfp4.dequantize(blocks, scales)
         if name not in self.weight_map:
             raise CheckpointMismatchError(f"tensor {name} is not in {self.directory}")
         file = self.weight_map[name]
         try:
-            return self._handles[file].get_tensor(name)
+            if index is None:
+                return self._handles[file].get_tensor(name)
+            return self._handles[file].get_slice(name)[index : index + 1][0]
         except SafetensorError as err:
             raise CheckpointMismatchError(f"{self.directory / file}: tensor {name} cannot be read ({err})") from None
 
@@ -122,6 +159,31 @@ class HFCheckpoint:
         """Non-weight files beside the weights (config, generation config, tokenizer)."""
         weights = set(self.weight_map.values()) | {INDEX_NAME}
         return sorted(p for p in self.directory.iterdir() if p.is_file() and p.name not in weights)
+
+
+PASSTHROUGH_NAME = "hf_passthrough.safetensors"
+"""The file of a Megatron checkpoint that holds the HF tensors its conversion kept aside."""
+
+
+def read_named(files: dict[str, str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for each ``{name: safetensors file}``, one tensor at a time, in name order."""
+    handles: dict[str, object] = {}
+    for name in sorted(files):
+        path = Path(files[name])
+        handle = handles.setdefault(str(path), _open_safetensors(path))
+        try:
+            yield name, handle.get_tensor(name)
+        except SafetensorError as err:
+            raise CheckpointMismatchError(f"{path}: tensor {name} cannot be read ({err})") from None
+
+
+def named_sizes(files: dict[str, str]) -> dict[str, int]:
+    """Bytes of each ``{name: safetensors file}`` tensor, from the headers."""
+    sizes = {}
+    for name in sorted(files):
+        view = _open_safetensors(Path(files[name])).get_slice(name)
+        sizes[name] = tensor_bytes(tuple(view.get_shape()), _SAFETENSORS_DTYPES[view.get_dtype()])
+    return sizes
 
 
 def _open_safetensors(path: Path):

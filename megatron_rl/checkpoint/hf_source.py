@@ -10,7 +10,7 @@ naming every culprit. Does not own running a conversion or the conversion record
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -20,10 +20,12 @@ from megatron_rl.checkpoint.families import mtp_tensor_names
 from megatron_rl.checkpoint.hf_config import (
     architecture_of,
     experts_key,
+    language_config,
     model_config_from_hf,
     read_config,
 )
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.mapping import (
     ARCHITECTURES,
     Architecture,
@@ -51,6 +53,9 @@ class HFSource:
     """Paths of the non-weight HF files (config, tokenizer, ...) to carry along."""
     config: dict | None = None
     """A generated ``config.json`` to write (None: it is one of ``files``)."""
+    passthrough: dict[str, str] = field(default_factory=dict)
+    """Tensors kept aside (``Architecture.passthrough``: a vision tower, MTP layers), by name:
+    the safetensors file that holds each, written back unchanged on export."""
 
     @property
     def arch(self) -> Architecture:
@@ -73,11 +78,13 @@ def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -
     config = read_config(hf_dir)
     arch = architecture_of(config)
     checkpoint = HFCheckpoint(hf_dir)
+    kept = passthrough_names(arch, checkpoint.names())
     by_dtype: dict[torch.dtype, list[str]] = {}
-    # The routers' expert bias stays float32 in both HF and Megatron whatever the weights' dtype.
+    # The routers' expert bias stays float32 in both HF and Megatron whatever the weights' dtype;
+    # tensors kept aside are copied as they are.
     float32_kept = [template_regex(t) for rule in arch.rules if rule.buffer for t in rule.hf]
     for name in checkpoint.names():
-        if not any(pattern.match(name) for pattern in float32_kept):
+        if name not in kept and not any(pattern.match(name) for pattern in float32_kept):
             by_dtype.setdefault(checkpoint.dtype(name), []).append(name)
     if len(by_dtype) != 1 or next(iter(by_dtype)) not in DTYPE_NAMES:
         found = {str(d): format_names(n, 3) for d, n in by_dtype.items()}
@@ -90,21 +97,28 @@ def inspect_hf_checkpoint(hf_dir: str | Path, vocab_padding_multiple: int = 1) -
     ):
         raise ConfigError(f"--vocab-padding-multiple {vocab_padding_multiple!r}: must be an integer >= 1")
     model.vocab_padding_multiple = vocab_padding_multiple
-    _check_expert_count(arch, config, model, checkpoint)
-    _check_tensors(arch, model, checkpoint, skipped=_skipped_mtp_tensors(config, checkpoint))
+    _check_expert_count(arch, language_config(config), model, checkpoint)
+    _check_tensors(arch, model, checkpoint, skipped=_skipped_mtp_tensors(config, checkpoint) + kept)
+    if kept:
+        print(f"note: keeping {len(kept)} tensors aside ({format_names(kept, 2)}): no part of the Megatron "
+              "model, never routed; written back unchanged on export", flush=True)
     return HFSource(
         architecture=arch.name,
         model=model,
         index=checkpoint.index,
         files=[str(p) for p in checkpoint.extra_files()],
+        passthrough={name: str(checkpoint.directory / checkpoint.weight_map[name]) for name in kept},
     )
+
 
 
 def _check_expert_count(
     arch: Architecture, config: dict, model: ModelConfig, checkpoint: HFCheckpoint
 ) -> None:
     """Name the config key when every layer holds other experts than 0..E-1."""
-    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf]
+    # Stacked experts (one tensor per layer) have no expert index in their names: a wrong
+    # count is their shape's first axis, which _check_tensors names.
+    patterns = [template_regex(t) for rule in arch.rules if rule.scope == "expert" for t in rule.hf if "{expert}" in t]
     found: dict[int, set[int]] = {}
     for name in checkpoint.names():
         for pattern in patterns:

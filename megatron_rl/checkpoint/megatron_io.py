@@ -33,10 +33,12 @@ from tqdm import tqdm
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
 from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint, ShardWriter
 from megatron_rl.checkpoint.mapping import (
     Architecture,
+    StackedExperts,
     bound_for_megatron_name,
     fuse,
     to_hf,
@@ -147,9 +149,11 @@ def fill_from_hf(
     names = global_parameter_names(gpt)
     for local, name in tqdm(names.items(), desc="filling Megatron parameters", disable=not progress):
         weight = bound_for_megatron_name(arch, model, name)
-        full = fuse(weight, [checkpoint.get(n) for n in weight.hf], model)
+        # A stacked HF tensor (every expert of a layer) is read at this expert's slice only.
+        index = weight.expert if weight.rule.stacked else None
+        full = fuse(weight, [checkpoint.get(n, index) for n in weight.hf], model)
         rank, size = (0, 1) if weight.rule.scope == "expert" else (tp_rank, tp_size)
-        shard = tp_shard(weight, full, rank, size)
+        shard = tp_shard(weight, full, rank, size, model)
         param = params[local]
         if cast or weight.rule.buffer:
             # Buffers (the float32 expert bias) widen exactly from any checkpoint dtype.
@@ -200,6 +204,7 @@ def hf_to_megatron_rank(
     used = fill_from_hf(gpt, arch, model, checkpoint, groups.tp_rank, groups.tp_size, progress)
     everyone = all_gather_objects(used, groups.world)
     unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
+    unused -= set(passthrough_names(arch, checkpoint.names()))
     if unused:
         raise CheckpointMismatchError(f"HF tensors no Megatron parameter consumed: {format_names(unused)}")
     # The staging directory already holds the INCOMPLETE marker and the conversion record,
@@ -346,9 +351,12 @@ def megatron_to_hf_rank(
             f"[{format_names(table - params)}], only in the model [{format_names(params - table)}]"
         )
     reader = DistCheckpointReader(megatron_dir, template)
+    stacked = StackedExperts()
     for group in tqdm(groups.values(), desc="exporting layers", disable=not progress):
         tensors = reader.read([w.megatron for w in group])
         for weight in group:
-            for name, tensor in to_hf(weight, tensors[weight.megatron], model):
+            for part, (name, tensor) in enumerate(to_hf(weight, tensors[weight.megatron], model)):
+                if weight.rule.stacked and (tensor := stacked.add(weight, name, part, tensor)) is None:
+                    continue
                 writer.add(name, tensor)
 

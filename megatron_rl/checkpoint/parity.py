@@ -145,7 +145,7 @@ def hf_reference(
     def hook(module, args, output):
         calls.append((output[0].float(), output[2]))
 
-    routers = [m for name, m in model.named_modules() if name.endswith((".mlp.gate", ".block_sparse_moe.gate"))]
+    routers = [m for name, m in model.named_modules() if name.endswith((".mlp.gate", ".block_sparse_moe.gate", ".mlp.router"))]
     handles = [m.register_forward_hook(hook) for m in routers]
     outputs = []
     try:

@@ -46,12 +46,14 @@ class _CudaDeviceToCpu(TorchFunctionMode):
     """Rewrites ``device="cuda"`` in factory calls and ``Tensor.to`` to the CPU; ``Tensor.cuda()``
     returns the tensor; ``Tensor.type()`` answers the CUDA type name of a float tensor.
 
-    Reasons: schedules.py, transformer/utils.py and the router hard-code ``device="cuda"``.
+    Reasons: schedules.py, transformer/utils.py and the router hard-code ``device="cuda"``;
+    ``rope_utils.get_pos_emb_on_this_cp_rank`` stages its index with ``pin_memory=True`` (0.16.1
+    :62-64, 0.19.2 :63; reached under CP by the YaRN embedding GPT-OSS uses), which needs CUDA.
     Megatron's optimizers classify parameters by their type string and refuse
     ``torch.FloatTensor`` (0.16.1: ``distrib_optimizer.py:361,420,582``, the bf16 plain
     optimizer ``optimizer.py:671,690``); the distributed optimizer's fully-reshardable
     checkpoint moves its gather buffers with ``.cuda()`` (``distrib_optimizer.py:1089``).
-    One mode for all three: each torch call pays one Python dispatch, not three.
+    One mode for all of them: each torch call pays one Python dispatch, not several.
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -60,6 +62,8 @@ class _CudaDeviceToCpu(TorchFunctionMode):
             return args[0]
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
             args = (args[0], _CPU, *args[2:])
         out = func(*args, **kwargs)

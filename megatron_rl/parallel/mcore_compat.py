@@ -105,7 +105,7 @@ INTERNAL_ATTRIBUTES = frozenset({
     "router_replay_action", "set_router_replay_action", "clear_router_replay_action", "record_indices",
     "HAVE_TE", "TELinear", "te_general_gemm", "prepend_axis_num", "merge_fn", "unique_key",
     "is_mtp_layer", "chained_optimizers", "ddp_config", "HAVE_APEX_OR_TE", "expert_parallel_buffers",
-    "param_data", "grad_data",
+    "param_data", "grad_data", "HAVE_FLA",
 })
 """Instance and module internals that only this module (its optimizer half ``mcore_optimizer``, and
 ``cpu_platform``) may touch."""

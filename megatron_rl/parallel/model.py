@@ -28,7 +28,12 @@ from megatron.core.transformer import (
 
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
-from megatron_rl.parallel.families import family_fields, replicated_mla_down_projections
+from megatron_rl.parallel import mcore_layers
+from megatron_rl.parallel.families import (
+    family_fields,
+    replicated_mla_down_projections,
+    yarn_rope_attributes,
+)
 from megatron_rl.parallel.mcore_compat import (
     IdentityOp,
     MLASelfAttention,
@@ -70,12 +75,16 @@ def transformer_engine_available() -> bool:
 
 
 class SequenceParallelRMSNorm(torch.nn.RMSNorm):
-    """``torch.nn.RMSNorm`` usable under sequence parallelism.
+    """``torch.nn.RMSNorm`` usable under sequence parallelism, zero-centred when the config says.
 
     Megatron's ``WrappedTorchNorm`` refuses sequence parallelism; the only thing SP needs
     from a norm is that its weight is flagged ``sequence_parallel`` so that
-    ``finalize_model_grads`` all-reduces the partial gradients over the TP group.
+    ``finalize_model_grads`` all-reduces the partial gradients over the TP group. With
+    ``layernorm_zero_centered_gamma`` (Qwen3-Next) it scales by ``1 + weight`` in fp32, as
+    transformers' ``Qwen3NextRMSNorm`` and Transformer Engine's ``zero_centered_gamma`` do.
     """
+
+    zero_centered_allowed = True
 
     def __init__(
         self,
@@ -85,7 +94,23 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
         **unused_kwargs,
     ) -> None:
         super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
+        self.zero_centered = self.zero_centered_allowed and config.layernorm_zero_centered_gamma
+        if self.zero_centered:
+            torch.nn.init.zeros_(self.weight)
         setattr(self.weight, "sequence_parallel", config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.zero_centered:
+            return super().forward(x)
+        normed = F.rms_norm(x.float(), self.normalized_shape, eps=self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
+class PlainRMSNorm(SequenceParallelRMSNorm):
+    """:class:`SequenceParallelRMSNorm` that never zero-centres (the Gated DeltaNet output norm,
+    whose weight multiplies as is in every Qwen3-Next / Qwen3.5 checkpoint)."""
+
+    zero_centered_allowed = False
 
 
 def build_transformer_config(
@@ -208,11 +233,13 @@ def _with_norm(spec: ModuleSpec, norm: type, qk_norm: bool, q_latent: bool = Tru
     return dataclasses.replace(spec, submodules=layer)
 
 
-def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
+def build_layer_spec(config: TransformerConfig, use_te: bool | None = None,
+                     linear_attention_layers: tuple[int, ...] = ()):
     """Transformer-block spec: TE modules on GPU with TE, Megatron local modules otherwise.
 
     Both attend over THD-packed rows: TE's fused attention reads ``PackedSeqParams`` itself;
     the local spec's core attention is :class:`PackedCoreAttention`, which reads the same.
+    ``linear_attention_layers`` (global 0-based; local spec only) become Gated DeltaNet layers.
     """
     if use_te is None:
         use_te = transformer_engine_available()
@@ -227,7 +254,26 @@ def build_layer_spec(config: TransformerConfig, use_te: bool | None = None):
         ))
         for spec in block.layer_specs
     ]
+    if linear_attention_layers:
+        layers = _with_gated_delta_net(layers, linear_attention_layers, config)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=SequenceParallelRMSNorm)
+
+
+def _with_gated_delta_net(layers: list, linear_layers: tuple[int, ...], config: TransformerConfig) -> list:
+    """This stage's layer specs with the self-attention of its linear_attention layers (global
+    0-based ``linear_layers``) replaced by a Gated DeltaNet (``parallel.gated_delta_net``).
+
+    Stages hold equal runs of layers (``sections.parallel`` requires PP to divide them)."""
+    from megatron_rl.parallel.gated_delta_net import gated_delta_net_spec
+
+    offset = parallel_state.get_pipeline_model_parallel_rank() * len(layers)
+    gdn = gated_delta_net_spec(PlainRMSNorm)
+    out = []
+    for index, spec in enumerate(layers):
+        if offset + index in linear_layers:
+            spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=gdn))
+        out.append(spec)
+    return out
 
 
 def build_model(
@@ -248,13 +294,18 @@ def build_model(
         **config_overrides: forwarded to :func:`build_transformer_config`.
     """
     if use_te is None:
-        use_te = transformer_engine_available()
+        # The Gated DeltaNet layers are placed in the local spec only (parallel.gated_delta_net).
+        use_te = transformer_engine_available() and not model.has_linear_attention
+    if use_te and model.has_linear_attention:
+        raise ValueError("model.layer_types: Gated DeltaNet layers are built with the local layer spec only")
     config = build_transformer_config(model, parallel, use_te=use_te, **config_overrides)
     if config.fp8 and not use_te:
         raise ValueError("fp8.enabled: FP8 training needs the Transformer Engine layer spec (TE + CUDA)")
     with mc.mla_without_transformer_engine():
         gpt = _build_gpt(model, parallel, config, use_te)
     gpt.true_vocab_size = model.vocab_size
+    if model.add_bias_linear and not use_te:
+        mcore_layers.expert_biases_trainable(gpt)
     if config.moe_enable_routing_replay:
         # Replay addresses routers by layer number; Megatron's class-level list would only
         # keep every model ever built alive.
@@ -263,15 +314,20 @@ def build_model(
 
 
 def _build_gpt(model: ModelConfig, parallel: ParallelConfig, config: TransformerConfig, use_te: bool) -> GPTModel:
+    linear = tuple(i for i, kind in enumerate(model.mixer_types) if kind == "linear_attention")
+    yarn = model.rope_scaling == "yarn" and not model.multi_latent_attention
+    if yarn:
+        for name, value in yarn_rope_attributes(model).items():
+            setattr(config, name, value)
     return GPTModel(
         config=config,
-        transformer_layer_spec=build_layer_spec(config, use_te),
+        transformer_layer_spec=build_layer_spec(config, use_te, linear_attention_layers=linear),
         vocab_size=model.padded_vocab_size,
         max_sequence_length=model.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-        position_embedding_type="rope",
+        position_embedding_type="yarn" if yarn else "rope",
         rotary_base=int(model.rotary_base),
         rotary_percent=model.rotary_percent,
         parallel_output=True,

@@ -9,7 +9,11 @@ spec (CPU, or a GPU without TE): it sits where the spec's ``core_attention`` sit
 the same constructor and forward arguments, and attends inside each segment of
 ``cu_seqlens_q`` only. Segments of equal length run as one batched causal
 ``scaled_dot_product_attention`` call, so the work is proportional to the sum of squared
-segment lengths and memory to the largest batch of segments, never to ``T^2``. A segment's
+segment lengths and memory to the largest batch of segments, never to ``T^2``. A layer with a
+sliding window (Megatron's ``window_size`` and ``window_attn_skip_freq``: GPT-OSS) sees only
+the keys it covers, and learnable softmax offsets (``softmax_type='learnable'``: GPT-OSS's
+sinks, a parameter ``softmax_offset`` per head, split over TP) add a logit per head that takes
+probability but no value; both run an explicit fp32 softmax, in the CP path too. A segment's
 output is a function of that segment's queries, keys and values alone: changing another
 sequence of the row cannot change it.
 
@@ -32,10 +36,12 @@ import math
 
 import torch
 import torch.nn.functional as F
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer import MegatronModule
 from torch.utils.checkpoint import checkpoint
 
+from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_layers as ml
 from megatron_rl.parallel.mcore_compat import AttnMaskType, core_attention_cp_group
 from megatron_rl.parallel.packing import cp_partition_indices
 
@@ -73,8 +79,26 @@ class PackedCoreAttention(MegatronModule):
             self.cp_group = core_attention_cp_group(pg_collection)
             if self.cp_group is None:
                 raise ValueError("PackedCoreAttention: context parallelism needs the CP group (pg_collection.cp)")
-        if getattr(config, "window_size", None) is not None or getattr(config, "softmax_type", "vanilla") != "vanilla":
-            raise ValueError("PackedCoreAttention: sliding windows and softmax offsets are not supported")
+        self.window = None
+        window = getattr(config, "window_size", None)
+        if window and ml.is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+            if window[1] != 0:
+                raise ValueError(f"PackedCoreAttention: causal attention has no right window, got {window}")
+            self.window = int(window[0])
+        softmax_type = getattr(config, "softmax_type", "vanilla")
+        if softmax_type not in ("vanilla", "learnable"):
+            raise ValueError(f"PackedCoreAttention: softmax_type {softmax_type!r} is not supported")
+        if softmax_type == "learnable":
+            # One sink logit per local head (GPT-OSS), split over TP with the heads.
+            self.tp_group = pg_collection.tp if pg_collection is not None else parallel_state.get_tensor_model_parallel_group()
+            heads = config.num_attention_heads // self.tp_group.size()
+            self.softmax_offset = torch.nn.Parameter(torch.empty(heads, dtype=config.params_dtype))
+            for name, value in (("tensor_model_parallel", True), ("partition_dim", 0), ("partition_stride", 1)):
+                setattr(self.softmax_offset, name, value)
+            if config.perform_initialization:
+                config.init_method(self.softmax_offset)
+        else:
+            self.softmax_offset = None
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"PackedCoreAttention: attention dropout {dropout} is not supported (RL uses 0)")
@@ -84,6 +108,21 @@ class PackedCoreAttention(MegatronModule):
         # widths come with the tensors, so only the scale is kept.
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.layer_number = layer_number
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """Megatron's own sharded state dict of the sink logits (``DotProductAttention``'s: split
+        over TP on axis 0); nothing without them."""
+        if self.softmax_offset is None:
+            return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        return mc.DotProductAttention.sharded_state_dict(self, prefix, sharded_offsets, metadata)
+
+    def _attend(self, q_NHLD: torch.Tensor, k_NGSD: torch.Tensor, v_NGSD: torch.Tensor,
+                positions_L: torch.Tensor | None = None) -> torch.Tensor:
+        """``[N, H, L, Dv]``: queries at ``positions_L`` (default ``0..L-1``) over keys ``0..S-1``."""
+        if self.window is None and self.softmax_offset is None and positions_L is None:
+            return _causal_attention(q_NHLD, k_NGSD, v_NGSD, self.softmax_scale)
+        return _windowed_attention(q_NHLD, k_NGSD, v_NGSD, self.softmax_scale, positions_L, self.window,
+                                   self.softmax_offset)
 
     def forward(
         self,
@@ -113,9 +152,7 @@ class PackedCoreAttention(MegatronModule):
             if self.cp_group is not None:
                 raise ValueError("PackedCoreAttention: context parallelism needs THD packed_seq_params")
             # [s, b, H, D] -> [b, H, s, D]: each batch row is one causal sequence.
-            out_BHSD = _causal_attention(
-                query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3), self.softmax_scale
-            )
+            out_BHSD = self._attend(query.permute(1, 2, 0, 3), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3))
             s, b = query.shape[0], query.shape[1]
             return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)
         if packed_seq_params.qkv_format != "thd":
@@ -142,7 +179,7 @@ class PackedCoreAttention(MegatronModule):
             q_NHLD = query[rows_NL].transpose(1, 2)
             k_NGLD = key[rows_NL].transpose(1, 2)
             v_NGLD = value[rows_NL].transpose(1, 2)
-            out_NHLD = _causal_attention(q_NHLD, k_NGLD, v_NGLD, self.softmax_scale)
+            out_NHLD = self._attend(q_NHLD, k_NGLD, v_NGLD)
             out_THD[rows_NL.reshape(-1)] = out_NHLD.transpose(1, 2).reshape(-1, *out_THD.shape[1:])
         return out_THD.reshape(total, -1)
 
@@ -187,16 +224,16 @@ class PackedCoreAttention(MegatronModule):
                     width = min(block, chunk - offset)
                     rows_NB = (first_local_N[:, None] + offset + torch.arange(width)).to(query.device)
                     out_NBHD = checkpoint(
-                        _attend_to_prefix, query, key_T, value_T, rows_NB, tuple(seg_starts.tolist()),
-                        first_position + offset, self.softmax_scale, use_reentrant=False,
+                        _attend_to_prefix, self, query, key_T, value_T, rows_NB, tuple(seg_starts.tolist()),
+                        first_position + offset, use_reentrant=False,
                     )
                     out_THD[rows_NB.reshape(-1)] = out_NBHD.reshape(-1, *out_THD.shape[1:])
         return out_THD.reshape(local, -1)
 
 
 def _attend_to_prefix(
-    query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor, rows_NB: torch.Tensor,
-    seg_starts: tuple[int, ...], first_position: int, scale: float,
+    attention: PackedCoreAttention, query_THD: torch.Tensor, key_TGD: torch.Tensor, value_TGD: torch.Tensor,
+    rows_NB: torch.Tensor, seg_starts: tuple[int, ...], first_position: int,
 ) -> torch.Tensor:
     """``[N, B, H, Dv]``: local queries ``rows_NB`` (at positions ``first_position ...`` of their
     segment) over the keys of their segment (starting at row ``seg_starts[n]``) up to their own
@@ -208,6 +245,7 @@ def _attend_to_prefix(
     device = query_THD.device
     visible = first_position + rows_NB.shape[1]
     positions_B = torch.arange(first_position, visible, device=device)
+    scale = attention.softmax_scale
     # An additive mask in the query dtype keeps SDPA on its flash kernel (a bool mask is
     # converted on every call, ~3x slower on CPU); 0 and -inf mask exactly as a bool mask.
     hidden_BL = torch.arange(visible, device=device)[None, :] > positions_B[:, None]
@@ -219,6 +257,9 @@ def _attend_to_prefix(
         keys_NL = torch.tensor(seg_starts, device=device)[:, None] + torch.arange(visible, device=device)
         k_NLGD, v_NLGD = key_TGD[keys_NL], value_TGD[keys_NL]
     q_NHBD = query_THD[rows_NB].transpose(1, 2)
+    if attention.window is not None or attention.softmax_offset is not None:
+        out_NHBD = attention._attend(q_NHBD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2), positions_B)
+        return out_NHBD.transpose(1, 2)
     out_NHBD = F.scaled_dot_product_attention(
         q_NHBD, k_NLGD.transpose(1, 2), v_NLGD.transpose(1, 2), attn_mask=mask_BL, scale=scale,
         enable_gqa=q_NHBD.shape[1] != k_NLGD.shape[2],  # grouped keys without a per-head copy
@@ -233,3 +274,32 @@ def _causal_attention(q_BHLD: torch.Tensor, k_BGLD: torch.Tensor, v_BGLD: torch.
         k_BGLD = k_BGLD.repeat_interleave(heads // groups, dim=1)
         v_BGLD = v_BGLD.repeat_interleave(heads // groups, dim=1)
     return F.scaled_dot_product_attention(q_BHLD, k_BGLD, v_BGLD, is_causal=True, scale=scale)
+
+
+def _windowed_attention(
+    q_NHLD: torch.Tensor, k_NGSD: torch.Tensor, v_NGSD: torch.Tensor, scale: float,
+    positions_L: torch.Tensor | None, window: int | None, sinks_H: torch.Tensor | None,
+) -> torch.Tensor:
+    """``[N, H, L, Dv]`` causal attention of queries at ``positions_L`` (default ``0..L-1``) over
+    keys ``0..S-1``, each query seeing the ``window`` keys left of it (None: all) and a sink
+    logit per head in its softmax that takes probability but adds no value (GPT-OSS's sinks,
+    Megatron's learnable softmax offset), in fp32 at least, as transformers' eager GPT-OSS attention."""
+    heads, groups = q_NHLD.shape[1], k_NGSD.shape[1]
+    if heads != groups:
+        k_NGSD = k_NGSD.repeat_interleave(heads // groups, dim=1)
+        v_NGSD = v_NGSD.repeat_interleave(heads // groups, dim=1)
+    device, length, keys = q_NHLD.device, q_NHLD.shape[2], k_NGSD.shape[2]
+    positions_L = torch.arange(length, device=device) if positions_L is None else positions_L
+    offset_LS = positions_L[:, None] - torch.arange(keys, device=device)[None, :]
+    hidden_LS = offset_LS < 0
+    if window is not None:
+        hidden_LS |= offset_LS > window
+    wide = torch.promote_types(q_NHLD.dtype, torch.float32)
+    scores = (q_NHLD.to(wide) @ k_NGSD.to(wide).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(hidden_LS, float("-inf"))
+    if sinks_H is not None:
+        sink = sinks_H.to(wide)[None, :, None, None].expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return (probs @ v_NGSD.to(wide)).to(q_NHLD.dtype)

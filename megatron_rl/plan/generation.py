@@ -9,7 +9,9 @@ SGLang (0.5.23, the version the project pins), per GPU of a server of TP size t:
   grouped-query attention stores keys and values of ``max(1, groups / t)`` heads per layer
   (SGLang replicates KV heads when t exceeds them), multi-latent attention one
   ``kv_lora_rank + rope_dim`` latent per layer on every GPU; 2 bytes per element (the
-  default KV dtype follows the bf16 model). In flight: every sample of a step
+  default KV dtype follows the bf16 model). Sliding-window layers (GPT-OSS) hold their
+  window, Gated DeltaNet layers (Qwen3-Next, Qwen3.5) a fixed recurrent state per sequence
+  (:func:`kv_bytes_per_sequence`). In flight: every sample of a step
   (``rollout.prompts_per_step x rollout.group_size``), at most
   ``rollout.sglang.max_concurrency`` per trainer model-parallel group, spread over the servers;
 - SGLang's own reserve for activations and CUDA graphs, the formula it uses to choose
@@ -39,11 +41,31 @@ KV_BYTES = 2
 
 
 def kv_bytes_per_token(m: ModelConfig, tp: int, element_bytes: int = KV_BYTES) -> int:
-    """Bytes of KV cache one token takes on one GPU of a TP-``tp`` server."""
+    """Bytes of KV cache one token takes in one attention layer on one GPU of a TP-``tp`` server."""
     if m.multi_latent_attention:
-        return m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim) * element_bytes
+        return (m.kv_lora_rank + m.qk_rope_head_dim) * element_bytes
     heads = max(1, m.num_query_groups // tp)
-    return m.num_layers * 2 * heads * m.head_dim * element_bytes
+    return 2 * heads * m.head_dim * element_bytes
+
+
+def recurrent_state_bytes(m: ModelConfig, tp: int) -> int:
+    """One sequence's state in one Gated DeltaNet layer on one GPU of a TP-``tp`` server: SGLang's
+    mamba cache (``configs/qwen3_next.py:288-313``, ``mamba_utils.py:47-72``), a bf16 convolution
+    window ``[(2 qk + v) / t, K - 1]`` and an fp32 delta-rule state ``[Hv / t, Dv, Dk]``."""
+    conv = (2 * m.linear_num_key_heads * m.linear_key_head_dim + m.linear_num_value_heads * m.linear_value_head_dim)
+    conv_bytes = conv // tp * (m.linear_conv_kernel_dim - 1) * 2
+    return conv_bytes + m.linear_num_value_heads // tp * m.linear_value_head_dim * m.linear_key_head_dim * 4
+
+
+def kv_bytes_per_sequence(m: ModelConfig, tp: int, length: int, element_bytes: int = KV_BYTES) -> int:
+    """KV cache and recurrent state of one sequence of ``length`` tokens on one server GPU: full
+    attention layers keep every token, sliding-window layers their window (SGLang's hybrid SWA
+    pool for GPT-OSS, ``configs/model_config.py:88-96``, ``:2651-2676``), Gated DeltaNet layers a
+    fixed state (:func:`recurrent_state_bytes`)."""
+    kinds = m.mixer_types
+    tokens = sum(length if k == "full_attention" else min(length, m.sliding_window) for k in kinds
+                 if k != "linear_attention")
+    return tokens * kv_bytes_per_token(m, tp, element_bytes) + kinds.count("linear_attention") * recurrent_state_bytes(m, tp)
 
 
 def sglang_weights_bytes(m: ModelConfig, tp: int) -> int:
@@ -60,7 +82,7 @@ def sequences_in_flight(cfg: RunConfig, model_parallel_groups: int) -> int:
 def sglang_kv_bytes(cfg: RunConfig, tp: int, servers: int, model_parallel_groups: int) -> int:
     """KV cache one server GPU needs for its share of the samples in flight at the longest length."""
     per_server = -(-sequences_in_flight(cfg, model_parallel_groups) // servers)
-    return per_server * longest_sequence(cfg) * kv_bytes_per_token(cfg.model, tp)
+    return per_server * kv_bytes_per_sequence(cfg.model, tp, longest_sequence(cfg))
 
 
 def sglang_reserve_bytes(m: ModelConfig, tp: int, gpu_memory: int) -> int:
@@ -95,8 +117,10 @@ def hf_kv_bytes(cfg: RunConfig, data_parallel: int, model_parallel: int) -> int:
     m, r = cfg.model, cfg.rollout
     element = DTYPE_BYTES[r.hf_dtype or m.params_dtype]
     share = -(-r.prompts_per_step * r.group_size // (data_parallel * model_parallel))
+    length = longest_sequence(cfg)
     if m.multi_latent_attention:
-        per_token = m.num_layers * m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
-    else:
-        per_token = m.num_layers * 2 * m.num_query_groups * m.head_dim
-    return share * longest_sequence(cfg) * per_token * element
+        per_token = m.num_attention_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+        return share * length * m.num_layers * per_token * element
+    # transformers' hybrid caches: sliding layers keep their window, Gated DeltaNet layers their
+    # state (the fp32 delta-rule state its torch kernel returns, and the conv window).
+    return share * kv_bytes_per_sequence(m, 1, length, element)

@@ -10,17 +10,21 @@ sections: no torch, no Megatron.
 
 Per layer (H hidden, V padded vocabulary, E experts, F expert width, K top-K):
 
-- attention, grouped-query: ``linear_qkv`` ``[(heads + 2 groups) * head_dim, H]`` (+ its bias
-  with ``add_qkv_bias``), ``linear_proj`` ``[H, heads * head_dim]``, both split over TP; the
-  input norm ``[H]`` and the q/k norms ``[head_dim]`` each are replicated.
+- attention, grouped-query: ``linear_qkv`` ``[(heads + 2 groups) * head_dim, H]`` (+ ``heads *
+  head_dim`` output-gate rows, Qwen3-Next; + its bias with ``add_qkv_bias`` / ``add_bias_linear``),
+  ``linear_proj`` ``[H, heads * head_dim]`` and the sink logits ``[heads]`` (GPT-OSS), split over
+  TP; the input norm ``[H]``, the q/k norms ``[head_dim]`` each and ``linear_proj``'s bias ``[H]``
+  are replicated.
+- a Gated DeltaNet (linear_attention layers): :func:`gated_delta_net_params`.
 - attention, multi-latent: the down projections (``linear_q_down_proj``
   ``[q_lora_rank, H]``, ``linear_kv_down_proj`` ``[kv_lora_rank + rope_dim, H]``) and the latent
   norms are replicated (``parallel.families.replicated_mla_down_projections``; TE's spec
   duplicates them too); the up projections and ``linear_proj`` are split over TP.
 - dense MLP: ``linear_fc1`` ``[2 F_dense, H]`` and ``linear_fc2`` ``[H, F_dense]`` split over TP.
-- MoE: the router ``[E, H]`` (replicated; the expert bias is a buffer, not a parameter), the
-  shared expert (split over TP like a dense MLP; its gate ``[1, H]`` replicated), and E
-  experts of ``3 H F`` each, E/EP of them on a rank, each split over ETP.
+- MoE: the router ``[E, H]`` (+ its bias ``[E]``; replicated; the expert bias is a buffer, not
+  a parameter), the shared expert (split over TP like a dense MLP; its gate ``[1, H]``
+  replicated), and E experts of ``3 H F`` each (+ ``2 F + H`` of biases, GPT-OSS), E/EP of them
+  on a rank, each split over ETP.
 - the embedding ``[V, H]`` on the first stage, the final norm ``[H]`` and the output layer
   ``[V, H]`` on the last stage (tied embeddings: the last stage holds the output weight only
   with PP > 1, where Megatron keeps a copy there).
@@ -58,8 +62,24 @@ class Split:
         return self.replicated + self.split
 
 
-def attention_params(m: ModelConfig) -> Split:
-    """One layer's attention block, its input norm included."""
+def gated_delta_net_params(m: ModelConfig) -> Split:
+    """One linear_attention layer's Gated DeltaNet, its input norm included: ``in_proj``
+    ``[2 qk + 2 v + 2 Hv, H]``, the depthwise ``conv1d`` ``[2 qk + v, 1, K]``, ``A_log`` and
+    ``dt_bias`` ``[Hv]`` and ``out_proj`` ``[H, v]`` split over TP (by heads); the input norm
+    ``[H]`` and the output norm ``[Dv]`` (shared by the heads) replicated."""
+    h = m.hidden_size
+    qk = m.linear_num_key_heads * m.linear_key_head_dim
+    v = m.linear_num_value_heads * m.linear_value_head_dim
+    heads = m.linear_num_value_heads
+    split = (2 * qk + 2 * v + 2 * heads) * h + (2 * qk + v) * m.linear_conv_kernel_dim + 2 * heads + h * v
+    return Split(h + m.linear_value_head_dim, split)
+
+
+def attention_params(m: ModelConfig, layer: int = 0) -> Split:
+    """Layer ``layer``'s attention block (a Gated DeltaNet on linear_attention layers), its input
+    norm included; the output gate's rows (Qwen3-Next), biases and sinks (GPT-OSS) counted."""
+    if m.mixer_types[layer] == "linear_attention":
+        return gated_delta_net_params(m)
     h = m.hidden_size
     if m.multi_latent_attention:
         heads = m.num_attention_heads
@@ -72,9 +92,13 @@ def attention_params(m: ModelConfig) -> Split:
             split = heads * qk * m.q_lora_rank
         split += heads * (m.qk_nope_head_dim + m.v_head_dim) * m.kv_lora_rank + h * heads * m.v_head_dim
         return Split(replicated, split)
-    qkv_rows = (m.num_attention_heads + 2 * m.num_query_groups) * m.head_dim
-    split = qkv_rows * h + h * m.num_attention_heads * m.head_dim + (qkv_rows if m.add_qkv_bias else 0)
-    return Split(h + (2 * m.head_dim if m.qk_layernorm else 0), split)
+    gate = m.num_attention_heads if m.attention_output_gate else 0
+    qkv_rows = (m.num_attention_heads + gate + 2 * m.num_query_groups) * m.head_dim
+    split = qkv_rows * h + h * m.num_attention_heads * m.head_dim
+    split += (qkv_rows if m.add_qkv_bias or m.add_bias_linear else 0) + (m.num_attention_heads if m.attention_sinks else 0)
+    # linear_proj's bias is added after the TP reduction: every rank holds it whole.
+    replicated = h + (2 * m.head_dim if m.qk_layernorm else 0) + (h if m.add_bias_linear else 0)
+    return Split(replicated, split)
 
 
 def dense_mlp_params(m: ModelConfig) -> Split:
@@ -86,12 +110,14 @@ def moe_dense_params(m: ModelConfig) -> Split:
     """What an MoE layer holds besides its routed experts: pre-MLP norm, router, shared expert."""
     h, shared = m.hidden_size, m.moe_shared_expert_intermediate_size
     replicated = h + m.num_experts * h + (h if m.moe_shared_expert_gate else 0)
+    replicated += m.num_experts if m.add_bias_linear else 0  # the router's bias
     return Split(replicated, 3 * h * shared)
 
 
 def expert_params(m: ModelConfig) -> int:
-    """One routed expert (SwiGLU of width ``moe_ffn_hidden_size``)."""
-    return 3 * m.hidden_size * m.moe_ffn_hidden_size
+    """One routed expert (SwiGLU of width ``moe_ffn_hidden_size``, with GPT-OSS's biases)."""
+    biases = 2 * m.moe_ffn_hidden_size + m.hidden_size if m.add_bias_linear else 0
+    return 3 * m.hidden_size * m.moe_ffn_hidden_size + biases
 
 
 def embedding_params(m: ModelConfig) -> Split:
@@ -134,7 +160,7 @@ def rank_params(m: ModelConfig, p: ParallelConfig, stage: int) -> RankParams:
     dense = Split()
     routed = 0
     for layer in stage_layers(m, pp, stage):
-        dense = dense + attention_params(m)
+        dense = dense + attention_params(m, layer)
         if layer < m.num_dense_layers:
             dense = dense + dense_mlp_params(m)
         else:

@@ -280,7 +280,7 @@ def _kv_term(cfg: RunConfig, layout: Layout, machine: Machine, servers: int, tak
     the pool SGLang makes of what is left (it then queues the rest; nothing fails)."""
     tp = cfg.rollout.sglang.server_tp_size
     needed = gen.sglang_kv_bytes(cfg, tp, servers, layout.data_parallel)
-    per_sequence = longest_sequence(cfg) * gen.kv_bytes_per_token(cfg.model, tp)
+    per_sequence = gen.kv_bytes_per_sequence(cfg.model, tp, longest_sequence(cfg))
     left = machine.gpu_memory - taken
     if needed <= left:
         return Term("SGLang KV cache (samples in flight at the longest length)", needed)

@@ -5,13 +5,15 @@ building, checkpoint tables, rollout replicas) can import it without reaching th
 composition (``megatron_rl.config``). Layout rules (what TP or PP must divide) live with the
 ``parallel`` section. :func:`check_family_fields` holds the rules of the fields that
 DeepSeek-V3, GLM-4.5 and Qwen2-MoE add (MLA, YaRN, dense first layers, shared experts,
-expert bias, group-limited routing, partial rotary, QKV biases).
+expert bias, group-limited routing, partial rotary, QKV biases), :func:`check_mixer_fields`
+those GPT-OSS and Qwen3-Next / Qwen3.5 add (layer types, sliding windows, sinks, biases, the
+clamped GLU, output gates, zero-centred norms, Gated DeltaNet sizes).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from megatron_rl.config_loading import require
@@ -21,8 +23,8 @@ from megatron_rl.config_loading import require
 class ModelConfig:
     """A MoE decoder: RMSNorm, RoPE, SwiGLU experts; by default Qwen3-MoE-style (GQA with
     QK-norm, softmax router, every layer MoE, no biases). The fields past ``qk_layernorm``
-    add what DeepSeek-V3, GLM-4.5 and Qwen2-MoE need; each maps onto Megatron-Core's own
-    ``TransformerConfig`` field or layer spec (``megatron_rl.parallel.model``)."""
+    add what DeepSeek-V3, GLM-4.5, Qwen2-MoE, GPT-OSS and Qwen3-Next / Qwen3.5 need; each maps
+    onto Megatron-Core's own ``TransformerConfig`` field or layer spec (``megatron_rl.parallel.model``)."""
 
     vocab_size: int = 256
     """Vocabulary size V (the HF config's): token ids in [0, V); padding rows are never ids."""
@@ -112,11 +114,52 @@ class ModelConfig:
     ``K / group_topk`` selection scores)."""
     moe_router_topk_scaling_factor: float = 1.0
     """Routed scaling factor multiplying the top-K gate weights (DeepSeek-V3: 2.5)."""
+    yarn_truncate: bool = True
+    """YaRN: round the correction range to whole dimensions (transformers' ``truncate``; GPT-OSS: false)."""
+    layer_types: list[str] = field(default_factory=list)
+    """Token mixer of each layer, as config.json's ``layer_types`` (empty: full attention everywhere):
+    full_attention, sliding_attention (GPT-OSS), linear_attention (Gated DeltaNet, Qwen3-Next)."""
+    sliding_window: int = 0
+    """Keys a sliding_attention query attends to, itself included (GPT-OSS: 128)."""
+    attention_sinks: bool = False
+    """A learned per-head sink logit in every attention softmax (GPT-OSS; Megatron's learnable softmax)."""
+    attention_output_gate: bool = False
+    """Attention output scaled by the sigmoid of a per-head gate projected with the queries (Qwen3-Next)."""
+    add_bias_linear: bool = False
+    """Biases on the attention QKV and output projections, the experts and the router (GPT-OSS)."""
+    activation_func: Literal["silu", "quick_gelu"] = "silu"
+    """GLU activation of the experts: silu (SwiGLU), or quick_gelu ``x sigmoid(1.702 x)`` (GPT-OSS)."""
+    activation_func_clamp_value: float = 0.0
+    """Clamp of the GLU inputs (gate at most this, linear part within +-this; 0: none; GPT-OSS: 7)."""
+    glu_linear_offset: float = 0.0
+    """Added to the GLU's linear part before the product (GPT-OSS: 1)."""
+    norm_zero_centered: bool = False
+    """RMSNorms scale by ``1 + weight`` (Qwen3-Next's norms, the GDN output norm excepted)."""
+    linear_num_key_heads: int = 0
+    """Gated DeltaNet: query/key heads of a linear_attention layer."""
+    linear_num_value_heads: int = 0
+    """Gated DeltaNet: value heads (a multiple of the key heads)."""
+    linear_key_head_dim: int = 0
+    """Gated DeltaNet: channels per query/key head."""
+    linear_value_head_dim: int = 0
+    """Gated DeltaNet: channels per value head."""
+    linear_conv_kernel_dim: int = 0
+    """Gated DeltaNet: width of the causal depthwise convolution over q, k and v."""
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         """Global 0-based indices of the MoE layers (every layer past the dense ones)."""
         return tuple(range(self.num_dense_layers, self.num_layers))
+
+    @property
+    def mixer_types(self) -> tuple[str, ...]:
+        """Each layer's token mixer (``layer_types``, or full_attention everywhere)."""
+        return tuple(self.layer_types) or ("full_attention",) * self.num_layers
+
+    @property
+    def has_linear_attention(self) -> bool:
+        """Some layer is a Gated DeltaNet layer (a hybrid model: Qwen3-Next, Qwen3.5)."""
+        return "linear_attention" in self.layer_types
 
     @property
     def padded_vocab_size(self) -> int:
@@ -166,6 +209,7 @@ def validate_model(m: ModelConfig, prefix: str = "model") -> None:
         "only applies to softmax routing (model.moe_router_score_function=softmax)",
     )
     check_family_fields(m, prefix)
+    check_mixer_fields(m, prefix)
 
 
 def vocab_padding_hint(m: ModelConfig, tp: int) -> str:
@@ -219,10 +263,10 @@ def check_family_fields(m: ModelConfig, prefix: str = "model") -> None:
         require(m.moe_router_topk // group_topk <= m.num_experts // groups, f"{prefix}.moe_router_group_topk",
                  f"K / group_topk ({m.moe_router_topk // group_topk}) exceeds the experts per group "
                  f"({m.num_experts // groups})")
-    require(m.rope_scaling == "none" or m.multi_latent_attention, f"{prefix}.rope_scaling",
-             "YaRN is implemented for multi-latent attention only (model.multi_latent_attention=true)")
     if m.rope_scaling == "yarn":
         require(m.yarn_factor >= 1, f"{prefix}.yarn_factor", "must be >= 1")
+    require(m.yarn_truncate or not m.multi_latent_attention, f"{prefix}.yarn_truncate",
+             "must be true with multi-latent attention (Megatron's MLA rounds the YaRN correction range)")
     if m.multi_latent_attention:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             require(getattr(m, name) > 0, f"{prefix}.{name}", "must be > 0 with multi-latent attention")
@@ -232,3 +276,39 @@ def check_family_fields(m: ModelConfig, prefix: str = "model") -> None:
                  "must be true with multi-latent attention (it norms the q and kv latents)")
         require(m.rotary_percent == 1.0, f"{prefix}.rotary_percent", "must be 1 with multi-latent attention")
         require(not m.add_qkv_bias, f"{prefix}.add_qkv_bias", "must be false with multi-latent attention")
+
+
+MIXERS = ("full_attention", "sliding_attention", "linear_attention")
+"""Token mixers a ``layer_types`` entry may name."""
+
+
+def check_mixer_fields(m: ModelConfig, prefix: str = "model") -> None:
+    """Rules of the GPT-OSS and Qwen3-Next / Qwen3.5 fields (layer types, sliding windows, sinks,
+    biases, the clamped GLU, zero-centred norms, Gated DeltaNet); raises :class:`ConfigError`."""
+    if m.layer_types:
+        require(len(m.layer_types) == m.num_layers, f"{prefix}.layer_types",
+                 f"has {len(m.layer_types)} entries, model.num_layers is {m.num_layers}")
+        unknown = sorted(set(m.layer_types) - set(MIXERS))
+        require(not unknown, f"{prefix}.layer_types", f"unknown token mixer {unknown[:1]}; known: {list(MIXERS)}")
+    sliding = "sliding_attention" in m.layer_types
+    require((m.sliding_window > 0) == sliding, f"{prefix}.sliding_window",
+             "must be > 0 exactly when model.layer_types has sliding_attention layers")
+    require(m.activation_func_clamp_value >= 0, f"{prefix}.activation_func_clamp_value", "must be >= 0 (0: none)")
+    require(not (m.add_bias_linear and m.multi_latent_attention), f"{prefix}.add_bias_linear",
+             "is not implemented with multi-latent attention")
+    if m.attention_sinks or m.attention_output_gate:
+        require(not m.multi_latent_attention, f"{prefix}.multi_latent_attention",
+                 "attention sinks and output gates need grouped-query attention")
+    linear = m.has_linear_attention
+    gdn = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+           "linear_conv_kernel_dim")
+    for name in gdn:
+        require((getattr(m, name) > 0) == linear, f"{prefix}.{name}",
+                 "must be > 0 exactly when model.layer_types has linear_attention layers")
+    if linear:
+        require(m.linear_num_value_heads % m.linear_num_key_heads == 0, f"{prefix}.linear_num_value_heads",
+                 f"must be a multiple of model.linear_num_key_heads ({m.linear_num_key_heads})")
+        require(not m.multi_latent_attention, f"{prefix}.multi_latent_attention",
+                 "Gated DeltaNet hybrids have grouped-query attention layers")
+        require(m.num_dense_layers == 0, f"{prefix}.num_dense_layers",
+                 "Gated DeltaNet hybrids are MoE in every layer")

@@ -75,6 +75,7 @@ def validate_layout(
     """Check that the layout fits the model and, when known, the world size."""
     _check_group_sizes(p, prefix)
     _check_model_splits(m, p, prefix)
+    _check_mixer_layout(m, p, prefix)
     _check_sequence_parallel(p, prefix)
     _check_world_size(p, world_size, prefix)
 
@@ -137,6 +138,25 @@ def _check_model_splits(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:
         f"{prefix}.pipeline_model_parallel_size",
         f"PP ({pp}) must divide model.num_layers ({m.num_layers})",
     )
+
+
+def _check_mixer_layout(m: ModelConfig, p: ParallelConfig, prefix: str) -> None:
+    """What Megatron-Core allows the Gated DeltaNet layers and the biased experts."""
+    tp = p.tensor_model_parallel_size
+    if m.has_linear_attention:
+        # Megatron's GatedDeltaNet splits its key and value heads over TP (TransformerConfig asserts it).
+        for name in ("linear_num_key_heads", "linear_num_value_heads"):
+            require(getattr(m, name) % tp == 0, f"{prefix}.tensor_model_parallel_size",
+                    f"TP ({tp}) must divide model.{name} ({getattr(m, name)})")
+        # megatron-core 0.16.1 asserts "Gated delta net does not support context parallel for now"
+        # (transformer_config.py:982-985); 0.19.2 splits its heads over CP only inside its own
+        # forward, on flash-linear-attention's CUDA kernels, which parallel.gated_delta_net replaces.
+        require(p.context_parallel_size == 1, f"{prefix}.context_parallel_size",
+                "must be 1 with Gated DeltaNet layers (model.layer_types linear_attention): Megatron-Core "
+                "0.16.1 has no context parallelism for them, 0.19.2 only on flash-linear-attention's CUDA kernels")
+    # Megatron-Core: "Bias in Moe is only supported when ETP==1" (TransformerConfig).
+    require(not m.add_bias_linear or p.expert_tensor_parallel_size == 1, f"{prefix}.expert_tensor_parallel_size",
+            "must be 1 with biased experts (model.add_bias_linear; a Megatron-Core rule)")
 
 
 def _check_sequence_parallel(p: ParallelConfig, prefix: str) -> None:

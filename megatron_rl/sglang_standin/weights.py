@@ -205,8 +205,11 @@ class ServedWeights:
     def __init__(self, params: dict[str, torch.Tensor], model_cfg: ModelConfig, architecture: str) -> None:
         self.params, self.model_cfg = params, model_cfg
         self.rules = loader_rules(architecture)
-        self.parts = {hf: (w, i) for w in all_weights(ARCHITECTURES.get(architecture), model_cfg)
-                      for i, hf in enumerate(w.hf)}
+        self.parts: dict[str, list[tuple]] = {}
+        """HF name -> the (weight, part) pairs it writes (a stacked tensor: one per expert)."""
+        for w in all_weights(ARCHITECTURES.get(architecture), model_cfg):
+            for i, hf in enumerate(w.hf):
+                self.parts.setdefault(hf, []).append((w, i))
         self.session: SessionReport | None = None
         self.last_session: SessionReport | None = None
         """The report of the last session that ended."""
@@ -239,7 +242,7 @@ class ServedWeights:
                     raise KeyError(name)
                 self.session.skipped.append(name)
                 continue
-            weight, part = self.parts[name]
+            weight, part = self.parts[name][0]
             if tuple(tensor.shape) != weight.hf_shapes[part]:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)}, the model has {weight.hf_shapes[part]}")
             group = load_group(self.rules, self.model_cfg, name)
@@ -262,5 +265,5 @@ class ServedWeights:
 
     def _write(self, name: str, tensor: torch.Tensor) -> None:
         """Write one HF tensor into its part of the Megatron parameter (shard by shard)."""
-        weight, part = self.parts[name]
-        write_part(weight, self.params[weight.megatron], part, tensor, self.model_cfg)
+        for weight, part in self.parts[name]:
+            write_part(weight, self.params[weight.megatron], part, tensor, self.model_cfg)

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from megatron_rl.checkpoint.hf_config import hf_config_from_model
+from megatron_rl.checkpoint.hf_config import dequantized_config, hf_config_from_model
 from megatron_rl.checkpoint.hf_io import (
     INDEX_NAME,
     SINGLE_NAME,
@@ -34,6 +34,8 @@ from megatron_rl.checkpoint.hf_io import (
     ShardWriter,
     atomic_output_dir,
     interrupted_staging_dirs,
+    named_sizes,
+    read_named,
     tensor_bytes,
 )
 from megatron_rl.checkpoint.mapping import ARCHITECTURES, all_weights, hf_name_map
@@ -67,6 +69,9 @@ class HFExportSpec:
     """Writes tokenizer files into a directory (a tokenizer that is not among ``side_files``)."""
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
     """Largest safetensors shard."""
+    passthrough: dict[str, str] = field(default_factory=dict)
+    """Tensors the starting checkpoint kept aside (a vision tower, MTP layers; ``HFSource.passthrough``),
+    written back unchanged."""
 
 
 def _config_json(spec: HFExportSpec) -> dict:
@@ -75,6 +80,8 @@ def _config_json(spec: HFExportSpec) -> dict:
     if carried is None:
         return hf_config_from_model(spec.architecture, spec.model, spec.model.params_dtype)
     config = json.loads(carried.read_text())
+    # A checkpoint read dequantized (GPT-OSS's MXFP4 experts) is exported unquantized.
+    config = dequantized_config(config) or config
     # transformers 4 reads torch_dtype, 5 writes dtype; the weights are in the run's dtype.
     for key in ("torch_dtype", "dtype"):
         if key in config or key == "torch_dtype":
@@ -95,7 +102,7 @@ def _plan(spec: HFExportSpec) -> ShardPlan:
     dtype = getattr(torch, spec.model.params_dtype)
     weights = all_weights(ARCHITECTURES.get(spec.architecture), spec.model)
     sizes = {n: tensor_bytes(s, dtype) for w in weights for n, s in zip(w.hf, w.hf_shapes)}
-    return ShardPlan.by_size(sizes, spec.max_shard_bytes)
+    return ShardPlan.by_size({**sizes, **named_sizes(spec.passthrough)}, spec.max_shard_bytes)
 
 
 def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Path, spec: HFExportSpec) -> Path:
@@ -141,6 +148,8 @@ def export_hf(model: torch.nn.Module, groups: ParallelGroups, out_dir: str | Pat
                 error = err
     if rank0 and error is None:
         try:
+            for name, tensor in read_named(spec.passthrough):
+                writer.add(name, tensor)
             writer.finish()
         except Exception as err:  # noqa: BLE001
             error = err
@@ -186,6 +195,7 @@ class RunExports:
             architecture=hf_architecture(cfg, self.init),
             model=cfg.model, side_files=side_files,
             save_tokenizer=self.tokenizer.hf_tokenizer.save_pretrained if own_tokenizer else None,
+            passthrough=self.init.hf.passthrough if self.init is not None else {},
         )
         out = export_hf(self.ddp, self.groups, Path(cfg.train.run_dir) / "hf" / f"step_{step:06d}", spec)
         if self.rank0:

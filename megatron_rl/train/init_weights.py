@@ -15,6 +15,7 @@ import torch
 
 from megatron_rl.checkpoint.errors import CheckpointMismatchError, format_names
 from megatron_rl.checkpoint.families import mtp_tensor_names
+from megatron_rl.checkpoint.weight_rules import passthrough_names
 from megatron_rl.checkpoint.hf_config import read_config
 from megatron_rl.checkpoint.hf_io import HFCheckpoint
 from megatron_rl.checkpoint.init_source import InitSource
@@ -47,5 +48,6 @@ def load_initial_weights(gpt: torch.nn.Module, source: InitSource, model: ModelC
     # the checkpoint was inspected).
     skipped = mtp_tensor_names(read_config(source.path), checkpoint.names())
     unused = set(checkpoint.names()) - set().union(*everyone) - set(skipped)
+    unused -= set(passthrough_names(source.hf.arch, checkpoint.names()))
     if unused:
         raise CheckpointMismatchError(f"{source.path}: HF tensors no parameter consumed: {format_names(unused)}")

@@ -3,7 +3,8 @@
 - Parameters: for each family (Qwen3-MoE; DeepSeek-V3 with MLA and query LoRA, a dense first
   layer, a shared expert and group-limited sigmoid routing; Moonlight's MLA without query
   LoRA; Qwen2-MoE's gated shared expert and QKV biases; GLM-4.5's half-width RoPE; a
-  Mixtral-like model with tied embeddings) in the layouts listed, every rank's sum of
+  Mixtral-like model with tied embeddings; GPT-OSS's biases and sinks; Qwen3-Next's Gated
+  DeltaNet layers and gated attention) in the layouts listed, every rank's sum of
   ``numel`` equals ``megatron_rl.plan.params.rank_params``, and so does the part Megatron
   reduces over the expert data-parallel group (``allreduce=False``).
 - Activations: the bytes autograd saves for backward inside each decoder layer during one
@@ -44,6 +45,15 @@ FAMILIES = {
                                     ffn_hidden_size=96, moe_shared_expert_intermediate_size=32,
                                     moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True),
     "mixtral_tied": dataclasses.replace(QWEN3, qk_layernorm=False, untie_embeddings_and_output_weights=False),
+    "gpt_oss": dataclasses.replace(
+        QWEN3, qk_layernorm=False, add_qkv_bias=True, add_bias_linear=True, attention_sinks=True,
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4, activation_func="quick_gelu",
+        activation_func_clamp_value=7.0, glu_linear_offset=1.0),
+    "qwen3_next": dataclasses.replace(
+        QWEN3, layer_types=["linear_attention", "full_attention"] * 2, attention_output_gate=True,
+        norm_zero_centered=True, rotary_percent=0.25, moe_shared_expert_intermediate_size=32,
+        moe_shared_expert_gate=True, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=6, linear_conv_kernel_dim=3),
 }
 LAYOUTS = {
     "DP2": ParallelConfig(),
@@ -56,6 +66,7 @@ LAYOUTS = {
 COUNTED = [("qwen3", layout) for layout in LAYOUTS] + [
     ("deepseek_v3", "TP2+SP"), ("deepseek_v3", "PP2"), ("deepseek_v3", "EP2"), ("moonlight", "TP2+SP x EP2"),
     ("qwen2_moe", "TP2+SP x EP2"), ("glm4_moe", "TP2+SP ETP2"), ("glm4_moe", "PP2"), ("mixtral_tied", "TP2+SP"),
+    ("gpt_oss", "TP2+SP x EP2"), ("qwen3_next", "TP2+SP x EP2"), ("qwen3_next", "PP2"),
 ]
 ACTIVATION_MODEL = dataclasses.replace(QWEN3, vocab_size=512, hidden_size=128, num_attention_heads=8,
                                        num_query_groups=4, head_dim=16, num_experts=8, moe_ffn_hidden_size=96)

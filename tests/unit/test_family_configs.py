@@ -181,8 +181,10 @@ def test_model_rules_name_the_field():
     m = model_config_from_hf(DEEPSEEK_V3_HUB, "bfloat16")
     with pytest.raises(ConfigError, match="model.moe_router_group_topk"):
         validate_model(_model(m, moe_router_group_topk=3))
-    with pytest.raises(ConfigError, match="model.rope_scaling"):
-        validate_model(_model(m, multi_latent_attention=False))
+    # Without MLA, YaRN is GPTModel's (GPT-OSS); with MLA only the rounded ramp.
+    validate_model(_model(m, multi_latent_attention=False))
+    with pytest.raises(ConfigError, match="model.yarn_truncate"):
+        validate_model(_model(m, yarn_truncate=False))
     # A stage of dense layers only records no routing; records are per MoE layer, by number.
     validate_layout(_model(m, num_dense_layers=2), ParallelConfig(pipeline_model_parallel_size=2))
     with pytest.raises(ConfigError, match=r"model.moe_shared_expert_intermediate_size \(18\)"):

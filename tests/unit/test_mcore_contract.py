@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_layers as ml
 from megatron_rl.parallel import mcore_optimizer as mo
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
@@ -57,11 +58,12 @@ def test_import_refuses_an_unsupported_version():
 
 
 def test_every_internal_resolves():
-    for name, internal in mc.INTERNALS.items():
-        module = importlib.import_module(internal.module)
-        expect(hasattr(module, internal.attribute), f"{internal.module}.{internal.attribute}",
-               f"to exist ({internal.reason})")
-        assert getattr(mc, name) is getattr(module, internal.attribute)
+    for owner, table in ((mc, mc.INTERNALS), (ml, ml.LAYER_INTERNALS)):
+        for name, internal in table.items():
+            module = importlib.import_module(internal.module)
+            expect(hasattr(module, internal.attribute), f"{internal.module}.{internal.attribute}",
+                   f"to exist ({internal.reason})")
+            assert getattr(owner, name) is getattr(module, internal.attribute)
     with pytest.raises(AttributeError, match="no attribute 'NotAThing'"):
         mc.NotAThing  # noqa: B018
 

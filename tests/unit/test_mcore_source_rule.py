@@ -1,5 +1,6 @@
-"""Only ``parallel/mcore_compat.py`` (with its optimizer half ``mcore_optimizer.py``, its parallel-state half
-``mcore_state.py``, and the CPU shims) may name Megatron-Core internals.
+"""Only ``parallel/mcore_compat.py`` (with its optimizer, layer and parallel-state halves
+``mcore_optimizer.py``, ``mcore_layers.py`` and ``mcore_state.py``, and the CPU shims) may name
+Megatron-Core internals.
 
 The rule (``mcore_compat`` docstring): other modules import from Megatron-Core only the
 names of ``mcore_compat.PUBLIC_API``; they do not name a private (underscore) Megatron-Core
@@ -20,9 +21,10 @@ from megatron_rl.parallel import mcore_compat as mc
 REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("megatron_rl", "moe_routing", "tools", "launch")
 EXEMPT = {Path("megatron_rl/parallel/mcore_compat.py"), Path("megatron_rl/parallel/mcore_optimizer.py"),
-          Path("megatron_rl/parallel/mcore_state.py"), Path("megatron_rl/parallel/cpu_platform.py")}
+          Path("megatron_rl/parallel/mcore_layers.py"), Path("megatron_rl/parallel/mcore_state.py"),
+          Path("megatron_rl/parallel/cpu_platform.py")}
 _PRIVATE_DEFINITION = re.compile(
-    r"^\s*(?:def|class)\s+(_[A-Za-z]\w*)|^(_[A-Za-z]\w*)\s*[:=]|self\.(_[A-Za-z]\w*)\s*=", re.M
+    r"^\s*(?:async\s+def|def|class)\s+(_[A-Za-z]\w*)|^(_[A-Za-z]\w*)\s*[:=]|self\.(_[A-Za-z]\w*)\s*=", re.M
 )
 
 

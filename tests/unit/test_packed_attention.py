@@ -94,3 +94,38 @@ def test_rejects_what_it_cannot_compute():
         attention(q, k, v, None, packed_seq_params=PackedSeqParams(qkv_format="sbhd"))
     with pytest.raises(ValueError, match="computes causal attention"):
         PackedCoreAttention(_config(), 1, AttnMaskType.no_mask, "self")
+
+
+def test_sliding_window_and_sinks_match_transformers_gpt_oss():
+    """GPT-OSS attention: each segment alone through transformers' own eager GPT-OSS attention
+    (its sink logits and a sliding-window mask as transformers builds it: key j is seen from
+    query i when i - window < j <= i), against the packed row; gradients of the sinks too."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    window = 3
+    tp = SimpleNamespace(size=lambda: 1)
+    config = SimpleNamespace(**vars(_config()), num_attention_heads=HEADS, params_dtype=torch.float64,
+                             perform_initialization=False, window_attn_skip_freq=None)
+    config.window_size, config.softmax_type = (window - 1, 0), "learnable"
+    attention = PackedCoreAttention(config, 1, AttnMaskType.causal, "self", pg_collection=SimpleNamespace(tp=tp))
+    with torch.no_grad():
+        attention.softmax_offset.copy_(torch.tensor([0.5, -1.0, 2.0, 0.0], dtype=torch.float64))
+    q, k, v = (t.double() for t in _qkv(CU[-1], seed=2))
+    out = attention(q, k, v, None, packed_seq_params=_params(CU))
+    sinks = attention.softmax_offset.detach().clone().requires_grad_()
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=HEADS // GROUPS, training=False)
+    expected = []
+    for start, end in zip(CU[:-1], CU[1:]):
+        n = end - start
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        mask = torch.zeros(n, n, dtype=torch.float64).masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
+        seg = [t[start:end].transpose(0, 1)[None] for t in (q, k, v)]
+        hf, _ = eager_attention_forward(module, *seg, mask[None, None], scaling=1 / math.sqrt(DIM))
+        expected.append(hf[0].reshape(n, -1))
+    expected = torch.cat(expected)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    weights = torch.randn_like(out)
+    (out * weights).sum().backward()
+    (expected * weights).sum().backward()
+    torch.testing.assert_close(attention.softmax_offset.grad, sinks.grad, rtol=0, atol=1e-12)
+    assert float(attention.softmax_offset.grad.abs().min()) > 0

@@ -101,7 +101,11 @@ class HFEngine:
         self.hf_model = build_hf_model(architecture, model_config, device, dtype)
         self._name_map = hf_name_map(ARCHITECTURES.get(architecture), model_config)
         self._loader = HFWeightLoader(self.hf_model, architecture)
-        self.prefix_cache = PrefixCache() if prefix_cache else None
+        # A sliding window keeps only its last keys and a Gated DeltaNet layer a recurrent state,
+        # neither of which the prefix cache's per-position KV can restore: such a model's next
+        # turn is computed whole (a cache miss, which changes speed, never the routes returned).
+        self.prefix_cache = PrefixCache() if prefix_cache and model_config.mixer_types == (
+            ("full_attention",) * model_config.num_layers) else None
         self.weight_version = -1
         self.released: StorageSet | None = None
         """The replica's storages while its memory is released (None: resident)."""

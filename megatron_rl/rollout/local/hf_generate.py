@@ -46,7 +46,7 @@ from megatron_rl.rollout.local.hf_prefix_cache import (
 from megatron_rl.rollout.sampling import sample_next_tokens, sampled_logprobs
 from moe_routing.types import compact_id_dtype
 
-_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+_ROUTER_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.(?:gate|router)$")
 
 
 @dataclass
@@ -84,7 +84,8 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
             # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
             handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
         if not handles:
-            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate) to read routes from")
+            raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate or .router) to read "
+                             "routes from")
     try:
         yield captured
     finally:
@@ -177,8 +178,7 @@ def generate(
                 break
             if len(keep) < len(rows):
                 index = torch.tensor(keep, device=device)
-                for layer in cache.layers:
-                    layer.batch_select_indices(index)
+                select_rows(cache, index)
                 rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
                 next_pos_B = next_pos_B[index]
             mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
@@ -191,6 +191,23 @@ def generate(
                     responses.routes[i].append(step_routes[r])
     return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
                                  routes_from=starts)
+
+
+def select_rows(cache, index: torch.Tensor) -> None:
+    """Keep the cache rows ``index`` of every layer.
+
+    transformers 5.24's linear-attention cache layers (Gated DeltaNet: a convolution window and
+    a recurrent state per row, ``cache_utils.LinearAttentionCacheLayerMixin``) have no ``batch_select_indices``:
+    their states are selected here.
+    """
+    for layer in cache.layers:
+        if hasattr(layer, "batch_select_indices"):
+            layer.batch_select_indices(index)
+            continue
+        for states in (layer.conv_states, layer.recurrent_states):
+            for i, state in states.items():
+                if state is not None:
+                    states[i] = state[index]
 
 
 def _prefill_inputs(hf_model: torch.nn.Module, prompts: Sequence[Sequence[int]],

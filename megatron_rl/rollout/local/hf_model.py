@@ -2,7 +2,8 @@
 
 Shape legend: E experts per layer, F one expert's FFN width, H hidden size.
 
-Owns: building the transformers causal-LM of a mapped architecture (Qwen3-MoE, Mixtral)
+Owns: building the transformers causal-LM of a mapped architecture (Qwen3-MoE, Mixtral,
+GPT-OSS, Qwen3-Next, Qwen3.5: as its language model)
 from a :class:`~megatron_rl.config.ModelConfig` (through the same generated ``config.json``
 the HF export writes), and :class:`HFWeightLoader`, which copies tensors named as in an HF
 *checkpoint* (the names ``megatron_rl.checkpoint.mapping`` produces, which SGLang loads)
@@ -41,12 +42,29 @@ class ExpertLayout:
     """Per-expert up projection name (second half of ``gate_up_proj``)."""
     down: str
     """Per-expert down projection name (``down_proj``)."""
+    attention: str = "sdpa"
+    """transformers attention implementation (GPT-OSS's sinks: eager; it refuses SDPA)."""
+    stacked: bool = False
+    """The checkpoint's expert tensors are transformers' stacked parameters themselves (GPT-OSS): one piece each."""
+    replica: str | None = None
+    """Architecture the replica is built as, when not this one (Qwen3.5's vision-language
+    checkpoints: their language model, ``qwen3_5_moe_text``)."""
 
 
 EXPERT_LAYOUTS: dict[str, ExpertLayout] = {
     "qwen3_moe": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
     # Mixtral: w1 gate, w3 up, w2 down (transformers' "mixtral" conversion rules).
     "mixtral": ExpertLayout(layer_rename=(".block_sparse_moe.", ".mlp."), gate="w1", up="w3", down="w2"),
+    # GPT-OSS checkpoints hold each layer's experts stacked, as transformers' parameters are:
+    # its names are the parameters' own (the per-expert fields are never matched).
+    "gpt_oss": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj", attention="eager",
+                            stacked=True),
+    # transformers' own "qwen2_moe" rules again (conversion_mapping.py: qwen3_next, qwen3_5_moe_text);
+    # Qwen3.5's vision-language names drop "language_model" (its PrefixChange for qwen3_5_moe).
+    "qwen3_next": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen3_5_moe_text": ExpertLayout(layer_rename=None, gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen3_5_moe": ExpertLayout(layer_rename=("model.language_model.", "model."), gate="gate_proj", up="up_proj",
+                                down="down_proj", replica="qwen3_5_moe_text"),
 }
 """Architectures the HF engine can serve (keys of ``mapping.ARCHITECTURES``)."""
 
@@ -109,12 +127,12 @@ def build_hf_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     check_transformers(transformers.__version__)
-    check_architecture(architecture)
-    config_dict = hf_config_from_model(architecture, model, model.params_dtype)
+    layout = check_architecture(architecture)
+    config_dict = hf_config_from_model(layout.replica or architecture, model, model.params_dtype)
     config_dict.pop("architectures")
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     torch_dtype = getattr(torch, dtype or model.params_dtype)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation="sdpa")
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=layout.attention)
     return hf.to(device).eval().requires_grad_(False)
 
 
@@ -178,9 +196,9 @@ class HFWeightLoader:
         problems = []
         for key, param in self.params.items():
             pieces = 1
-            if key.endswith(".experts.gate_up_proj"):
+            if key.endswith(".experts.gate_up_proj") and not self.layout.stacked:
                 pieces = 2 * param.shape[0]
-            elif key.endswith(".experts.down_proj"):
+            elif key.endswith(".experts.down_proj") and not self.layout.stacked:
                 pieces = param.shape[0]
             got = self.written.get(key, 0)
             if got != pieces:

@@ -20,7 +20,8 @@ weights land:
   skips, except a non-expert name with ``gate_proj``/``up_proj``, which raises ``KeyError``
   (``deepseek_weight_loader.py:370-390``, ``:528-533``); Mixtral raises ``KeyError`` for names with
   ``q_proj``/``k_proj``/``v_proj`` or ``w1``/``w2``/``w3`` (``srt/models/mixtral.py:425-435``,
-  ``:440-450``). A ``KeyError`` on the tensor path is uncaught and kills the server
+  ``:440-450``); GPT-OSS skips them, Qwen3.5 skips them with a warning, Qwen3-Next raises
+  ``KeyError`` for any but a bias or scale (the lines are cited at :data:`RULES`). A ``KeyError`` on the tensor path is uncaught and kills the server
   (``srt/managers/scheduler.py:6370-6376``); the distributed path answers 400
   (``srt/model_executor/model_runner_components/weight_updater.py:331-341``).
 
@@ -62,6 +63,16 @@ RULES = {
     "deepseek_v3": LoaderRules("deepseek_v3", paired=("q_a_proj", "kv_a_proj_with_mqa"), paired_needs="q_lora_rank",
                                raises_on_unknown=("gate_proj", "up_proj"), raise_exempt=("mlp.experts.",)),
     "mixtral": LoaderRules("mixtral", raises_on_unknown=("q_proj", "k_proj", "v_proj", ".w1.", ".w2.", ".w3.")),
+    # models/gpt_oss.py:1253-1254, :1266-1267, :1287-1288: an unknown name is skipped without a word; each
+    # layer's stacked experts load whole (make_expert_params_mapping_fused, :1215-1220).
+    "gpt_oss": LoaderRules("gpt_oss"),
+    # models/qwen3_next.py:1259-1270: outside the stacked and expert mappings a name is looked up in
+    # params_dict and raises KeyError unless it is a bias or a scale; MTP names are skipped (:1186).
+    "qwen3_next": LoaderRules("qwen3_next", raises_on_unknown=("",), raise_exempt=(".bias", "_scale", "mtp")),
+    # models/qwen3_5.py:2955-2960 (ConditionalGeneration), :2363-2368 (CausalLM, which qwen3_5_text.py:236-265
+    # serves with the "model." prefix stripped): an unknown name is skipped with a warning.
+    "qwen3_5_moe": LoaderRules("qwen3_5_moe"),
+    "qwen3_5_moe_text": LoaderRules("qwen3_5_moe_text"),
 }
 """Rules by HF ``model_type``."""
 

@@ -41,7 +41,7 @@ from typing import Any, Iterator, Literal, Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map, hf_tensor_shapes
+from megatron_rl.checkpoint.mapping import ARCHITECTURES, hf_name_map, hf_tensor_shapes, unshard_sections
 from megatron_rl.checkpoint.megatron_io import global_parameter_names
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
@@ -116,6 +116,8 @@ class _Shard:
     """Megatron's ``partition_stride`` (2 for gated fc1: gate and up are split separately)."""
     full_shape: tuple[int, ...]
     """Shape of the whole parameter."""
+    sections: tuple[int, ...] | None = None
+    """Whole sizes of its sections along ``dim``, each split over TP (a Gated DeltaNet's in_proj)."""
 
 
 def _local_shards(model, groups: ParallelGroups) -> dict[str, _Shard]:
@@ -141,6 +143,7 @@ def _local_shards(model, groups: ParallelGroups) -> dict[str, _Shard]:
             shards[names[local]] = _Shard(
                 param=param, group=group if split else None, dim=split[0] if split else 0,
                 stride=split[1] if split else 1, full_shape=tuple(shape),
+                sections=getattr(param, "tp_sections", None) if split else None,
             )
     return shards
 
@@ -155,6 +158,9 @@ def _split_of(module, name: str, param, expert: bool, gated: bool) -> tuple[int,
     communication, which Megatron splits itself: fc1 by columns (gate and up separately
     when gated, as ``apply_swiglu_sharded_factory`` stores them), fc2 by rows.
     """
+    if name.endswith(".softmax_offset"):
+        # Attention sinks: one per head, split over TP with the heads (TE's carry no TP flags).
+        return 0, 1
     if not getattr(param, "tensor_model_parallel", False):
         return None
     if not ("parallel_mode" in vars(module) and module.parallel_mode is None):
@@ -173,6 +179,8 @@ def _gather(shard: _Shard) -> torch.Tensor:
     if shard.group is None:
         return local
     whole = comm.all_gather_cat(local, shard.group, dim=shard.dim)
+    if shard.sections is not None:
+        return unshard_sections(list(whole.chunk(comm.size(shard.group), dim=0)), list(shard.sections))
     if shard.stride == 1:
         return whole
     # Gated fc1 on each rank is [gate_r; up_r]: whole = [gate_0..gate_n; up_0..up_n].
