@@ -23,6 +23,10 @@ endpoints) with two test endpoints:
   ``["/generate", n]`` for each run of ``n`` generate requests (the order of a colocated turn).
 * ``GET /_test/weights``: the SHA-256 of every served tensor under its HF name, as the
   stand-in holds it now (pushed weights compared tensor by tensor).
+* ``POST /_test/latency`` ``{"token_latency_s": s}``: the modelled decode time per token from
+  now on (responses computed from then on decode at that pace: a test makes a batch's
+  responses outlast a step, so that a weight push lands inside them); ``GET
+  /_test/progress``: ``[produced, total]`` tokens of each response the clock is producing.
 
 A fault that changes the answer is applied to the body the stand-in wrote, so the stand-in
 itself stays as the product runs it.
@@ -38,6 +42,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import torch
@@ -73,7 +78,8 @@ class FaultInjectingServer(ProtocolServer):
         app = super().app()
         app.middlewares.append(self._log_call)
         app.add_routes([web.post("/_test/fault", self.arm_fault), web.get("/_test/stats", self.stats),
-                        web.get("/_test/weights", self.weights), web.get("/_test/calls", self.call_log)])
+                        web.get("/_test/weights", self.weights), web.get("/_test/calls", self.call_log),
+                        web.post("/_test/latency", self.set_latency), web.get("/_test/progress", self.progress)])
         return app
 
     @web.middleware
@@ -107,6 +113,21 @@ class FaultInjectingServer(ProtocolServer):
             elif not self.faults["hang_scheduler"]:
                 self.scheduler_free.set()
         return self._result(True, f"armed {b['kind']} x{self.faults[b['kind']]}")
+
+    async def set_latency(self, request: web.Request) -> web.Response:
+        """The modelled decode time per token from now on."""
+        self.batcher.token_latency_s = float((await request.json())["token_latency_s"])
+        return self._result(True, f"token latency {self.batcher.token_latency_s:g}s")
+
+    async def progress(self, request: web.Request) -> web.Response:
+        """``[produced, total]`` tokens of each response being decoded."""
+        now, latency = time.monotonic(), self.batcher.token_latency_s
+        answer = []
+        for r in list(self.batcher.decoding):
+            sample, _, t0, _, _ = r.decoding
+            total = len(sample.output_ids)
+            answer.append([total if latency <= 0 else min(total, int((now - t0) / latency)), total])
+        return web.json_response(answer)
 
     async def stats(self, request: web.Request) -> web.Response:
         """Request, response and fault counters, and the served weight version."""
@@ -174,6 +195,8 @@ class FaultInjectingServer(ProtocolServer):
             meta.pop("routed_experts", None)
         elif fault == "stale_version":
             meta["weight_version"] = f"stale-{meta['weight_version']}"
+            for span in meta.get("weight_versions", []):
+                span["version"] = f"stale-{span['version']}"
         elif fault == "abort":
             meta["finish_reason"] = {"type": "abort", "message": "injected abort"}
         elif fault == "malformed_json":

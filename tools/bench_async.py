@@ -1,29 +1,33 @@
-"""Benchmark asynchronous rollouts on CPU: RL steps per hour and held-out accuracy, staleness 1 vs 0.
+"""Benchmark asynchronous and partial rollouts on CPU: RL steps per hour, held-out accuracy and router drift.
 
-    python tools/bench_async.py [--steps 60] [--token-latency-s 0.06] [--out tools/results/bench_async] \\
+    python tools/bench_async.py [--steps 16] [--runs 3] [--token-latency-s 0.05] [--long-tail 0.05] \\
+        [--max-new-tokens 48] [--configs 0,1,1p,2,2p,4,4p] [--server-nice 19] [--out tools/results/bench_async] \\
         [key=value ...]
 
-For each ``rollout.max_staleness`` in (0, 1): one rollout-server process (the protocol
-server, SGLang's HTTP protocol over the HF engine, fresh per run) and the trainer
-(``megatron-rl-train`` on ``configs/demo_cpu.yaml``: EP2, two processes) with
-``rollout.engine=sglang`` and tensor weight sync. Two CPU cores cannot run a trainer and a
-generation server side by side at full speed, so the server models a disaggregated GPU:
-after computing a batch it SLEEPS ``--token-latency-s`` per token of the batch's longest
-response (``protocol_server --token-latency-s``): generation occupies wall time the way a
-separate accelerator would, without taking the trainer's cores (its own compute, one
-thread, still does). Batches sleep side by side, as requests that arrive a little apart
-decode together in SGLang's continuous batching. Choose the latency so that generation and
-training take similar time per step (the synchronous run's ``time/rollout`` vs
-``time/update + time/old_logprobs``).
+Each configuration is ``rollout.max_staleness`` k, with ``p`` partial rollouts (``rollout.partial
+=true``, mode abort), run ``--runs`` times, run r with ``seed=1 + r`` (the seeds' spread is the
+accuracy's noise). Runs go round-robin (run 1 of every configuration, then run 2, ...), so a
+change in the machine's load spreads over all of them. The trainer is ``megatron-rl-train`` on
+``configs/demo_cpu.yaml`` (EP2, two processes; dynamic sampling off, ``objective.mismatch=tis``);
+one rollout server, the stand-in (SGLang's protocol over the HF engine), serves every run (each
+run pushes its own weights first).
 
-Dynamic sampling is off in both runs (``objective.dynamic_sampling=false``; a later
-override wins): its extra rounds are generated synchronously under staleness 1 too, so
-they would only dilute the comparison of the overlapped part.
+**The task is long-tailed**: the stand-in's ``--long-tail`` share of requests ignore their stop
+tokens and run to ``rollout.max_new_tokens`` (``--max-new-tokens``), the rest stop where the
+model stops (most arithmetic answers: 8-12 tokens). **The server models a disaggregated GPU**:
+a response's tokens come one per ``--token-latency-s`` after it is computed, responses decoding
+side by side (continuous batching); its compute (one thread) is real CPU work that a GPU would
+do, run at ``--server-nice`` on the cores the trainer leaves idle. So a synchronous step waits
+for its longest response (a few at the cap in nearly every batch), which partial rollouts let
+run on under the next weights.
 
-Steps per hour are measured from outside, by when each step's row appears in
-``metrics.jsonl``: steps 1 .. N-1 (evaluation only runs at step 0, before the clock starts,
-and at step N, after it stops). Held-out accuracy (``eval/*``) is compared at step N.
-Writes ``<out>/results.json``, ``<out>/results.md`` and ``<out>/curves.png``.
+Steps per hour are measured from outside, by when each step's row appears in ``metrics.jsonl``:
+steps 1 .. N-1 (evaluation only runs at step 0, before the clock starts, and at step N, after
+it stops). Held-out accuracy (``eval/accuracy``) is compared at step N, after the same number of
+samples in every configuration. Router drift per version lag (``drift/*/lag<d>``) is averaged
+over the steps of the deepest partial configuration that trained tokens of that lag. Load
+averages are recorded per run.
+Writes ``<out>/results.json``, ``<out>/results.md``, ``<out>/throughput.png`` and ``<out>/drift.png``.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -38,143 +44,207 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "demo_cpu.yaml"
+DRIFT = ("flip_rate", "router_shift", "gamma", "train_rollout_abs_diff")
 
 
-def _start_server(args, log: Path):
-    """The stand-in, serving on a socket bound here (no other process can take its port first)."""
-    from megatron_rl.rollout.sglang.control import probe_servers
-    from megatron_rl.rollout.sglang.server import ManagedServer
+def _free_port() -> int:
+    from megatron_rl.parallel.world import free_port
 
-    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(CONFIG), "--port", "0",
-           "--threads", "1", "--token-latency-s", str(args.token_latency_s)]
+    return free_port()
+
+
+def _start_server(port: int, args, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(CONFIG), "--port", str(port),
+           "--threads", "1", "--token-latency-s", str(args.token_latency_s), "--long-tail", str(args.long_tail)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
-    log.unlink(missing_ok=True)
-    server = ManagedServer(cmd, "http://127.0.0.1:0", env={"PYTHONWARNINGS": "ignore"}, log_path=log,
-                           listen="127.0.0.1").start()
-    probe_servers([server.url], timeout_s=5, wait_s=300, poll_s=0.5)
-    return server
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    from megatron_rl.rollout.sglang.control import probe_servers
+
+    probe_servers([f"http://127.0.0.1:{port}"], timeout_s=10, wait_s=600, poll_s=0.5)
+    return proc
 
 
-def _run(k: int, args, out: Path) -> dict:
-    run_dir = out / f"staleness{k}"
+def _parse_config(name: str) -> tuple[int, bool]:
+    return int(name.rstrip("p")), name.endswith("p")
+
+
+def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
+    k, partial = _parse_config(name)
+    run_dir = out / "runs" / f"{name}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    server = _start_server(args, run_dir / "server.log")
     overrides = [f"train.run_dir={run_dir}", f"train.steps={args.steps}", f"train.eval_every={args.steps}",
-                 f"train.save_every={args.steps}", "train.save_hf=false", "train.progress=false",
-                 "train.resume=false", "rollout.engine=sglang", f"rollout.sglang.urls=[{server.url}]",
-                 f"rollout.max_staleness={k}", "objective.dynamic_sampling=false", *args.overrides]
+                 f"train.save_every={args.steps}", "train.save_hf=false", "train.progress=false", "train.resume=false",
+                 "rollout.engine=sglang", f"rollout.sglang.urls=[{url}]", f"rollout.max_staleness={k}",
+                 f"rollout.partial={str(partial).lower()}", f"rollout.max_new_tokens={args.max_new_tokens}",
+                 "objective.dynamic_sampling=false", "objective.mismatch=tis", f"seed={seed}", *args.overrides]
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     seen: dict[int, float] = {}
-    started = time.monotonic()
-    try:
-        with (run_dir / "trainer.log").open("w") as log:
-            trainer = subprocess.Popen([sys.executable, "-m", "megatron_rl.train.main", "--config", str(CONFIG),
-                                        *overrides], stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
-            while trainer.poll() is None:
-                if metrics.exists():
-                    for line in metrics.read_text().splitlines():
-                        try:
-                            step = json.loads(line)["step"]
-                        except (ValueError, KeyError):
-                            continue  # a line being written
-                        seen.setdefault(step, time.monotonic())
-                time.sleep(0.05)
-        if trainer.returncode != 0:
-            raise SystemExit(f"staleness {k}: the trainer failed (exit {trainer.returncode}); "
-                             f"see {run_dir}/trainer.log")
-    finally:
-        server.stop()
+    load_before, started = os.getloadavg(), time.monotonic()
+    with (run_dir / "trainer.log").open("w") as log:
+        trainer = subprocess.Popen([sys.executable, "-m", "megatron_rl.train.main", "--config", str(CONFIG),
+                                    *overrides], stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        while trainer.poll() is None:
+            if metrics.exists():
+                for line in metrics.read_text().splitlines():
+                    try:
+                        step = json.loads(line)["step"]
+                    except (ValueError, KeyError):
+                        continue  # a line being written
+                    seen.setdefault(step, time.monotonic())
+            time.sleep(0.05)
+    if trainer.returncode != 0:
+        raise SystemExit(f"{name} seed {seed}: the trainer failed (exit {trainer.returncode}); see {run_dir}/trainer.log")
     rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
     n = args.steps
     clock = seen[n - 1] - seen[0]
+    steps = range(2, n)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(rows[s].get(key, 0.0) for s in steps)
+
     return {
-        "max_staleness": k, "steps_timed": n - 1, "seconds": clock, "steps_per_hour": (n - 1) / clock * 3600,
-        "total_wall_s": time.monotonic() - started,
+        "config": name, "max_staleness": k, "partial": partial, "seed": seed, "steps_timed": n - 1,
+        "seconds": clock, "steps_per_hour": (n - 1) / clock * 3600, "total_wall_s": time.monotonic() - started,
+        "load_average": [load_before[0], os.getloadavg()[0]],
         "eval_start": {key: v for key, v in rows[0].items() if key.startswith("eval/")},
         "eval_end": {key: v for key, v in rows[n].items() if key.startswith("eval/")},
-        "reward_mean": [rows[s]["reward/mean"] for s in range(1, n + 1)],
         "row_seconds": [seen[s] - seen[0] for s in range(1, n)],
-        "phase_means": {key: sum(rows[s].get(key, 0.0) for s in range(2, n)) / (n - 2)
-                        for key in ("time/rollout", "time/rollout_join", "time/reward", "time/weight_sync",
-                                    "time/old_logprobs", "time/update")},
-        "staleness_mean": [rows[s].get("rollout/staleness_mean", 0.0) for s in range(1, n + 1)],
-        "mismatch_abs_diff": [rows[s]["mismatch/train_rollout_abs_diff"] for s in range(1, n + 1)],
+        "phase_means": {key: mean(key) for key in ("time/rollout", "time/rollout_join", "time/weight_sync",
+                                                    "time/old_logprobs", "time/update")},
+        "rollout": {key: mean(key) for key in ("rollout/staleness_mean", "rollout/token_staleness_mean",
+                                                "rollout/mixed_version_frac", "rollout/response_length",
+                                                "sglang/continued", "mismatch/train_rollout_abs_diff",
+                                                "reward/mean")},
+        **drift_by_lag(rows, steps, k),
     }
 
 
-def _report(results: list[dict], args, out: Path) -> str:
-    sync, ahead = results
-    nan = float("nan")
-    gpu = f"--token-latency-s {args.token_latency_s}" + (f" --server-nice {args.server_nice}" * bool(args.server_nice))
-    model = (f"the rollout server sleeps {args.token_latency_s} s per generated token of a batch after computing it, "
-             "batches side by side (a modelled GPU with continuous batching; its CPU compute, one thread, is added "
-             + ("and competes with the trainer's)" if not args.server_nice else
-                f"and runs at nice {args.server_nice}, on the cores the trainer leaves idle)"))
-    lines = [
-        f"Command: `python tools/bench_async.py --steps {args.steps} {gpu}" + "".join(f" {o}" for o in args.overrides)
-        + "`",
-        f"Machine: {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {model}.",
-        "",
-        "| max_staleness | steps/hour (steps 1..N-1) | s/step | rollout s (join / reward / weight push) "
-        "| old log-probs s | update s | eval/accuracy start -> end | greedy end |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        p = r["phase_means"]
+def drift_by_lag(rows: dict[int, dict], steps: range, k: int) -> dict:
+    """``drift``: each ``drift/<m>/lag<d>`` averaged over the steps that trained tokens d
+    versions old (the trainer logs 0 for a lag without tokens; gamma, in (0, 1], is 0 only
+    there); ``drift_share``: the share of samples at each lag, averaged over all steps."""
+    drift = {}
+    for d in range(k + 1):
+        present = [s for s in steps if rows[s].get(f"drift/gamma/lag{d}", 0.0) > 0] or [None]
+        for m in DRIFT:
+            drift[f"{m}/lag{d}"] = statistics.fmean(rows[s][f"drift/{m}/lag{d}"] if s is not None else float("nan")
+                                                   for s in present)
+    return {"drift": drift, "drift_share": {f"lag{d}": statistics.fmean(rows[s][f"rollout/staleness/lag{d}"]
+                                                                         for s in steps) for d in range(k + 1)}}
+
+
+def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
+    by = {c: [r for r in results if r["config"] == c] for c in configs}
+    base = statistics.median(r["steps_per_hour"] for r in by[configs[0]])
+    out = {}
+    for c, runs in by.items():
+        speed = [r["steps_per_hour"] for r in runs]
+        acc = [r["eval_end"].get("eval/accuracy", float("nan")) for r in runs]
+        out[c] = {"runs": len(runs), "steps_per_hour_median": statistics.median(speed), "steps_per_hour": speed,
+                  "speedup_vs_first": statistics.median(speed) / base, "accuracy_end": acc,
+                  "accuracy_mean": statistics.fmean(acc),
+                  "accuracy_start": statistics.fmean(r["eval_start"].get("eval/accuracy", float("nan")) for r in runs),
+                  "phase_means": {k: statistics.fmean(r["phase_means"][k] for r in runs) for k in runs[0]["phase_means"]},
+                  "rollout": {k: statistics.fmean(r["rollout"][k] for r in runs) for k in runs[0]["rollout"]},
+                  "load_average": [min(r["load_average"][0] for r in runs), max(r["load_average"][1] for r in runs)]}
+    return out
+
+
+def _report(summary: dict[str, dict], results: list[dict], args) -> str:
+    first = next(iter(summary))
+    knobs = (f"--steps {args.steps} --runs {args.runs} --configs {args.configs} --token-latency-s {args.token_latency_s} --long-tail "
+             f"{args.long_tail} --max-new-tokens {args.max_new_tokens} --server-nice {args.server_nice}")
+    loads = [x for r in results for x in r["load_average"]]
+    lines = [f"Command: `python tools/bench_async.py {knobs}" + "".join(f" {o}" for o in args.overrides) + "`",
+             f"Machine: {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-minute "
+             f"load average {min(loads):.1f}-{max(loads):.1f} over the runs.", "",
+             "| config | steps/hour, median (runs) | vs " + first + " | held-out accuracy at step N, mean (seeds) "
+             "| s/step: join / push / old log-probs / update | staleness mean (tokens) | mixed-version responses "
+             "| continued / step |", "|---|---|---|---|---|---|---|---|"]
+    for c, s in summary.items():
+        p = s["phase_means"]
+        ro = s["rollout"]
         lines.append(
-            f"| {r['max_staleness']} | {r['steps_per_hour']:.0f} | {r['seconds'] / r['steps_timed']:.2f} "
-            f"| {p['time/rollout']:.2f} ({p['time/rollout_join']:.2f} / {p['time/reward']:.2f} / "
-            f"{p['time/weight_sync']:.2f}) | {p['time/old_logprobs']:.2f} | {p['time/update']:.2f} "
-            f"| {r['eval_start'].get('eval/accuracy', nan):.3f} -> {r['eval_end'].get('eval/accuracy', nan):.3f} "
-            f"| {r['eval_end'].get('eval/accuracy_greedy', nan):.3f} |")
-    lines += ["", f"Speed-up (steps/hour, staleness 1 over 0): {ahead['steps_per_hour'] / sync['steps_per_hour']:.2f}x"]
+            f"| {c} | {s['steps_per_hour_median']:.0f} ({', '.join(f'{v:.0f}' for v in s['steps_per_hour'])}) "
+            f"| {s['speedup_vs_first']:.2f}x | {s['accuracy_mean']:.3f} ({', '.join(f'{v:.3f}' for v in s['accuracy_end'])}) "
+            f"| {p['time/rollout_join']:.2f} / {p['time/weight_sync']:.2f} / {p['time/old_logprobs']:.2f} / "
+            f"{p['time/update']:.2f} | {ro['rollout/staleness_mean']:.2f} ({ro['rollout/token_staleness_mean']:.2f}) "
+            f"| {ro['rollout/mixed_version_frac']:.3f} | {ro['sglang/continued']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
-def _plot(results: list[dict], out: Path) -> None:
+def _plot(results: list[dict], summary: dict[str, dict], out: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for r in results:
-        label = f"max_staleness {r['max_staleness']}"
-        steps = list(range(1, len(r["reward_mean"]) + 1))
-        line, = left.plot(steps, r["reward_mean"], marker=".", label=label)
-        right.plot(r["row_seconds"], list(range(1, len(r["row_seconds"]) + 1)), label=label)
-        left.scatter([0, len(steps)], [r["eval_start"].get("eval/accuracy", float("nan")),
-                                       r["eval_end"].get("eval/accuracy", float("nan"))],
-                     marker="*", s=120, color=line.get_color())
-    left.set(xlabel="RL step", ylabel="reward/mean (train); * held-out accuracy", title="Learning")
-    right.set(xlabel="seconds since step 0", ylabel="RL steps done", title="Throughput (CPU, modelled GPU server)")
-    left.legend(), right.legend()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for c in summary:
+        runs = [r for r in results if r["config"] == c]
+        run = sorted(runs, key=lambda r: r["steps_per_hour"])[len(runs) // 2]
+        ax.plot(run["row_seconds"], list(range(1, len(run["row_seconds"]) + 1)), label=c)
+    ax.set(xlabel="seconds since step 0", ylabel="RL steps done", title="Throughput, median run (k, p: partial)")
+    ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "curves.png", dpi=110)
+    fig.savefig(out / "throughput.png", dpi=110)
+    deepest = max((r for r in results if r["partial"]), key=lambda r: r["max_staleness"], default=None)
+    if deepest is None:
+        return
+    k = deepest["max_staleness"]
+    runs = [r for r in results if r["config"] == deepest["config"]]
+    fig, axes = plt.subplots(1, len(DRIFT), figsize=(14, 3.4))
+    for ax, m in zip(axes, DRIFT):
+        values = [statistics.fmean(r["drift"][f"{m}/lag{d}"] for r in runs) for d in range(k + 1)]
+        share = [statistics.fmean(r["drift_share"][f"lag{d}"] for r in runs) for d in range(k + 1)]
+        ax.bar(range(k + 1), values)
+        ax.set(xlabel="version lag (share of samples)", title=m)
+        ax.set_xticks(range(k + 1), [f"{d}\n({s:.2f})" for d, s in enumerate(share)])
+    fig.suptitle(f"Router drift against staleness, {deepest['config']} ({len(runs)} runs, mean over steps)")
+    fig.tight_layout()
+    fig.savefig(out / "drift.png", dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="RL steps per run (>= 4)")
-    parser.add_argument("--token-latency-s", type=float, default=0.06, help="server sleep per generated token")
-    parser.add_argument("--server-nice", type=int, default=0,
-                        help="run the server at this niceness (19: its CPU compute, which a GPU would do, takes "
-                             "only the cores the trainer leaves idle)")
+    parser.add_argument("--steps", type=int, default=16, help="RL steps per run (>= 4)")
+    parser.add_argument("--runs", type=int, default=3, help="runs (seeds) per configuration")
+    parser.add_argument("--configs", default="0,1,1p,2,2p,4,4p", help="max_staleness values, p: partial rollouts")
+    parser.add_argument("--token-latency-s", type=float, default=0.05, help="modelled decode time per token")
+    parser.add_argument("--long-tail", type=float, default=0.05, help="share of responses that run to the cap")
+    parser.add_argument("--max-new-tokens", type=int, default=48, help="the length cap (rollout.max_new_tokens)")
+    parser.add_argument("--server-nice", type=int, default=19, help="the server's niceness")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_async"))
-    parser.add_argument("overrides", nargs="*", help="extra config overrides for both runs")
+    parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error("--steps: at least 4 (steps 1..N-1 are timed)")
+    configs = args.configs.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = [_run(k, args, out) for k in (0, 1)]
-    (out / "results.json").write_text(json.dumps(results, indent=1))
-    report = _report(results, args, out)
+    port = _free_port()
+    server = _start_server(port, args, out / "server.log")
+    results = []
+    try:
+        for run in range(args.runs):
+            for name in configs:
+                results.append(_run(name, 1 + run, f"http://127.0.0.1:{port}", args, out))
+                print(f"{name} seed {1 + run}: {results[-1]['steps_per_hour']:.0f} steps/hour, accuracy "
+                      f"{results[-1]['eval_end'].get('eval/accuracy', float('nan')):.3f}, load "
+                      f"{results[-1]['load_average']}", flush=True)
+                (out / "results.json").write_text(json.dumps({"results": results}, indent=1))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait()
+    summary = _summary(results, configs)
+    (out / "results.json").write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    report = _report(summary, results, args)
     (out / "results.md").write_text(report)
-    _plot(results, out)
+    _plot(results, summary, out)
     print(report, flush=True)
     return 0
 

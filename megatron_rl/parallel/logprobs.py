@@ -69,6 +69,14 @@ class LogProbResult:
     """``[T_resp]`` unfloored RSPO router-shift weight of each response token (with ``old_record``)."""
     routing_metrics: dict[str, torch.Tensor] | None = None
     """Replay agreement, flip rate and router shift per layer (when routing was watched)."""
+    router_shift_T: torch.Tensor | None = None
+    """``[T_resp]`` mean over layers and the old record's experts of ``|log r_cur - log r_old|`` at
+    the position that predicted each response token (what RSPO's gamma exponentiates; with ``old_record``)."""
+    flip_T: torch.Tensor | None = None
+    """``[T_resp]`` share of MoE layers whose natural top-K at the position that predicted each
+    response token is not the experts of ``old_record`` (or ``query_ids_TLK``)."""
+    query_probs_TLK: torch.Tensor | None = None
+    """``[T_all, L, K]`` router probability of the queried experts at every position (with ``query_ids_TLK``)."""
     topk_ids_TK: torch.Tensor | None = None
     """``[T_resp, K]`` int64 the K most likely ids of each response token's distribution (``topk``)."""
     topk_logprobs_TK: torch.Tensor | None = None
@@ -231,6 +239,8 @@ def compute_logprobs(
     replay_ids_TLK: torch.Tensor | None = None,
     replay_layer_numbers: Sequence[int] | None = None,
     old_record: RouterRecord | None = None,
+    query_ids_TLK: torch.Tensor | None = None,
+    query_layer_numbers: Sequence[int] | None = None,
     topk: int = 0,
 ) -> LogProbResult:
     """Response-token log-probs and entropies (and optionally routing) for this DP rank.
@@ -249,6 +259,9 @@ def compute_logprobs(
         replay_layer_numbers: layer number of each column of ``replay_ids_TLK``.
         old_record: the old policy's record of the same positions; the pass then measures
             the current router log-probs at its experts and returns RSPO weights.
+        query_ids_TLK: experts (e.g. the rollout engine's routes) at which the pass reports
+            every position's router probabilities and whether the router's own top-K is them
+            (not with ``old_record``); ``query_layer_numbers``: the layer of each column.
         topk: also return each response token's K most likely ids and their log-probs
             (``parallel.vocab_topk``; without context parallelism).
     """
@@ -260,15 +273,15 @@ def compute_logprobs(
     micro_batches = pack_for_rank(sequences, groups, micro_batch_sequences, max_tokens=micro_batch_tokens,
                                   common_length=needs_common_length(model, groups))
     probing = replay_ids_TLK is not None or old_record is not None
+    if old_record is not None and query_ids_TLK is not None:
+        raise ValueError("compute_logprobs queries either the old record's experts or query_ids_TLK, not both")
     recorder = None
-    if record_routing or probing:
-        # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
-        dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
-        # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
-        recorder = RouterRecorder([model], probs_dtype=dtype, diagnostics=probing, allow_empty=groups.pp_size > 1,
-                                  topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
+    if record_routing or probing or query_ids_TLK is not None:
+        recorder = _recorder(model, groups, old_record, probs_dtype, diagnostics=probing or query_ids_TLK is not None)
     if old_record is not None:
-        _queue_queries(recorder, old_record, micro_batches, groups)
+        _queue_queries(recorder, old_record.expert_ids_TLK, old_record.layer_numbers, micro_batches, groups)
+    if query_ids_TLK is not None:
+        _queue_queries(recorder, query_ids_TLK, query_layer_numbers, micro_batches, groups)
     replay = None
     if replay_ids_TLK is not None:
         replay = RoutingReplay(
@@ -287,7 +300,33 @@ def compute_logprobs(
             result.record = record
         if probing:
             _routing_outputs(result, recorder, record, micro_batches, groups, prompt_lengths, old_record)
+        if query_ids_TLK is not None:
+            _query_outputs(result, recorder, record, micro_batches, groups, prompt_lengths)
     return result
+
+
+def _recorder(model, groups: ParallelGroups, old_record: RouterRecord | None, probs_dtype: torch.dtype, *,
+              diagnostics: bool) -> RouterRecorder:
+    gpt = unwrap(model)
+    # Current probabilities are rounded like the old ones, so no-change gives gamma = 1.
+    dtype = old_record.probs_TLK.dtype if old_record is not None else probs_dtype
+    # Under PP a stage may hold dense layers only (records are per MoE layer, by number).
+    return RouterRecorder([model], probs_dtype=dtype, diagnostics=diagnostics, allow_empty=groups.pp_size > 1,
+                          topk=gpt.config.moe_router_topk, num_experts=gpt.config.num_moe_experts)
+
+
+def _query_outputs(result: LogProbResult, recorder: RouterRecorder, record: RouterRecord, micro_batches, groups,
+                   prompt_lengths: Sequence[int]) -> None:
+    """The queried experts' router probabilities at every position, and per response token the
+    share of layers whose own top-K is not them."""
+    result.query_probs_TLK = gather_call_field(recorder, micro_batches, groups, "query_probs_NK")
+    agree_TL = gather_call_field(recorder, micro_batches, groups, "natural_equals_query_N")
+    result.flip_T = _per_response_token(1.0 - agree_TL.float().mean(dim=1), record, prompt_lengths)
+
+
+def _per_response_token(values_T: torch.Tensor, record: RouterRecord, prompt_lengths: Sequence[int]) -> torch.Tensor:
+    """Per-position values at the positions that predicted each response token, ``[T_resp]``."""
+    return values_T[response_positions(record.cu_seqlens_S1, prompt_lengths)]
 
 
 def _response_logprobs_fn(groups: ParallelGroups, prompt_lengths: Sequence[int], chunk_tokens: int, vocab: int,
@@ -337,10 +376,9 @@ def _results_in_sample_order(outputs: list[dict], micro_batches: list[PackedMicr
     return result
 
 
-def _queue_queries(recorder: RouterRecorder, old_record: RouterRecord, micro_batches, groups) -> None:
-    per_call = local_ids_per_call(
-        old_record.expert_ids_TLK, old_record.layer_numbers, recorder.layer_numbers, micro_batches, groups
-    )
+def _queue_queries(recorder: RouterRecorder, expert_ids_TLK: torch.Tensor, layer_numbers: Sequence[int],
+                   micro_batches, groups) -> None:
+    per_call = local_ids_per_call(expert_ids_TLK, layer_numbers, recorder.layer_numbers, micro_batches, groups)
     for number, ids in per_call.items():
         recorder.set_queries(number, ids)
 
@@ -365,6 +403,9 @@ def _routing_outputs(result, recorder, record, micro_batches, groups, prompt_len
         )
         gamma_all_T = rspo_gamma_T(shift_TL.sum(dim=1), len(record.layer_numbers))
         result.rspo_gamma_T = gamma_all_T[response_positions(all_cu, prompt_lengths)]
+        result.router_shift_T = _per_response_token(shift_TL.mean(dim=1).float(), record, prompt_lengths)
+        result.flip_T = _per_response_token(1.0 - kwargs["natural_equals_old_TL"].float().mean(dim=1), record,
+                                            prompt_lengths)
     result.routing_metrics = routing_metrics(
         record.layer_numbers, natural_equals_dispatched_TL=agree_TL, valid_T=valid_T, **kwargs
     )

@@ -101,6 +101,12 @@ class TrainBatch:
     """Old-policy routing record of every position (R2 and RSPO)."""
     rollout_routes: list[torch.Tensor] | None = None
     """R3: per sample the rollout engine's experts ``[len_s - 1, L, K]`` (SGLang layout)."""
+    versions_T: torch.Tensor | None = None
+    """``[T_resp]`` int64 weight version that produced each response token (the behaviour policy's)."""
+    shift_record: RouterRecord | None = None
+    """The record RSPO's router shift is measured against: the experts each token was produced
+    with (the rollout routes) and the old policy's router probabilities at them; None: the old
+    policy's own top-K (``old_record``)."""
     teacher_logprobs_T: torch.Tensor | None = None
     """``[T_resp]`` distillation teachers' log-probs of the sampled tokens (``train.teachers``)."""
     teacher_topk_ids_TK: torch.Tensor | None = None
@@ -130,6 +136,8 @@ class TrainBatch:
             truncated_S=None if self.truncated_S is None else self.truncated_S[indices],
             old_record=None if self.old_record is None else self.old_record.select_samples(indices),
             rollout_routes=None if self.rollout_routes is None else [self.rollout_routes[i] for i in indices],
+            versions_T=tokens(self.versions_T),
+            shift_record=None if self.shift_record is None else self.shift_record.select_samples(indices),
             teacher_logprobs_T=tokens(self.teacher_logprobs_T),
             teacher_topk_ids_TK=tokens(self.teacher_topk_ids_TK),
             teacher_topk_logprobs_TK=tokens(self.teacher_topk_logprobs_TK),
@@ -156,6 +164,9 @@ class StepResult:
     """0-dim metric tensors, identical on every rank."""
     kept_mask_T: torch.Tensor | None = None
     """``[T_resp]`` bool: this rank's tokens that entered the loss (response mask and filters)."""
+    probe_T: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Per response token of the probe pass: ``router_shift`` (what gamma exponentiates),
+    ``gamma`` and ``flip`` (layers whose current top-K is not the measured record's experts)."""
 
 
 def replay_ids_for(
@@ -194,8 +205,25 @@ def replay_ids_for(
         raise ValueError(f"routing plan mode {plan.mode!r} is not one of none, R2, R3")
     if batch.rollout_routes is None or len(batch.rollout_routes) != len(batch.sequences):
         raise RoutingDataError("routing plan R3 needs one rollout route tensor per sample (batch.rollout_routes)")
+    return rollout_route_ids(batch.sequences, batch.rollout_routes, num_experts=num_experts, topk=topk,
+                             layer_numbers=layer_numbers, local_layers=local_layers, num_model_layers=num_model_layers)
+
+
+def rollout_route_ids(
+    sequences: Sequence[torch.Tensor],
+    rollout_routes: Sequence[torch.Tensor],
+    *,
+    num_experts: int,
+    topk: int,
+    layer_numbers: Sequence[int],
+    local_layers: Sequence[int],
+    num_model_layers: int | None = None,
+) -> torch.Tensor:
+    """Validated ``[T_all, L, K]`` experts of the rollout engine's routes (SGLang layout
+    ``[len_s - 1, L, K]`` per sample; dense layers' columns dropped): what R3 dispatches, and
+    the experts each token was produced with (asynchronous RSPO, drift metrics)."""
     parts = []
-    for i, (routes, seq) in enumerate(zip(batch.rollout_routes, batch.sequences)):
+    for i, (routes, seq) in enumerate(zip(rollout_routes, sequences)):
         n = int(seq.numel())
         if routes.dim() != 3 or routes.shape[0] != n - 1:
             raise RoutingDataError(
@@ -247,14 +275,17 @@ def forward_backward(
     needs_filter_inputs = objective.entropy_top_rho is not None or objective.stapo_tau_p is not None
     metrics: dict[str, torch.Tensor] = {}
     gamma_T = probe = None
+    # RSPO measures the router's shift at the experts each token was produced with when the
+    # batch says which (shift_record), else at the old policy's own.
+    measured = batch.shift_record if batch.shift_record is not None else batch.old_record
     if uses_rspo or plan.diagnostics or needs_filter_inputs:
-        if uses_rspo and batch.old_record is None:
+        if uses_rspo and measured is None:
             raise RoutingDataError("the objective uses RSPO weights but the batch has no old_record")
         probe = compute_logprobs(
             model, groups, batch.sequences, batch.prompt_lengths,
             micro_batch_sequences=micro_batch_sequences, micro_batch_tokens=micro_batch_tokens,
             chunk_tokens=chunk_tokens,
-            replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=batch.old_record,
+            replay_ids_TLK=replay_ids, replay_layer_numbers=replay_columns, old_record=measured,
         )
         gamma_T = probe.rspo_gamma_T
         metrics.update(probe.routing_metrics or {})
@@ -286,7 +317,10 @@ def forward_backward(
     metrics["routing/replayed_micro_batches"] = torch.tensor(
         float(replay.replayed_micro_batches if replay is not None else 0)
     )
-    return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T)
+    probe_T = {} if probe is None else {name: value for name, value in (
+        ("router_shift", probe.router_shift_T), ("gamma", probe.rspo_gamma_T), ("flip", probe.flip_T))
+        if value is not None}
+    return StepResult(*_reduce_step(outputs, groups, metrics), kept_mask_T=kept_T, probe_T=probe_T)
 
 
 def _kept_mask_and_counts(

@@ -10,8 +10,9 @@ from megatron_rl.config_loading import ConfigError, require
 from megatron_rl.rollout.envs.config import EnvConfig
 from megatron_rl.rollout.sglang.config import SGLangConfig, check_sglang_section
 
-MAX_STALENESS = 1
-"""Deepest asynchronous pipeline offered (``rollout.max_staleness``)."""
+MAX_STALENESS = 64
+"""Deepest asynchronous pipeline offered (``rollout.max_staleness``): each version of lag
+keeps one more batch in flight and in the checkpoint."""
 
 
 @dataclass(kw_only=True)
@@ -43,8 +44,24 @@ class RolloutConfig:
     """Dynamic sampling: draw at most this many rounds of prompts per step."""
     max_staleness: int = 0
     """Asynchronous rollouts: a sample may come from weights up to this many versions older
-    than the ones it trains (0: synchronous; 1: the next step's first round is generated
-    while a step trains; SGLang engine only; see megatron_rl.train.async_rollouts)."""
+    than the ones it trains (0: synchronous; k: the first rounds of the next k steps are
+    generated while a step trains; sglang, or hf in a thread beside the trainer; see
+    megatron_rl.train.async_rollouts)."""
+    partial: bool = False
+    """Partial rollouts (with max_staleness > 0): weights are pushed while requests run, the
+    servers paused around the push (partial_mode), and responses continue under the new
+    weights, each token tagged with its version; false: a push waits for the requests in flight."""
+    partial_mode: Literal["abort", "retract", "in_place"] = "abort"
+    """SGLang's /pause_generation mode at a push: abort (a response goes on as a new request from
+    its tokens: every token's log-prob and routes from the pass that produced it), retract (the
+    server recomputes the KV under the new weights; the earlier positions' routes returned are
+    the recompute's) or in_place (the old KV is kept: later tokens come from new weights over it).
+    The hf engine: in_place keeps the KV, the others compute it again (routes of the earlier
+    positions stay the first pass's)."""
+    stale_samples: Literal["drop", "regenerate"] = "drop"
+    """A group with a sample older than max_staleness versions when its step trains (a batch from
+    a checkpoint of a deeper pipeline): drop it and draw fresh prompts (counted), or ask its
+    prompts again under the current weights."""
     sglang: SGLangConfig = field(default_factory=SGLangConfig)
     """SGLang servers and weight sync (used when ``engine`` is sglang)."""
     placement: Literal["disaggregated", "colocated"] = "disaggregated"
@@ -88,18 +105,31 @@ def check_placement(r: RolloutConfig) -> None:
 
 
 def check_staleness(r: RolloutConfig) -> None:
-    """Rules of ``rollout.max_staleness`` (see ``megatron_rl.train.async_rollouts``)."""
+    """Rules of ``rollout.max_staleness`` and ``rollout.partial`` (see ``megatron_rl.train.async_rollouts``)."""
     k = r.max_staleness
     if not 0 <= k <= MAX_STALENESS:
-        raise ConfigError(f"rollout.max_staleness: {k} is not offered; use 0 (synchronous) or {MAX_STALENESS} "
-                          "(one batch generated while a step trains; deeper pipelines would push weights under "
-                          "requests in flight)")
+        raise ConfigError(f"rollout.max_staleness: {k} is outside [0, {MAX_STALENESS}] (0: synchronous; k: batches "
+                          "of the next k steps generated while a step trains, each held in memory and checkpoints)")
+    if r.partial_mode != "abort" and not r.partial:
+        raise ConfigError(f"rollout.partial_mode: {r.partial_mode} without rollout.partial=true: nothing is paused")
     if k == 0:
+        if r.partial:
+            raise ConfigError("rollout.partial: true with rollout.max_staleness=0: the synchronous loop pushes weights "
+                              "with nothing in flight, so there is nothing to continue; set rollout.max_staleness >= 1")
         return
-    if r.engine != "sglang":
-        raise ConfigError(f"rollout.max_staleness: {k} needs rollout.engine=sglang (servers in their own "
-                          f"processes); rollout.engine={r.engine} generates inside the trainer's processes with "
-                          "its live weights, so it cannot generate while a step trains")
+    if r.partial and r.engine == "megatron":
+        raise ConfigError("rollout.partial: true with rollout.engine=megatron: the embedded engine generates with the "
+                          "trainer's own model, it cannot pause and take new weights mid-response; use sglang or hf")
+    if r.engine == "megatron":
+        raise ConfigError(f"rollout.max_staleness: {k} with rollout.engine=megatron: the embedded engine generates "
+                          "with the trainer's own model, which the update changes, so it is synchronous only "
+                          "(rollout.max_staleness=0)")
+    if r.engine == "hf" and r.env.name is not None:
+        raise ConfigError(f"rollout.max_staleness: {k} with rollout.engine=hf and rollout.env: the hf engine's "
+                          "multi-turn rollouts exchange trajectories between model-parallel peers at every turn, "
+                          "which a background thread cannot; use rollout.engine=sglang")
+    if r.engine == "hf":
+        return
     if r.sglang.weight_sync == "none":
         raise ConfigError(f"rollout.max_staleness: {k} with rollout.sglang.weight_sync=none: the servers' weights "
                           "are managed elsewhere, so no sample's version can be held to the bound")

@@ -53,9 +53,15 @@ class RolloutSample:
     finish_reason: Literal["stop", "length"]
     """Why generation ended ("length": cut at a length limit, for the overlong filter)."""
     weight_version: int
-    """Version of the weights that generated it."""
+    """Version of the weights that generated it: the oldest version among its tokens (with
+    partial rollouts a response may continue under newer weights; ``token_versions``)."""
     routed_experts: torch.Tensor | None = None
-    """``[N - 1, L, K]`` expert ids per forwarded position (compact integer dtype)."""
+    """``[N - 1, L, K]`` expert ids per forwarded position (compact integer dtype), each row from
+    the engine pass that computed that position first (the one that produced the next token)."""
+    token_versions: torch.Tensor | None = None
+    """``[len(output_ids)]`` int64 weight version that produced each output token (an
+    environment's tokens: the version of the model turn before them); None: every token was
+    produced by ``weight_version``."""
     meta: dict = field(default_factory=dict)
     """Engine-specific extras."""
     generated_mask: torch.Tensor | None = None
@@ -72,6 +78,12 @@ class RolloutSample:
     def tokens(self) -> torch.Tensor:
         """Prompt + response ids as one int64 tensor."""
         return torch.tensor(self.prompt_ids + self.output_ids, dtype=torch.int64)
+
+    def versions(self) -> torch.Tensor:
+        """``[len(output_ids)]`` int64 weight version of each output token."""
+        if self.token_versions is None:
+            return torch.full((len(self.output_ids),), self.weight_version, dtype=torch.int64)
+        return self.token_versions
 
     def loss_mask(self) -> torch.Tensor:
         """``[len(output_ids)]`` bool: the tokens the policy generated (the ones a loss may see)."""

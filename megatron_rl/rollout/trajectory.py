@@ -71,7 +71,9 @@ class TrajectoryBuilder:
     turn_rewards: list[float] = field(default_factory=list)
     """The environment's reward after each model turn."""
     versions: list[int] = field(default_factory=list)
-    """Weight version of each model turn."""
+    """Weight version of each model turn (its oldest token's)."""
+    token_versions: list[torch.Tensor] = field(default_factory=list)
+    """Per appended span, the version of each token (an environment's: the turn's before them)."""
     finish_reason: str = "stop"
     """The last model turn's finish reason ("length": cut at max_new_tokens)."""
     end_reason: str | None = None
@@ -109,6 +111,7 @@ class TrajectoryBuilder:
         self.logprobs.append(sample.output_logprobs.float())
         self.turns.append((start, start + len(sample.output_ids)))
         self.versions.append(sample.weight_version)
+        self.token_versions.append(sample.versions())
         self.finish_reason = sample.finish_reason
         if with_routes:
             self._add_routes(sample.routed_experts, routes_from, turn)
@@ -136,6 +139,7 @@ class TrajectoryBuilder:
             self.ids.extend(ids)
             self.generated.extend([False] * len(ids))
             self.logprobs.append(torch.full((len(ids),), float("nan")))
+            self.token_versions.append(torch.full((len(ids),), int(self.token_versions[-1][-1])))
 
     def add_final_reward(self, reward: float) -> None:
         """The environment's reward after the last model turn (no observation follows)."""
@@ -154,10 +158,12 @@ class TrajectoryBuilder:
                 raise TrajectoryError(f"stitched routes cover {routes.shape[0]} positions, the trajectory "
                                       f"forwards {len(self.ids) - 1}")
         output = self.ids[len(self.prompt_ids):]
+        versions = torch.cat(self.token_versions)
         return RolloutSample(
             prompt_ids=list(self.prompt_ids), output_ids=output, output_logprobs=torch.cat(self.logprobs),
             finish_reason="length" if self.finish_reason == "length" or self.end_reason == "max_tokens" else "stop",
             weight_version=min(self.versions), routed_experts=routes,
+            token_versions=versions if len(set(versions.tolist())) > 1 else None,
             meta={"end_reason": self.end_reason, **self.meta},
             generated_mask=torch.tensor(self.generated, dtype=torch.bool), turns=list(self.turns),
             turn_rewards=list(self.turn_rewards), end_reason=self.end_reason,

@@ -23,11 +23,8 @@ SchedulerCrash`), so a client that breaks one is caught by the crash, not forgiv
   and the scheduler dies. Without ``--enable-memory-saver`` nothing is unmapped (the no-op
   adapter, ``utils/torch_memory_saver_adapter.py:50-52``): the tags are kept, the KV cache is
   flushed, and everything keeps working.
-* **Pause** (``/pause_generation``, ``entrypoints/http_server.py:1831-1841``; the tokenizer,
-  ``managers/tokenizer_manager.py:2267-2280``): mode ``abort`` aborts what runs and waits
-  until nothing does; requests that arrive while paused wait for ``/continue_generation``
-  before they reach the scheduler (``:938-939``). The stand-in lets running requests finish
-  instead of aborting them, and refuses the other modes (``retract``, ``in_place``) with a 400.
+* **Pause**: ``/pause_generation`` and ``/continue_generation`` are
+  :mod:`~megatron_rl.sglang_standin.pausing`'s.
 
 Owns the tags, the regions, their endpoints (:class:`MemoryRoutes`, a part of the
 stand-in's :class:`~megatron_rl.sglang_standin.server.ProtocolServer`) and the report
@@ -37,7 +34,6 @@ weights is :mod:`~megatron_rl.sglang_standin.engine`'s.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Sequence
 
 from aiohttp import web
@@ -128,17 +124,17 @@ class MemoryOccupation:
 
 class MemoryRoutes:
     """The memory endpoints of the stand-in's server, which provides ``memory``
-    (:class:`MemoryOccupation`), ``host`` (the engine), ``in_flight`` (requests in the
-    scheduler), ``running`` (an ``asyncio.Event`` set unless generation is paused) and
-    ``_crash`` (the scheduler dies); its ``/generate`` waits on ``running`` and dies on
-    :meth:`MemoryOccupation.fault`, its weight loads call :meth:`_weights_mapped` first."""
+    (:class:`MemoryOccupation`), ``host`` (the engine), ``scheduler_idle()`` (no request in
+    the scheduler, queued ones ignored while paused), ``running`` (an ``asyncio.Event`` set
+    unless generation is paused) and ``_crash`` (the scheduler dies); its ``/generate`` waits
+    on ``running`` and dies on :meth:`MemoryOccupation.fault`, its weight loads call
+    :meth:`_weights_mapped` first."""
 
     def memory_routes(self) -> list:
         """The routes, to add to the application."""
         return [*(route(path, handler) for path, handler in (("/release_memory_occupation", self.release_memory),
                                                            ("/resume_memory_occupation", self.resume_memory))
                   for route in (web.get, web.post)),
-                web.post("/pause_generation", self.pause), web.post("/continue_generation", self.resume_generation),
                 web.get("/memory_occupation", self.memory_occupation)]
 
     def _weights_mapped(self) -> None:
@@ -151,7 +147,7 @@ class MemoryRoutes:
         """``/release_memory_occupation`` ``{"tags": [...]}``: answers null."""
         try:
             tags = parse_tags(await _body(request))
-            regions = self.memory.release(tags, idle=self.in_flight == 0)
+            regions = self.memory.release(tags, idle=self.scheduler_idle())
         except ValueError as err:
             return web.json_response({"detail": str(err)}, status=422)
         except SchedulerCrash as err:
@@ -171,23 +167,6 @@ class MemoryRoutes:
         if "weights" in regions:
             await self.host.call(self.host.resume_weights)
         return web.json_response(None)
-
-    async def pause(self, request: web.Request) -> web.Response:
-        """``POST /pause_generation`` ``{"mode": "abort"}``: waits until nothing runs."""
-        mode = (await _body(request)).get("mode", "abort")
-        if mode != "abort":
-            return web.json_response({"object": "error", "code": 400,
-                                      "message": f"pause_generation mode {mode!r}: the stand-in models abort only"},
-                                     status=400)
-        self.running.clear()
-        while self.in_flight:
-            await asyncio.sleep(0.05)
-        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
-
-    async def resume_generation(self, request: web.Request) -> web.Response:
-        """``POST /continue_generation``."""
-        self.running.set()
-        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def memory_occupation(self, request: web.Request) -> web.Response:
         """``GET /memory_occupation``: what the stand-in holds (its own endpoint)."""

@@ -5,7 +5,7 @@ request, ``managers/schedule_batch.py:1500-1506``); with ``return_logprob`` and
 ``logprob_start_len`` s, the answer's ``meta_info.input_token_logprobs`` holds the entries of
 tokens ``s ..`` of ``input_ids``, the first with a null log-prob, and with ``top_logprobs_num``
 k, ``input_top_logprobs`` the top-k of the same positions (the layout and its sources:
-:func:`megatron_rl.rollout.sglang.wire.score_entries_payload`); ``output_ids`` is empty and
+:func:`megatron_rl.rollout.sglang.score_wire.score_entries_payload`); ``output_ids`` is empty and
 the finish reason ``length`` 0 (the token the prefill samples is cut at ``max_new_tokens``:
 ``schedule_batch.py:2036-2041``). A ``logprob_start_len`` past the input is refused with
 SGLang's message (``managers/scheduler.py:3275-3281``); a negative one other than -1 too, and
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from megatron_rl.rollout.sglang.wire import score_entries_payload
+from megatron_rl.rollout.sglang.score_wire import score_entries_payload
 
 
 def is_scoring(body: Any) -> bool:

@@ -2,8 +2,8 @@
 
     python -m megatron_rl.sglang_standin.server --config configs/demo_cpu.yaml --port 30000 \\
         [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
-        [--weight-version default] [--max-batch N] [--token-latency-s S] [--enable-memory-saver]
-        [--enable-weights-cpu-backup] [key=value ...]
+        [--weight-version default] [--max-batch N] [--token-latency-s S] [--long-tail SHARE]
+        [--enable-memory-saver] [--enable-weights-cpu-backup] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
@@ -33,10 +33,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   by the scheduler (here the engine thread) between two batches (``managers/scheduler.py:
   2026-2036``), so a hung scheduler leaves it unanswered while ``/ping`` answers,
   ``/model_info`` with SGLang's keys (``:812-850``);
-* ``/release_memory_occupation``, ``/resume_memory_occupation``, ``/pause_generation`` and
-  ``/continue_generation`` with ``--enable-memory-saver`` (and ``--enable-weights-cpu-backup``),
-  dying where SGLang dies (:mod:`~megatron_rl.sglang_standin.memory`), and
-  ``GET /memory_occupation`` (the stand-in's own) reporting what it holds.
+* memory release and resume with ``--enable-memory-saver`` (:mod:`~megatron_rl.sglang_standin.
+  memory`); pauses in the three modes, the model-update lock, ``flush_cache`` refused while
+  requests run, per-token weight versions (:mod:`~megatron_rl.sglang_standin.pausing`).
 
 Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints
 one line of what it did. Owns the endpoints and the command line.
@@ -52,7 +51,6 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from aiohttp import web
@@ -63,18 +61,12 @@ from megatron_rl.sglang_standin.batching import ContinuousBatcher
 from megatron_rl.sglang_standin.body import json_body
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
+from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
+from megatron_rl.sglang_standin.requests import parse_generate
 from megatron_rl.sglang_standin.scoring import answer_scoring, is_scoring
-from megatron_rl.sglang_standin.weights import (
-    NO_SESSION,
-    SchedulerCrash,
-    decode_entries,
-)
+from megatron_rl.sglang_standin.weights import NO_SESSION, SchedulerCrash, decode_entries
 from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
-
-_TOP_K_ALL = 1 << 30
-"""SGLang's "no top-k" value (``-1`` on the wire is mapped to it)."""
-
 
 def bool_env(name: str) -> bool:
     """SGLang's ``get_bool_env_var`` (utils/common.py:1424-1442): "true"/"1" (any case) only."""
@@ -93,7 +85,7 @@ class ServerCounters:
     """Weight-update sessions ended."""
 
 
-class ProtocolServer(MemoryRoutes):
+class ProtocolServer(MemoryRoutes, PauseRoutes):
     """The HTTP application over an :class:`~megatron_rl.sglang_standin.engine.EngineHost`.
 
     A subclass may extend it: :meth:`app` returns the application before it starts (more
@@ -111,12 +103,14 @@ class ProtocolServer(MemoryRoutes):
         token_latency_s: modelled GPU decode time per token
             (:class:`~megatron_rl.sglang_standin.batching.ContinuousBatcher`).
         memory: its memory occupation (``--enable-memory-saver``, ``--enable-weights-cpu-backup``).
+        long_tail: share of requests that ignore their stop tokens (a long-tailed task, benchmarks).
     """
 
     def __init__(self, host: EngineHost, *, weight_version: str = "default", tp_size: int = 1,
                  deterministic: bool = False, batch_window_s: float = 0.01, max_batch: int = 256,
-                 model_path: str = "", token_latency_s: float = 0.0, memory: MemoryOccupation | None = None) -> None:
-        self.host, self.model_path, self.weight_version = host, model_path, weight_version
+                 model_path: str = "", token_latency_s: float = 0.0, memory: MemoryOccupation | None = None,
+                 long_tail: float = 0.0) -> None:
+        self.host, self.model_path, self.weight_version, self.long_tail = host, model_path, weight_version, long_tail
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
         self.startup_time = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {}}
@@ -124,12 +118,15 @@ class ProtocolServer(MemoryRoutes):
         seconds, SGLang's keys (observability/startup_time.py:11-28), set by :func:`serve`; a server
         started again reports new ones, which is how a client tells a restart."""
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
-                                         token_latency_s=token_latency_s, alone=deterministic)
+                                         token_latency_s=token_latency_s, alone=deterministic,
+                                         keeps_kv=getattr(host, "engine_kind", None) == "hf")
+        self.engine_version = weight_version
+        """The version of the weights the engine computes with (set on the engine thread when a
+        session ends: the HF replica follows the model only then)."""
+        self.update_lock = UpdateLock()
         self.health_timeout_s = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
         self._seeds = random.Random()
         self.memory = memory or MemoryOccupation()
-        self.in_flight = 0
-        """``/generate`` requests in the scheduler (not the ones waiting while generation is paused)."""
         self.running = asyncio.Event()
         """Set unless generation is paused."""
         self.running.set()
@@ -149,7 +146,7 @@ class ProtocolServer(MemoryRoutes):
             web.post("/init_weights_update_group", self.init_group),
             web.post("/update_weights_from_distributed", self.update_from_distributed),
             web.post("/destroy_weights_update_group", self.destroy_group),
-            *self.memory_routes(),
+            *self.memory_routes(), *self.pause_routes(),
         ])
         app.cleanup_ctx.append(self.batcher.running)
         return app
@@ -164,36 +161,17 @@ class ProtocolServer(MemoryRoutes):
     # ------------------------------------------------------------------ generation
 
     async def _engine_generate(self, prompts: list[list[int]], params: SamplingParams, want_routes: bool,
-                               seed: int) -> list:
-        return await self.host.call(lambda: self.host.engine.generate(prompts, params,
-                                                                      return_routed_experts=want_routes, seed=seed))
+                               seed: int, kv) -> tuple[str, list]:
+        def run() -> tuple[str, list]:  # on the engine thread, where the served version changes
+            extra = {} if kv is None else {"kv": kv}
+            return self.engine_version, self.host.engine.generate(prompts, params, return_routed_experts=want_routes,
+                                                                  seed=seed, **extra)
 
-    def _parse(self, body: Any) -> tuple[str, list[int], SamplingParams, bool, int]:
-        if not isinstance(body, dict) or not isinstance(body.get("input_ids"), list) or not body["input_ids"]:
-            raise ValueError("the request needs a non-empty input_ids list (text prompts are not supported)")
-        prompt = body["input_ids"]
-        vocab, longest = self.host.model_cfg.vocab_size, self.host.model_cfg.max_position_embeddings
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
-            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
-        sp = body.get("sampling_params") or {}
-        top_k = int(sp.get("top_k", -1))
-        params = SamplingParams(
-            temperature=float(sp.get("temperature", 1.0)), top_p=float(sp.get("top_p", 1.0)),
-            top_k=0 if top_k in (-1, _TOP_K_ALL) else top_k, max_new_tokens=int(sp.get("max_new_tokens", 128)),
-            stop_token_ids=tuple(sorted(int(t) for t in sp.get("stop_token_ids") or ())),
-        )
-        if params.temperature < 0 or not 0 < params.top_p <= 1 or params.top_k < 0 or params.max_new_tokens < 1:
-            raise ValueError(f"bad sampling_params {sp}")
-        if len(prompt) + params.max_new_tokens > longest:
-            raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({params.max_new_tokens}) exceeds {longest}")
-        if body.get("stream"):
-            raise ValueError("streaming is not supported by the protocol server")
-        rid = str(body.get("rid") or f"req-{self.counters.generate_requests}")
-        if self.deterministic:
-            seed = 42 if sp.get("sampling_seed") is None else int(sp["sampling_seed"])
-        else:
-            seed = self._seeds.randrange(2**31)  # the seed is ignored: sampling_batch_info.py:157-172
-        return rid, prompt, params, bool(body.get("return_routed_experts")), seed
+        return await self.host.call(run)
+
+    def scheduler_idle(self) -> bool:
+        """No request in the scheduler (queued ones ignored while paused: ``scheduler.py:5520``)."""
+        return self.batcher.running_requests == 0 and (self.paused or self.batcher.queued == 0)
 
     @staticmethod
     def _routes_start(body: dict, prompt: list[int]) -> int:
@@ -212,7 +190,9 @@ class ProtocolServer(MemoryRoutes):
             body = await json_body(request)
             if is_scoring(body):
                 return await answer_scoring(self.host, body, self.weight_version, started)
-            rid, prompt, params, want_routes, seed = self._parse(body)
+            rid, prompt, params, want_routes, seed = parse_generate(
+                body, self.host.model_cfg, deterministic=self.deterministic, seeds=self._seeds,
+                default_rid=f"req-{self.counters.generate_requests}", long_tail=self.long_tail)
             start = self._routes_start(body, prompt)
         except ValueError as err:
             return _error(400, str(err))
@@ -220,13 +200,11 @@ class ProtocolServer(MemoryRoutes):
         fault = self.memory.fault(("weights", "kv_cache", "cuda_graph"))
         if fault is not None:
             self._crash(SchedulerCrash(fault))
-        self.in_flight += 1
         try:
-            sample = await self.batcher.submit(prompt, params, want_routes, seed)
+            async with self.update_lock.reading():  # tokenizer_manager.py:941
+                sample = await self.batcher.submit(prompt, params, want_routes, seed)
         except Exception as err:  # noqa: BLE001 - reported like SGLang's internal errors
             return _error(500, f"{type(err).__name__}: {err}")
-        finally:
-            self.in_flight -= 1
         routes = sample.routed_experts if sample.routed_experts is None else sample.routed_experts[start:]
         if routes is not None and self.host.model_cfg.num_dense_layers:
             # SGLang sends a column per decoder layer; it never writes the dense layers' (zeros).
@@ -236,7 +214,8 @@ class ProtocolServer(MemoryRoutes):
         return web.json_response(generate_response_payload(
             rid=rid, prompt_len=len(prompt), output_ids=sample.output_ids, output_logprobs=sample.output_logprobs,
             finish_reason=sample.finish_reason, routed_experts=routes, e2e_latency=time.monotonic() - started,
-            weight_version=self.weight_version,
+            weight_version=self.weight_version, version_spans=sample.spans() or [(self.weight_version, 0, 0)],
+            num_retractions=sample.retractions,
         ))
 
     async def health(self, request: web.Request) -> web.Response:
@@ -284,7 +263,9 @@ class ProtocolServer(MemoryRoutes):
         })
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """``/flush_cache``: there is no prefix cache to flush."""
+        """``/flush_cache``: nothing to flush, refused while requests run (http_server.py:1027-1040)."""
+        if not self.cache_flushable():
+            return web.Response(text="Flush cache failed.\n", status=400)
         return web.Response(text="Cache flushed.\n")
 
     # ------------------------------------------------------------------ weights
@@ -293,10 +274,15 @@ class ProtocolServer(MemoryRoutes):
     def _result(ok: bool, message: str) -> web.Response:
         return web.json_response({"success": ok, "message": message}, status=200 if ok else 400)
 
-    def _updated(self, body: dict) -> None:
+    def _updated(self, body: dict, message: str) -> tuple[bool, str]:
+        """After a load: the version it sets, and the cache flush it asks for (SGLang's default),
+        which fails the call while requests run (weight_updater.py:120-133)."""
         self.counters.weight_updates += 1
         if body.get("weight_version") is not None:
             self.weight_version = str(body["weight_version"])
+        if body.get("flush_cache", True) and not self.cache_flushable():
+            return False, FLUSH_REFUSED
+        return True, message
 
     def _crash(self, err: BaseException) -> None:
         """SGLang's scheduler died: the whole server goes (scheduler.py:6370-6376)."""
@@ -305,14 +291,24 @@ class ProtocolServer(MemoryRoutes):
 
     async def begin_update(self, request: web.Request) -> web.Response:
         """``POST /begin_weight_update``."""
-        return self._result(*await self.host.call(self.host.weights.begin))
+        async with self.updating():
+            return self._result(*await self.host.call(self.host.weights.begin))
 
     async def end_update(self, request: web.Request) -> web.Response:
         """``POST /end_weight_update``; the stand-in logs what the session left unwritten."""
+        async with self.updating():
+            return await self._end_update()
+
+    def _refresh(self) -> None:
+        """On the engine thread: the engine follows the loaded weights, and computes as their version."""
+        self.host.refresh()
+        self.engine_version = self.weight_version
+
+    async def _end_update(self) -> web.Response:
         ok, message = await self.host.call(self.host.weights.end)
         if ok:
             self.counters.sessions += 1
-            await self.host.call(self.host.refresh)
+            await self.host.call(self._refresh)
             report = self.host.weights.last_session
             print(f"stand-in: weight-update session: {report.timings()}", flush=True)
             if report.not_updated or report.dropped:
@@ -323,6 +319,10 @@ class ProtocolServer(MemoryRoutes):
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_tensor``: session, then decode entry 0, then load (the
         body, a bucket's size, parsed off the event loop that answers every other request)."""
+        async with self.updating():
+            return await self._update_from_tensor(request)
+
+    async def _update_from_tensor(self, request: web.Request) -> web.Response:
         body = await json_body(request)
         entries, load_format = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
@@ -346,13 +346,14 @@ class ProtocolServer(MemoryRoutes):
         except (SchedulerCrash, KeyError, ValueError) as err:
             self._crash(err)
         if ok:
-            self._updated(body)
+            ok, message = self._updated(body, message)
         return self._result(ok, message)
 
     async def update_version(self, request: web.Request) -> web.Response:
         """``POST /update_weight_version`` ``{new_version, abort_all_requests}``."""
         body = await request.json()
         self.weight_version = str(body["new_version"])
+        await self.host.call(setattr, self, "engine_version", self.weight_version)
         return web.json_response({"success": True, "message": f"Weight version updated to {body['new_version']}",
                                   "new_version": body["new_version"]})
 
@@ -374,6 +375,10 @@ class ProtocolServer(MemoryRoutes):
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         """``POST /update_weights_from_distributed``: session and group checked before the broadcast."""
+        async with self.updating():
+            return await self._update_from_distributed(request)
+
+    async def _update_from_distributed(self, request: web.Request) -> web.Response:
         b = await request.json()
         name = b.get("group_name", "weight_update_group")
         self._weights_mapped()
@@ -399,7 +404,7 @@ class ProtocolServer(MemoryRoutes):
 
         ok, message = await self.host.call(update)
         if ok:
-            self._updated(b)
+            ok, message = self._updated(b, message)
         return self._result(ok, message)
 
     async def destroy_group(self, request: web.Request) -> web.Response:
@@ -434,7 +439,10 @@ def argument_parser() -> argparse.ArgumentParser:
                              "(exact); auto: hf when it can serve the architecture")
     parser.add_argument("--max-batch", type=int, default=256, help="most requests per engine call")
     parser.add_argument("--token-latency-s", type=float, default=0.0,
-                        help="sleep this long per generated token of a batch (models a GPU's decode; benchmarks)")
+                        help="model a GPU's decode: a response's tokens come one per this many seconds (benchmarks)")
+    parser.add_argument("--long-tail", type=float, default=0.0,
+                        help="this share of requests ignore their stop tokens and run to max_new_tokens "
+                             "(a long-tailed task; benchmarks)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="release and resume memory for real (else only the tags change), as SGLang's flag")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
@@ -466,7 +474,7 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     built = time.perf_counter()
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
-                         token_latency_s=args.token_latency_s,
+                         token_latency_s=args.token_latency_s, long_tail=args.long_tail,
                          memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
     server.startup_time.update(load_weight=built - began, scheduler_e2e=time.perf_counter() - began)
     sock = inherited_socket()  # bound by whoever started us (server.ManagedServer): --port is its port

@@ -1,87 +1,84 @@
-"""Asynchronous rollouts with a staleness bound (``rollout.max_staleness``).
+"""Asynchronous rollouts with a staleness bound (``rollout.max_staleness: k``), and partial rollouts.
 
 With ``max_staleness: 0`` (the default) the RL loop is synchronous: a step generates its
-samples with the weights it trains, then trains, then pushes the new weights. With
-``max_staleness: 1`` the first sampling round of step s+1 is generated while step s trains,
-on SGLang servers in their own processes (disaggregated GPUs; on CPU the protocol server),
-so a sample may come from weights one version older than the ones it trains.
+samples with the weights it trains, then trains, then pushes the new weights. With ``k > 0``
+a producer runs ahead of the trainer: the first sampling round of each of the next ``k``
+steps is generated on the SGLang servers (their own processes: disaggregated GPUs; on CPU
+the stand-in) while a step trains, and a bounded buffer holds them (at most ``k`` batches,
+in flight or generated and scored). Step s trains the batch launched at step s - k, at
+version v = s - 1; every sample and every token carries the version that produced it.
 
-Design (one batch in flight, "finish under the old version"):
+* **Order of a step** (every rank, main thread): join step s's batch (wait for its last
+  responses; its rewards were scored by the thread that generated it); launch step s + k's
+  batch under v; train; then the weight push, by one of two policies:
 
-* Step s (the trainer holds version v = s - 1): join the batch generated in the background
-  for step s, push version v (deferred from the end of step s - 1), start step s + 1's
-  first round in the background under v, then score step s's samples and train. With
-  dynamic sampling, step s's further rounds (if its rewards ask for them) are generated
-  synchronously under v, tagged v, before step s + 1's round starts: their prompts come
-  first in the data order, and nothing else is in flight while they run. Every weight push
-  happens in the main thread while no request is in flight, so every request is generated
-  entirely by one version and tagged with the version the server reported; the trainer
-  checks each sample is at most ``max_staleness`` versions old. We chose this over
-  aborting in-flight requests at a push and continuing them under the new weights (slime's
-  and miles's partial rollouts): with one batch in flight the push is free (the batch was
-  due anyway), a response has a single behaviour policy (no per-token version tags, no
-  mixed routes), and the servers never need an abort-and-resume protocol; the price is
-  that a deeper pipeline (k > 1) would need pushes with requests in flight, so only 0 and 1
-  are offered.
-* Rewards are scored off the critical path too: the thread that generated a batch scores
-  it as soon as its samples arrive (the reward pool serves one caller at a time), and the
-  model-parallel leader's results are broadcast to its peers at the join. A sample asked
-  for again at the join, or a batch restored from a checkpoint, is scored then, by the
-  same function on the same inputs.
-* Only HTTP and scoring run off the main thread: a model-parallel leader's background
-  thread has its own event loop and client (:meth:`SGLangEngine.start_generate`); the
-  broadcast to its peers, the all-gather that finds restarted servers and any weight push
-  are collectives, which the main thread alone issues (gloo groups are not safe to use
-  from two threads).
-  With ``rollout.env`` the leader's thread runs the whole multi-turn rollout (every turn
-  over HTTP against the one version the servers hold, the environments in its own daemon
-  threads; ``megatron_rl.train.rollouts.Background``) and the join hands its trajectories
-  to the peers; a server found behind there fails the batch instead of being re-pushed.
-  A server that dies during background generation costs retries: the thread retries
-  within the client's budget; a server that came back behind (its launch weights) is set
-  aside, and the samples it still owed are asked for again when the batch is joined,
-  after the collective re-push of the trainer's weights (version v by then), and carry
-  the version that generated them. None is lost, none is counted twice (the client's
-  ledger keeps one answer per sample).
-* Losses (AReaL's decoupled objective, which this repo already has): the "old" log-probs
-  of the PPO ratio are the proximal policy, the trainer's own pass at the start of the step
-  (version v); the rollout log-probs each sample carries are the behaviour policy, the
-  engine's at the version that generated it, and TIS, MIS and IcePop correct between the
-  two, so staleness is corrected with the train/rollout mismatch. R3 replays the routes a
-  sample carries, produced with its tokens by that same version.
-* Evaluation, checkpoints and the end of the run first "settle": join the batch in flight
-  and push the current weights, so evaluation sees this step's policy, and a checkpoint
-  stores the already-generated batch of the next step with its versions
-  (``<checkpoint>/rollouts/rank_NNNNN.pt``, written before the checkpoint is published):
-  a resumed run trains exactly the samples an uninterrupted one would, none twice, none
-  skipped. The last step generates ahead too, so the final checkpoint holds step N + 1's
-  batch: a finished run extended later (``train.steps`` raised) continues as an
-  uninterrupted longer run would have; a run that is never extended pays one batch of
-  background generation it does not use. A checkpoint whose batch cannot be used (another data-parallel size, or a run
-  resumed with ``max_staleness: 0``) gives its prompts back (the data position is rewound
-  to the batch's first prompt), so they are drawn again, still exactly once.
-* Deterministic by construction: the interleaving is fixed (join, push, launch, train);
-  threads share no state until the join. With a server that answers each request on its
-  own (``protocol_server --max-batch 1``) a run is reproducible bit for bit, and tests
-  compare runs exactly.
+  - ``rollout.partial: false``: requests finish under the version that started them. A push
+    happens only with nothing in flight, so it waits: at step s + 1's join, every batch in
+    flight is let finish first (the drain), then version s is pushed. Every response has one
+    version. With k > 1 the drain means every batch in flight finishes at the next push, so a
+    deeper buffer buys no more overlap than k = 1 (measured: ``tools/bench_async.py``); it
+    only holds samples longer.
+  - ``rollout.partial: true``: the new weights are pushed right after the update, with the
+    batches in flight paused around the push (SGLang's ``/pause_generation`` in
+    ``rollout.partial_mode``, :mod:`megatron_rl.rollout.sglang.pause`): their responses go on
+    under the new weights, each token tagged with the version that produced it (and its
+    behaviour log-prob and routes from that pass, :mod:`megatron_rl.rollout.sglang.partial`).
+    A long response no longer holds a push back: the tail of a long-tailed batch is generated
+    while the next steps train.
 
-Owns the in-flight batch and its checkpoint file. It draws, generates and scores through
-the small interface :class:`RoundSource` (:class:`megatron_rl.train.rollouts.RolloutSource`
-is the one the trainer passes); the sampling rounds and scoring live there, the losses in
-:mod:`megatron_rl.train.trainer`.
+  In both, a sample is at most k versions old when trained (launched at version s - k - 1,
+  trained at s - 1), by construction; the trainer checks it
+  (:func:`megatron_rl.train.rollouts.check_versions`).
+* **Rewards** are scored off the critical path: the thread that generated a batch scores it
+  as soon as its samples are in (:class:`ScoreAhead`); the results reach the model-parallel
+  peers at the join. A sample asked for again at the join, or a batch restored from a
+  checkpoint, is scored at the join, by the same function on the same inputs.
+* **Threads.** Only HTTP and scoring run off the main thread: a model-parallel leader's
+  background thread per batch has its own event loop and client
+  (:meth:`SGLangEngine.start_generate`); broadcasts to its peers, finding restarted servers,
+  pauses and weight pushes are collectives, which the main thread alone issues (gloo groups
+  are not safe to use from two threads). With ``rollout.env`` the leader's thread runs the
+  whole multi-turn rollout (``megatron_rl.train.rollouts.Background``); a turn a push cuts
+  continues under the new weights.
+* **Faults.** A server that dies during background generation costs retries: the thread
+  retries within the client's budget; a server that came back behind (its launch weights)
+  is set aside, and the samples it still owed are asked for again at the join, after the
+  collective re-push of the trainer's weights. None is lost, none is counted twice (the
+  client's ledger keeps one answer per sample).
+* **Losses** (AReaL's decoupled objective, which this repo already has): the "old"
+  log-probs of the PPO ratio are the proximal policy, the trainer's own pass at the start of
+  the step (version v); the behaviour log-probs are each token's, from the version that
+  produced it, and TIS, MIS and IcePop correct between the two per token, so staleness is
+  corrected with the train/rollout mismatch. R3 replays, per position, the routes of the
+  engine pass that computed it.
+* **Checkpoints and exactly once.** Evaluation (without partial rollouts) and checkpoints
+  first settle: every batch in flight is let finish (joined) and the current weights pushed,
+  so a checkpoint holds the k batches generated ahead whole, with their versions
+  (:mod:`megatron_rl.train.ahead_checkpoint`): the buffer is checkpointed, not re-asked, so a
+  resumed run trains exactly the samples an uninterrupted one would, none twice, none
+  skipped. The last step generates ahead too, so a finished run extended later continues as
+  an uninterrupted longer run would have.
+* **Deterministic mode.** The interleaving is fixed (join, launch, train, push); threads
+  share no state until the join. With a server that answers each request on its own (the
+  stand-in's ``--max-batch 1``) and without partial rollouts a run is reproducible bit for
+  bit. With partial rollouts, where a push lands in a response depends on timing (as on real
+  servers): runs agree in what they train (each prompt once, every token within the bound)
+  and bit for bit only over the batches a checkpoint holds.
+
+Owns the buffer and its order. It draws, generates and scores through the small interface
+:class:`RoundSource` (:class:`megatron_rl.train.rollouts.RolloutSource` is the one the trainer
+passes); the sampling rounds and scoring live there, the losses in :mod:`megatron_rl.train.trainer`.
 """
 
 from __future__ import annotations
 
-import json
+from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
 from megatron_rl.parallel.comm import broadcast_object, max_over, mean_over
-from megatron_rl.parallel.comm import rank as rank_in
 from megatron_rl.train.phases import phase_timer
 from megatron_rl.train.rollouts import Round
 
@@ -95,7 +92,7 @@ if TYPE_CHECKING:
 
 
 class RoundSource(Protocol):
-    """What the batch in flight needs of the rollouts: the data order, background generation
+    """What the batches in flight need of the rollouts: the data order, background generation
     of a round, and rewards."""
 
     groups: ParallelGroups
@@ -172,35 +169,53 @@ class ScoreAhead:
 
 
 class AsyncRollouts:
-    """The trainer's batch in flight (``rollout.max_staleness`` > 0); every method is called
-    on every rank together, in the main thread."""
+    """The trainer's batches generated ahead (``rollout.max_staleness`` k > 0); every method is
+    called on every rank together, in the main thread.
 
-    def __init__(self, source: RoundSource) -> None:
-        self.source = source
-        self.engine = source.engine
-        self.next: NextBatch | None = None
+    Args:
+        source: draws, generates and scores.
+        max_staleness: k, the batches kept ahead.
+        partial: push right after each update, pausing the batches in flight (else a push
+            waits until nothing is in flight).
+    """
+
+    def __init__(self, source: RoundSource, max_staleness: int, partial: bool) -> None:
+        self.source, self.engine = source, source.engine
+        self.k, self.partial = max_staleness, partial
+        self.ahead: deque[NextBatch] = deque()
+        """The batches of the coming steps, in step order."""
         self.scored_ahead = 0.0
         """Share of the last taken batch's samples whose rewards were scored ahead."""
+        self.stale_dropped = 0
+        """Groups of batches restored from a checkpoint that were too old to train (``rollout.stale_samples``)."""
 
     # ------------------------------------------------------------------ the step
 
     def take(self, step: int, state: TrainerState, metrics: dict) -> Round | None:
         """Step ``step``'s first round (with the rewards already scored) if it was generated
-        ahead, else None; either way the servers hold the trainer's weights when this returns. Adds
-        ``time/rollout_join`` (waiting for the batch) and ``time/weight_sync`` to ``metrics``."""
-        batch, self.next = self.next, None
-        if batch is not None and batch.step != step:
-            raise RuntimeError(f"the batch generated ahead is for step {batch.step}, not {step}")
-        if batch is not None:
+        ahead, else None; either way the servers hold the trainer's weights when this returns.
+        Adds ``time/rollout_join`` (waiting for the batch) and ``time/weight_sync`` to ``metrics``."""
+        batch = None
+        if self.ahead and self.ahead[0].step < step:
+            raise RuntimeError(f"the batch generated ahead for step {self.ahead[0].step} was never trained "
+                               f"(now at step {step})")
+        if self.ahead and self.ahead[0].step == step:
+            batch = self.ahead.popleft()
             with phase_timer(metrics, "rollout_join"):
                 self._join(batch, state)
         with phase_timer(metrics, "weight_sync"):
-            self._push(state)
+            self.push(state)
         self.scored_ahead = 0.0
         if batch is None:
             return None
         self.scored_ahead = len(batch.ready or {}) / max(1, len(batch.samples))
         return Round(batch.problems, batch.samples, batch.ready)
+
+    def fill(self, step: int, state: TrainerState) -> None:
+        """Launch the batches of steps ``step + 1 .. step + k`` not launched yet, in step order."""
+        last = self.ahead[-1].step if self.ahead else step
+        for coming in range(max(last, step) + 1, step + self.k + 1):
+            self.launch(coming, state)
 
     def launch(self, step: int, state: TrainerState) -> None:
         """Draw step ``step``'s first round of prompts and generate it in the background."""
@@ -208,13 +223,34 @@ class AsyncRollouts:
         problems = self.source.draw(state)
         scoring = ScoreAhead(self.source, self.source.per_sample(problems))
         pending = self.source.start_generate(problems, step, 1, on_samples=scoring)
-        self.next = NextBatch(step, start, state.data_position, problems, pending, scoring=scoring)
+        self.ahead.append(NextBatch(step, start, state.data_position, problems, pending, scoring=scoring))
 
-    def settle(self, state: TrainerState) -> None:
-        """Join the batch in flight (kept for its step) and push the current weights."""
-        if self.next is not None:
-            self._join(self.next, state)
-        self._push(state)
+    def weights_changed(self, state: TrainerState) -> None:
+        """After an update: with partial rollouts the new weights go out now, the batches in
+        flight paused around the push; else the push waits for the next :meth:`take`."""
+        if self.partial:
+            self.push(state)
+
+    def settle(self, state: TrainerState, *, everything: bool = True) -> None:
+        """Let every batch in flight finish and push the current weights (before a checkpoint,
+        which then holds every batch whole); ``everything=False`` (before an evaluation): only
+        what the push needs (with partial rollouts nothing: the weights went out already)."""
+        if everything or not self.partial:
+            for batch in self.ahead:
+                self._join(batch, state)
+        self.push(state)
+
+    def push(self, state: TrainerState) -> None:
+        """The trainer's weights to the servers, if they do not hold them yet; without partial
+        rollouts every batch in flight is let finish first (nothing may run during a push)."""
+        if self.engine.weight_version == state.weight_version:
+            return
+        if not self.partial:
+            for batch in self.ahead:  # the drain: all their requests end before any re-push at a join
+                _wait(batch.pending)
+            for batch in self.ahead:
+                self._join(batch, state)
+        self.engine.update_weights(state.weight_version)
 
     def _join(self, batch: NextBatch, state: TrainerState) -> None:
         if batch.samples is not None:
@@ -233,72 +269,31 @@ class AsyncRollouts:
         batch.ready = {i: result for i, (ids, result) in results.items()
                        if list(batch.samples[i].output_ids) == ids}
 
-    def _push(self, state: TrainerState) -> None:
-        if self.engine.weight_version != state.weight_version:
-            self.engine.update_weights(state.weight_version)
-
     def metrics(self, samples: list[RolloutSample], state: TrainerState) -> dict[str, torch.Tensor]:
-        """``rollout/staleness_mean``/``_max``: versions between a trained sample's generating
-        weights and the weights it trains, over the step's samples of every rank;
-        ``rollout/rewards_scored_ahead``: share of the step's first round scored in the
-        background (below 1 after a resume, or when a restarted server's samples came late)."""
-        ages = torch.tensor([float(state.weight_version - s.weight_version) for s in samples], dtype=torch.float64)
+        """Over the step's samples of every rank: ``rollout/staleness_mean``/``_max`` (versions
+        between a sample's oldest token and the weights it trains), ``rollout/staleness/lag<d>``
+        (share of samples d versions old, d = 0 .. k), ``rollout/token_staleness_mean`` (the
+        same per generated token), ``rollout/mixed_version_frac`` (samples whose tokens come
+        from more than one version), ``rollout/rewards_scored_ahead`` and
+        ``rollout/stale_dropped`` (groups of restored batches too old to train, this run)."""
+        v = state.weight_version
+        ages = torch.tensor([float(v - s.weight_version) for s in samples], dtype=torch.float64)
+        token_ages = torch.cat([(v - s.versions()[s.loss_mask()]).double() for s in samples])
+        mixed = torch.tensor([float(s.token_versions is not None and len(set(s.token_versions.tolist())) > 1)
+                              for s in samples], dtype=torch.float64)
         dp = self.source.groups.dp
-        out = mean_over({"rollout/staleness_mean": ages.mean(),
-                         "rollout/rewards_scored_ahead": torch.tensor(self.scored_ahead)}, dp)
+        out = mean_over({"rollout/staleness_mean": ages.mean(), "rollout/token_staleness_mean": token_ages.mean(),
+                         "rollout/mixed_version_frac": mixed.mean(),
+                         "rollout/rewards_scored_ahead": torch.tensor(self.scored_ahead),
+                         **{f"rollout/staleness/lag{d}": (ages == d).double().mean() for d in range(self.k + 1)}},
+                        dp)
         out["rollout/staleness_max"] = max_over(ages.max().reshape(1), dp)[0].float()
+        out["rollout/stale_dropped"] = torch.tensor(float(self.stale_dropped))
         return out
 
-    # ------------------------------------------------------------------ checkpoints
 
-    def save(self, checkpoint: Path, state: TrainerState) -> None:
-        """Write the generated batch (or that there is none) into ``checkpoint`` before it is
-        published: its prompts and positions (``rollouts/batch.json``, rank 0) and each
-        rank's samples; call :meth:`settle` first. Every rank calls it (``save_checkpoint``'s
-        ``write_more``), and the checkpoint is published after all have."""
-        batch, groups = self.next, self.source.groups
-        rank = rank_in(groups.world)
-        root = Path(checkpoint) / "rollouts"
-        root.mkdir(parents=True, exist_ok=True)
-        if batch is not None:
-            torch.save({"samples": batch.samples, "sample_ids": [p.sample_id for p in batch.problems]},
-                       _rank_file(checkpoint, rank))
-        if rank == 0:
-            about = None if batch is None else {"step": batch.step, "start": batch.start, "end": batch.end,
-                                                "dp_size": groups.dp_size}
-            (root / "batch.json").write_text(json.dumps({"saved_at_step": state.step, "batch": about}))
-
-
-def _rank_file(checkpoint: Path, rank: int) -> Path:
-    """Where the rank ``rank`` of the world keeps its samples of the batch in ``checkpoint``."""
-    return Path(checkpoint) / "rollouts" / f"rank_{rank:05d}.pt"
-
-
-def resume_batch(source: RoundSource, checkpoint: Path, state: TrainerState, asynchronous: bool) -> NextBatch | None:
-    """The batch a checkpoint holds for its next step, ready to train, or None.
-
-    Only a checkpoint written with ``max_staleness`` > 0 holds one (files a run before it
-    left in the same directory are never read: the checkpoint's own config says). When this
-    run cannot train it as saved (``asynchronous`` is False, or another data-parallel size), the
-    batch's prompts are given back: ``state.data_position`` is rewound to its first prompt,
-    the same on every rank (``batch.json`` says where).
-    """
-    saved_cfg = json.loads((Path(checkpoint) / "trainer_state.json").read_text())["config"]
-    if saved_cfg.get("rollout", {}).get("max_staleness", 0) == 0:
-        return None
-    about = json.loads((Path(checkpoint) / "rollouts" / "batch.json").read_text())["batch"]
-    if about is None:
-        return None
-    rank = rank_in(source.groups.world)
-    if not asynchronous or about["dp_size"] != source.groups.dp_size:
-        state.data_position = about["start"]
-        if rank == 0:
-            print(f"{Path(checkpoint).name}: the rollouts generated ahead for step {about['step']} are not used (this "
-                  "run is synchronous or has another data-parallel size); their prompts are drawn again", flush=True)
-        return None
-    saved = torch.load(_rank_file(checkpoint, rank), weights_only=False)
-    problems = source.problems_at(about["start"], about["end"])
-    if [p.sample_id for p in problems] != saved["sample_ids"]:
-        raise RuntimeError(f"{_rank_file(checkpoint, rank)}: the saved rollouts answer other prompts than the training "
-                           f"order gives at positions {about['start']}..{about['end']} (the data changed since)")
-    return NextBatch(about["step"], about["start"], about["end"], problems, None, saved["samples"])
+def _wait(pending) -> None:
+    """Until a background round's thread (the model-parallel leader's; none on its peers) is done."""
+    thread = getattr(pending, "thread", None)
+    if thread is not None:
+        thread.join()

@@ -84,7 +84,7 @@ class RunParts:
     rollouts: RolloutSource
     """Draw, generate, score and choose this rank's groups."""
     ahead: AsyncRollouts | None
-    """The batch generated ahead (``rollout.max_staleness`` > 0), else None."""
+    """The batches generated ahead (``rollout.max_staleness`` > 0), else None."""
     checkpoints: CheckpointLifecycle
     """Start or resume, and every checkpoint."""
     evaluate: Evaluator
@@ -125,8 +125,9 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
     plan = RoutingPlan(mode=cfg.train.routing_replay, diagnostics=cfg.train.routing_diagnostics)
     scorer = RewardScorer(cfg.reward)
     rollouts = RolloutSource(cfg, objective, groups, engine, tokenizer, train_set, scorer)
-    # rollout.max_staleness > 0: the next step's first round is generated while a step trains.
-    ahead = AsyncRollouts(rollouts) if cfg.rollout.max_staleness > 0 else None
+    # rollout.max_staleness k > 0: the next k steps' first rounds are generated while a step trains.
+    ahead = (AsyncRollouts(rollouts, cfg.rollout.max_staleness, cfg.rollout.partial)
+             if cfg.rollout.max_staleness > 0 else None)
     warm_start = (WarmStart(cfg, groups, ddp, optimizer, train_set, tokenizer, rollouts.mine, urls)
                   if cfg.train.sft_steps > 0 else None)
     return RunParts(

@@ -86,7 +86,8 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
         from megatron_rl.rollout.local.hf_engine import HFEngine
 
         return HFEngine(ddp, groups, architecture=architecture, model_config=cfg.model, dtype=cfg.rollout.hf_dtype,
-                        prefix_cache=cfg.rollout.env.name is not None)
+                        prefix_cache=cfg.rollout.env.name is not None,
+                        pause_mode=cfg.rollout.partial_mode if cfg.rollout.partial else None)
     # Imported here so that runs with a local engine need no HTTP client.
     from megatron_rl.rollout.sglang.client import SGLangClientConfig
     from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
@@ -97,7 +98,7 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
                                 max_retries=s.max_retries, backoff_s=s.retry_backoff_s,
                                 backoff_max_s=s.retry_backoff_max_s, hang_check_after_s=s.hang_check_after_s,
                                 health_timeout_s=s.health_timeout_s, max_resyncs=s.max_resyncs,
-                                deterministic_inference=s.deterministic_inference)
+                                deterministic_inference=s.deterministic_inference, partial=cfg.rollout.partial)
     sync = None
     if s.weight_sync != "none":
         # A sync waits for a restarting server as long as a sample would.
@@ -110,4 +111,5 @@ def build_engine(cfg: RunConfig, ddp, groups: ParallelGroups, urls: list[str], a
         from megatron_rl.rollout.sglang.memory import ServerMemory
 
         memory = ServerMemory(urls, _control_limits(cfg), released=True)  # by rollout_urls
-    return sglang_engine(ddp, groups, client, sync, architecture=architecture, model_config=cfg.model, memory=memory)
+    return sglang_engine(ddp, groups, client, sync, architecture=architecture, model_config=cfg.model, memory=memory,
+                         pause_mode=cfg.rollout.partial_mode if cfg.rollout.partial else None)

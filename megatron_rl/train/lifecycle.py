@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Callable
 
 from megatron_rl.config_loading import to_dict
 from megatron_rl.parallel.comm import rank
-from megatron_rl.train.async_rollouts import resume_batch
+from megatron_rl.train.ahead_checkpoint import resume_batches, save_batches
 from megatron_rl.train.checkpoint import (
     TrainerState,
     WrittenCheckpoint,
@@ -77,10 +77,8 @@ class CheckpointLifecycle:
         path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer, self.groups.world)
-            ahead = resume_batch(self.rollouts, path, state, asynchronous=self.ahead is not None)
-            if self.ahead is not None:
-                self.ahead.next = ahead
             self.turns.weights_changed(state.weight_version)
+            resume_batches(self.rollouts, path, state, self.ahead, self.cfg.rollout.stale_samples)
             if self.rank0:
                 print(f"resumed from {path} (step {state.step})", flush=True)
             return state, None
@@ -99,7 +97,7 @@ class CheckpointLifecycle:
         write_more = None
         if self.ahead is not None:
             self.ahead.settle(state)
-            write_more = functools.partial(self.ahead.save, state=state)
+            write_more = functools.partial(save_batches, self.ahead, state=state)
         written = write_checkpoint(self.cfg.train.run_dir, self.ddp, self.optimizer, state, to_dict(self.cfg),
                                    self.groups.world, write_more, layout=parallel_layout(self.groups),
                                    sharding=self.cfg.optim.checkpoint_sharding)

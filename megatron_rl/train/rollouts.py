@@ -175,13 +175,17 @@ class _LeaderTurns:
 
 
 def check_versions(samples: list[RolloutSample], version: int, max_staleness: int = 0) -> None:
-    """Every rollout must come from the weights the old-policy pass will use, or from one
-    at most ``max_staleness`` versions older."""
-    stale = [i for i, s in enumerate(samples) if not version - max_staleness <= s.weight_version <= version]
+    """Every token of every rollout must come from the weights the old-policy pass will use,
+    or from one at most ``max_staleness`` versions older."""
+    def in_bound(s: RolloutSample) -> bool:
+        versions = [s.weight_version, *s.versions().tolist()]
+        return version - max_staleness <= min(versions) and max(versions) <= version
+
+    stale = [i for i, s in enumerate(samples) if not in_bound(s)]
     if stale:
         raise RuntimeError(
-            f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight version "
-            f"{samples[stale[0]].weight_version}, but the trainer is at version {version}"
+            f"rollout samples {stale[:8]}{' ...' if len(stale) > 8 else ''} carry weight versions "
+            f"{sorted(set(samples[stale[0]].versions().tolist()))}, but the trainer is at version {version}"
             f"{f' (rollout.max_staleness {max_staleness})' if max_staleness else ''}: the engine "
             "served stale weights (check rollout.sglang.weight_sync)"
         )

@@ -40,6 +40,7 @@ from megatron_rl.parallel.train_step import TrainBatch, forward_backward
 from megatron_rl.rollout.trajectory import turn_layout
 from megatron_rl.train.build import build_run
 from megatron_rl.train.checkpoint import TrainerState
+from megatron_rl.train.drift import LagMeans, behaviour_route_ids, shift_record
 from megatron_rl.train.phases import StepWatch, phase_timer
 from megatron_rl.train.rollouts import Groups
 
@@ -88,9 +89,9 @@ class Trainer:
                 evaluating = step % t.eval_every == 0 or step == t.steps
                 saving = step % t.save_every == 0 or step == t.steps
                 if self.ahead is not None and (evaluating or saving):
-                    # Evaluation sees this step's weights; a checkpoint holds the next batch, whole.
+                    # Evaluation sees this step's weights; a checkpoint holds the batches ahead, whole.
                     with phase_timer(metrics, "rollout_join"):
-                        self.ahead.settle(state)
+                        self.ahead.settle(state, everything=saving)
                 if evaluating:
                     with phase_timer(metrics, "evaluation"):
                         metrics.update(self.evaluate())
@@ -130,13 +131,19 @@ class Trainer:
         with phase_timer(metrics, "rollout"):
             chosen = self._rollouts(step, state, metrics)
         chosen = self.rollouts.balanced(chosen, metrics)
-        batch = self._batch(chosen, metrics)
+        # Asynchronous: drift against staleness, per version lag (megatron_rl.train.drift).
+        drift = LagMeans(self.cfg.rollout.max_staleness, state.weight_version) if self.ahead is not None else None
+        batch = self._batch(chosen, metrics, drift)
         with phase_timer(metrics, "update"):
-            self._update(batch, metrics)
+            self._update(batch, metrics, drift)
+        if drift is not None:
+            metrics.update(drift.reduce(self.groups))
         state.weight_version += 1
-        if self.ahead is None:
-            with phase_timer(metrics, "weight_sync"):
-                self.turns.weights_changed(state.weight_version)  # asynchronous: pushed by ahead.take/settle
+        with phase_timer(metrics, "weight_sync"):
+            if self.ahead is None:
+                self.turns.weights_changed(state.weight_version)
+            else:  # partial rollouts: pushed now, the batches in flight paused; else at the next take
+                self.ahead.weights_changed(state)
         tokens = torch.tensor([float(sum(int(s.numel()) for s in batch.sequences))])
         if self.groups.dp_size > 1:
             all_reduce(tokens, self.groups.dp)
@@ -145,24 +152,24 @@ class Trainer:
 
     def _rollouts(self, step: int, state: TrainerState, metrics: dict) -> Groups:
         """This rank's groups of step ``step``; asynchronous, the first round is the one
-        generated ahead, and step ``step + 1``'s is launched meanwhile."""
+        generated ahead, and the batches of steps up to ``step + k`` are launched meanwhile."""
         if self.ahead is None:
             with self.turns.generating(metrics):
                 return self.rollouts.collect(step, state, metrics)
         first = self.ahead.take(step, state, metrics)
         # Without dynamic sampling a step has one round: once it is here the servers owe
         # this step nothing, so the next batch starts before this one is even scored.
-        # Further rounds are drawn before the next batch and generated with nothing in
-        # flight, so with dynamic sampling the next batch waits for them. The last step
-        # launches one too: the final checkpoint then holds it, and a run extended later
+        # Further rounds are drawn before the next batch, so with dynamic sampling it waits
+        # for them (and a step without a batch ahead draws its own first). The last step
+        # launches too: the final checkpoint then holds the batches, and a run extended later
         # (train.steps raised) trains what an uninterrupted longer run would have.
         early = first is not None and not self.objective.dynamic_sampling
         if early:
-            self.ahead.launch(step + 1, state)
+            self.ahead.fill(step, state)
         chosen = self.rollouts.collect(step, state, metrics, first)
         metrics.update(self.ahead.metrics([s for g in chosen.samples for s in g], state))
         if not early:
-            self.ahead.launch(step + 1, state)
+            self.ahead.fill(step, state)
         return chosen
 
     def _packing(self) -> dict:
@@ -170,15 +177,22 @@ class Trainer:
         t = self.cfg.train
         return {"micro_batch_sequences": t.micro_batch_sequences, "micro_batch_tokens": t.micro_batch_tokens}
 
-    def _batch(self, chosen: Groups, metrics: dict) -> TrainBatch:
-        """Old-policy pass, optional reference pass and advantages for the chosen groups."""
+    def _batch(self, chosen: Groups, metrics: dict, drift: LagMeans | None = None) -> TrainBatch:
+        """Old-policy pass, optional reference pass and advantages for the chosen groups; with
+        ``drift`` (asynchronous rollouts) RSPO measures at the experts each token was produced
+        with, and the drift per version lag is measured."""
         G = self.cfg.rollout.group_size
         samples = [s for group in chosen.samples for s in group]
         sequences = [s.tokens for s in samples]
         prompt_lengths = [len(s.prompt_ids) for s in samples]
         packing = self._packing()
+        routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
+        query, layers = (None, None)
+        if drift is not None and routes is not None:
+            query, layers = behaviour_route_ids(self.ddp, sequences, routes)
         with phase_timer(metrics, "old_logprobs"):
-            old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True, **packing)
+            old = compute_logprobs(self.ddp, self.groups, sequences, prompt_lengths, record_routing=True,
+                                   query_ids_TLK=query, query_layer_numbers=layers, **packing)
         # The loss sees only what the policy generated: a multi-turn trajectory's environment
         # tokens stay in the context, masked. They have no rollout log-prob; they take the old
         # policy's, so that every train/rollout correction is neutral there.
@@ -208,30 +222,40 @@ class Trainer:
             turns=turn_layout(samples) if self.objective.turn_credit == "turn" else None,
             teacher_logprobs_T=None if taught is None else taught.logprobs_T,
         )
-        routes = [s.routed_experts for s in samples] if self.cfg.rollout.return_routed_experts else None
         if routes is not None and self.rollouts.multiturn is not None:
             metrics.update(self.rollouts.route_agreement_per_turn(samples, old.record))
+        versions_T = torch.cat([s.versions() for s in samples])
+        shift = None
+        if drift is not None:
+            drift.add("train_rollout_abs_diff", diff.abs(), versions_T, mask_T)
+            if query is not None:
+                drift.add("flip_rate", old.flip_T, versions_T, mask_T)
+                shift = shift_record(query, layers, old.query_probs_TLK, old.record.cu_seqlens_S1,
+                                     old.record.num_experts)
         return TrainBatch(
             sequences=sequences, prompt_lengths=prompt_lengths, old_logprobs_T=old.logprobs_T,
             advantages_T=advantages.float(), loss_mask_T=mask_T, rollout_logprobs_T=rollout_lp,
             ref_logprobs_T=ref_lp, truncated_S=torch.tensor([s.finish_reason == "length" for s in samples]),
-            old_record=old.record, rollout_routes=routes,
+            old_record=old.record, rollout_routes=routes, versions_T=versions_T, shift_record=shift,
             teacher_logprobs_T=None if taught is None else taught.logprobs_T,
             teacher_topk_ids_TK=None if taught is None else taught.topk_ids_TK,
             teacher_topk_logprobs_TK=None if taught is None else taught.topk_logprobs_TK,
         )
 
-    def _update(self, batch: TrainBatch, metrics: dict) -> None:
-        """Mini-batch / multi-epoch policy updates."""
+    def _update(self, batch: TrainBatch, metrics: dict, drift: LagMeans | None = None) -> None:
+        """Mini-batch / multi-epoch policy updates (``drift``: adds what RSPO measured, per lag)."""
         G, t = self.cfg.rollout.group_size, self.cfg.train
         groups_per_mb = self.rollouts.groups_per_rank // t.mini_batches
         collected: list[dict] = []
         for _ in range(t.epochs):
             for m in range(t.mini_batches):
                 indices = list(range(m * groups_per_mb * G, (m + 1) * groups_per_mb * G))
-                result = forward_backward(self.ddp, self.groups, batch.select(indices), self.objective,
-                                          self.plan, **self._packing())
+                mini = batch.select(indices)
+                result = forward_backward(self.ddp, self.groups, mini, self.objective, self.plan, **self._packing())
                 collected.append({**result.metrics, **optimizer_step(self.optimizer)})
+                for name in ("router_shift", "gamma") if drift is not None else ():
+                    if name in result.probe_T:
+                        drift.add(name, result.probe_T[name], mini.versions_T, mini.loss_mask_T)
         # The weights are read next outside a forward (weight push, checkpoint, HF export).
         gather_updated_weights(self.ddp)
         for name in collected[0]:

@@ -24,10 +24,10 @@ from megatron_rl.rollout.sglang.client import (
     ServerHungError,
     SGLangClient,
     SGLangClientConfig,
-    _is_behind,
 )
 from megatron_rl.rollout.sglang.control import probe_servers, request_json
 from megatron_rl.rollout.sglang.engine import STEP_METRICS, SGLangEngine
+from megatron_rl.rollout.sglang.partial import is_behind as _is_behind
 from megatron_rl.rollout.sglang.weight_sync import restarted_servers
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)

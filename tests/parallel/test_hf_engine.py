@@ -15,11 +15,17 @@ layout, inside one spawned 2-process gloo world:
   transformers' own router (K-th vs (K+1)-th probability within 1e-3), and at least 99%;
 - greedy responses equal the Megatron engine's argmax decoding, except after a near-tie
   (top-1 vs top-2 log-prob within 1e-3 at the first differing token);
-- a prompt that does not fit with ``max_new_tokens`` is refused naming the sample.
+- a prompt that does not fit with ``max_new_tokens`` is refused naming the sample;
+- asynchronous rollouts (the hf engine's pause): a batch begun in the background is paused
+  between decoding steps by the push of version 1 and goes on under it, its KV computed again
+  (SGLang's retract): each token carries the version whose weights computed it, its log-prob is
+  the Megatron pass's under that version's weights (1e-4), and each position's route that
+  version's routing (as the synchronous routes, near-ties apart).
 
 The fractions and margins measured are printed (``pytest -s``) and quoted in the README.
 """
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -95,11 +101,47 @@ def _layout_checks(cfg, groups, export_root: Path) -> dict:
     megatron_greedy = megatron_engine.generate(prompts, greedy, return_routed_experts=False)
     out["greedy_megatron"] = [s.output_ids for s in megatron_greedy]
     out["prompts"] = prompts
-    # A changed policy (as after an optimizer step) pushed as version 1.
+    # A batch begun in the background (no stop token: every response runs its 12 tokens) ...
+    endless = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
+    engine.pause_mode = "retract"
+    # The background thread's first forward (the prefill) waits for the push to ask for the pause:
+    # the push lands after each response's first token, however the machine schedules the threads.
+    holder, forwards, known = {}, [], threading.Event()
+
+    def hold(_module, _args):
+        if threading.current_thread() is not threading.main_thread():
+            forwards.append(1)
+            if len(forwards) == 1:
+                assert known.wait(300) and holder["pending"].control._pause.wait(300), "no push asked for the pause"
+
+    hook = engine.hf_model.register_forward_pre_hook(hold)
+    pending = holder["pending"] = engine.start_generate(prompts, endless, seed=13)
+    known.set()
+    before = [p.detach().clone() for p in gpt.parameters()]
+    # ... while a changed policy (as after an optimizer step) is pushed as version 1: the push pauses it.
     with torch.no_grad():
         for name, param in gpt.named_parameters():
             param.add_(0.02 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
     engine.update_weights(1)
+    background = engine.finish_generate(pending, 1)
+    hook.remove()
+    engine.pause_mode = None
+    sequences = [s.tokens for s in background]
+    under = {1: compute_logprobs(gpt, groups, sequences, [len(p) for p in prompts], record_routing=True)}
+    after = [p.detach().clone() for p in gpt.parameters()]
+    with torch.no_grad():
+        for param, old in zip(gpt.parameters(), before):
+            param.copy_(old)
+        under[0] = compute_logprobs(gpt, groups, sequences, [len(p) for p in prompts], record_routing=True)
+        for param, new in zip(gpt.parameters(), after):
+            param.copy_(new)
+    out["background"] = {
+        "versions": [s.versions().tolist() for s in background], "sequences": sequences,
+        "hf_logprobs": torch.cat([s.output_logprobs for s in background]),
+        "megatron_logprobs": {v: r.logprobs_T for v, r in under.items()}, "hf_routes": [s.routed_experts for s in background],
+        "megatron_routes": {v: [r.record.sample(i).expert_ids_TLK[:-1] for i in range(len(background))]
+                            for v, r in under.items()},
+    }
     snapshot("v1", 1)
     try:
         engine.generate([prompts[0], [1] * (cfg.model.max_position_embeddings - 3)],
@@ -217,6 +259,31 @@ def test_greedy_tokens_equal_megatron_argmax_except_near_ties(world, layout):
             margins.append(float(top2[0] - top2[1]))
         print(f"{layout} rank {rank}: greedy equal {same}/{len(got['prompts'])}, near-tie margins {margins}")
         assert all(m <= NEAR_TIE for m in margins), (layout, margins)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_push_pauses_a_background_batch_and_its_tokens_carry_their_versions(world, layout):
+    _, results = world
+    for rank in (0, 1):
+        got = results[rank][layout]["background"]
+        versions = torch.tensor([v for vs in got["versions"] for v in vs])
+        # The push landed after each response's first token (the prefill's), held there by the test.
+        assert all(vs == [0] + [1] * (len(vs) - 1) and len(vs) > 1 for vs in got["versions"]), got["versions"]
+        diffs = {v: float((got["hf_logprobs"] - got["megatron_logprobs"][v]).abs()[versions == v].max()) for v in (0, 1)}
+        other = float((got["hf_logprobs"] - got["megatron_logprobs"][1]).abs()[versions == 0].max())
+        agree = total = 0
+        for seq, vs, hf, mega0, mega1 in zip(got["sequences"], got["versions"], got["hf_routes"],
+                                             got["megatron_routes"][0], got["megatron_routes"][1]):
+            prompt_len = seq.numel() - len(vs)
+            for p in range(hf.shape[0]):  # a position belongs to the pass of the token it predicts
+                mega = (mega0, mega1)[vs[max(0, p - prompt_len + 1)]]
+                same = (hf[p].long().sort(-1).values == mega[p].long().sort(-1).values).all(-1)
+                agree, total = agree + int(same.sum()), total + same.numel()
+        print(f"{layout} rank {rank}: background tokens per version {[(versions == v).sum().item() for v in (0, 1)]},"
+              f" log-prob |diff| vs their version {diffs}, version-0 tokens vs version 1 {other:.2e}, "
+              f"routes agree {agree / total:.4f}")
+        assert max(diffs.values()) <= 1e-4 and other > 1e-3, (layout, diffs, other)
+        assert agree / total >= 0.99, (layout, agree / total)
 
 
 def test_too_long_prompt_names_the_sample(world):

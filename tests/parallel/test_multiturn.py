@@ -116,8 +116,8 @@ def _async_run(run_dir: str, url: str) -> dict:
             steps[step] = {"trainer_version": state.weight_version}
             return rl_step(step, state)
 
-        def recording_batch(chosen, metrics):
-            out = make_batch(chosen, metrics)
+        def recording_batch(chosen, metrics, *rest):
+            out = make_batch(chosen, metrics, *rest)
             step = max(steps)
             steps[step].update(samples=[s for group in chosen.samples for s in group], batch=out,
                                rewards=torch.cat(chosen.rewards).tolist())

@@ -293,6 +293,47 @@ def reference_worker(checkpoint):
         )
         _perturb_routers(recompute_model)
         out["recompute_steps"] = _step_all_plans(recompute_model, recompute_ddp, groups, list(range(len(SEQUENCES))), old)
+        out.update(_rspo_against_the_producing_routes(model, ddp, groups, run, routes, numbers, mb_tokens))
+    return out
+
+
+def _rspo_against_the_producing_routes(model, ddp, groups, run, routes, numbers, mb_tokens) -> dict:
+    """Asynchronous rollouts: RSPO's gamma of a token measured at the experts it was produced
+    with (``routes``, as a stale rollout engine chose them) against the same step measured at
+    the proximal pass's own top-K: the two training steps differ only in that choice."""
+    from megatron_rl.algos.presets import get_preset
+    from megatron_rl.parallel.train_step import RoutingPlan, TrainBatch, forward_backward
+    from megatron_rl.train.drift import shift_record
+
+    logits, hooks = _hook_router_logits(model)
+    proximal = run(record_routing=True, query_ids_TLK=routes, query_layer_numbers=numbers)
+    for handle in hooks:
+        handle.remove()
+    at_routes = torch.stack([torch.softmax(_real_rows(logits[n], mb_tokens), dim=-1).gather(1, routes[:, c].long())
+                             for c, n in enumerate(numbers)], dim=1)
+    out = {"query_probs_err": float((proximal.query_probs_TLK.double() - at_routes).abs().max())}
+    _perturb_routers(model, scale=0.2)  # the update moves the router
+    measured = shift_record(routes, numbers, proximal.query_probs_TLK, proximal.record.cu_seqlens_S1, MODEL.num_experts)
+    rows = torch.cat([torch.arange(int(proximal.record.cu_seqlens_S1[i]) + p - 1,
+                                   int(proximal.record.cu_seqlens_S1[i + 1]) - 1) for i, p in enumerate(PROMPTS)])
+    for name, record in (("behaviour", measured), ("proximal", None)):
+        batch = TrainBatch(sequences=SEQUENCES, prompt_lengths=PROMPTS, old_logprobs_T=proximal.logprobs_T,
+                           advantages_T=torch.cat([_advantages(i) for i in range(len(SEQUENCES))]),
+                           old_record=proximal.record, shift_record=record)
+        logits, hooks = _hook_router_logits(model)
+        result = forward_backward(ddp, groups, batch, get_preset("rspo"), RoutingPlan(mode="none"),
+                                  micro_batch_sequences=2)
+        for handle in hooks:
+            handle.remove()
+        reference = measured if record is not None else proximal.record
+        shift = torch.zeros(reference.num_tokens, dtype=torch.float64)
+        for c, n in enumerate(numbers):  # the probe's calls come first, then the training forward's
+            log_p = torch.log_softmax(_real_rows(logits[n][: len(mb_tokens)], mb_tokens), dim=-1)
+            current = log_p.gather(1, reference.expert_ids_TLK[:, c].long())
+            shift += (current - reference.probs_TLK[:, c].double().log()).abs().mean(-1)
+        out[f"gamma_{name}"] = result.probe_T["gamma"]
+        out[f"gamma_{name}_err"] = float((result.probe_T["gamma"].double() - torch.exp(-shift / len(numbers))[rows])
+                                         .abs().max())
     return out
 
 
@@ -369,6 +410,16 @@ def test_rspo_gamma_matches_independent_computation(reference):
     assert reference["gamma_err"] <= 1e-6
     assert reference["gamma_below_one"] < 1.0
     assert reference["gamma_requires_grad"] is False
+
+
+def test_rspo_gamma_uses_the_routes_each_token_was_produced_with(reference):
+    """Asynchronous rollouts: with the producing routes as the measured record, each token's
+    gamma is the router's shift at those experts (against the proximal policy's probabilities
+    there, which the old-policy pass queries exactly); measured at the proximal top-K instead,
+    the same step gives other weights."""
+    assert reference["query_probs_err"] <= 1e-6
+    assert reference["gamma_behaviour_err"] <= 1e-6 and reference["gamma_proximal_err"] <= 1e-6
+    assert float((reference["gamma_behaviour"] - reference["gamma_proximal"]).abs().max()) > 1e-3
 
 
 def test_r3_dispatches_given_experts_with_restricted_softmax_gates(reference):

@@ -74,3 +74,22 @@ def test_without_latency_the_answer_is_immediate():
 
     status, payload = asyncio.run(scenario())
     assert status == 200 and payload["output_ids"] == [1, 2], payload
+
+
+def test_the_long_tail_knob_lets_a_fixed_share_of_requests_run_to_the_cap():
+    """``--long-tail``: the share of requests chosen by their seed ignore their stop tokens, the
+    same requests every time (benchmarks of a long-tailed task, ``tools/bench_async.py``)."""
+    import random
+
+    from megatron_rl.sglang_standin.requests import parse_generate
+
+    cfg = SimpleNamespace(vocab_size=16, max_position_embeddings=64)
+
+    def stops(seed: int, share: float) -> tuple:
+        body = {"input_ids": [3], "sampling_params": {"max_new_tokens": 8, "stop_token_ids": [2], "sampling_seed": seed}}
+        return parse_generate(body, cfg, deterministic=False, seeds=random.Random(), default_rid="r",
+                              long_tail=share)[2].stop_token_ids
+
+    long = [seed for seed in range(2000) if stops(seed, 0.05) == ()]
+    assert 60 <= len(long) <= 140 and all(stops(seed, 0.05) == () for seed in long)
+    assert all(stops(seed, 0.0) == (2,) for seed in range(200))

@@ -48,7 +48,13 @@ from megatron_rl.rollout.sglang.weight_payload import (
     tensor_update_body,
 )
 from megatron_rl.rollout.sglang.weight_transport import Limits, TensorTransport
-from megatron_rl.rollout.sglang.wire import generate_payload, score_payload
+from megatron_rl.rollout.sglang.wire import (
+    PAUSE_MODES,
+    continue_generation_body,
+    generate_payload,
+    pause_generation_body,
+)
+from megatron_rl.rollout.sglang.score_wire import score_payload
 from megatron_rl.sglang_standin.scoring import parse_scoring
 
 ORACLE = Path(__file__).resolve().parents[1] / "sglang_oracle.py"
@@ -115,6 +121,10 @@ def verdicts():
                                                           group_name="g", backend="nccl"),
         "DestroyWeightsUpdateGroupReqInput": destroy_group_body("g"),
         "GenerateReqInput": generate,
+        **{f"PauseGenerationReqInput/{mode}": pause_generation_body(mode) for mode in PAUSE_MODES},
+        "ContinueGenerationReqInput": continue_generation_body(),
+        "UpdateWeightsFromTensorReqInput/paused in place": json.loads(
+            b"".join(tensor_update_body(entries, version="8", flush_cache=False))),
     }
     announced = bucket.announce()
     layouts = {"ours": announced, "unaligned": (["a", "b"], ["bfloat16", "float32"], [[3], [2]]),
@@ -124,7 +134,8 @@ def verdicts():
     jobs += [("validate", "GenerateReqInput", scoring), ("contract", scoring),
              ("sampling_params", scoring["sampling_params"], 512)]
     jobs += [("receive_layout", *layout) for layout in layouts.values()]
-    jobs += [("validate", struct, body) for struct, body in bodies.items()]
+    jobs += [("validate", struct.split("/")[0], body) for struct, body in bodies.items()]
+    jobs += [("validate", "PauseGenerationReqInput", {"mode": "drain"})]
     answers = iter(ask(jobs))
     decoded = [next(answers) for _ in entries]
     return {"named": named, "bucket": bucket, "decoded": decoded, "fp8": fp8, "hostile": hostile,
@@ -132,7 +143,8 @@ def verdicts():
             "allowed": {tuple(g) for g in next(answers)[1]}, "contract": next(answers),
             "scoring": (scoring, next(answers), next(answers), next(answers)),
             "layouts": {key: (layout, next(answers)) for key, layout in layouts.items()},
-            "bodies": bodies, "validated": {struct: next(answers) for struct in bodies}}
+            "bodies": bodies, "validated": {struct: next(answers) for struct in bodies},
+            "unknown_pause_mode": next(answers)}
 
 
 def test_sglang_decodes_every_tensor_payload_bit_exactly(verdicts):
@@ -260,6 +272,12 @@ def test_request_bodies_are_valid_sglang_requests_with_no_ignored_field(verdicts
     assert all(isinstance(e, bytes) for e in tensor["serialized_named_tensors"])  # base64 decoded
     generate = verdicts["validated"]["GenerateReqInput"][1]["values"]
     assert generate["return_routed_experts"] and generate["sampling_params"]["sampling_seed"] == 5
+    for mode in PAUSE_MODES:  # partial rollouts' pause: each mode SGLang's own Literal accepts
+        assert verdicts["validated"][f"PauseGenerationReqInput/{mode}"][1]["values"]["mode"] == mode
+    assert verdicts["validated"]["ContinueGenerationReqInput"][1]["values"]["torch_empty_cache"] is True
+    assert verdicts["unknown_pause_mode"][0] == "error"  # the stand-in refuses it too (test_standin_pauses.py)
+    in_place = verdicts["validated"]["UpdateWeightsFromTensorReqInput/paused in place"][1]["values"]
+    assert in_place["weight_version"] == "8" and in_place["flush_cache"] is False
     assert verdicts["contract"] == ("ok", None)
 
 
@@ -286,6 +304,31 @@ def test_the_stand_ins_session_rules_are_sglangs():
         assert standin_weights.NO_SESSION.format(call=call) in _messages(_function(updater, call))
     assert standin_weights.SESSION_OPEN in _messages(_function(updater, "begin_weight_update"))
     assert standin_weights.NOTHING_TO_END in _messages(_function(updater, "end_weight_update"))
+
+
+def test_the_pause_rules_the_stand_in_and_the_client_follow_are_sglangs():
+    """Partial rollouts (``sglang_standin/pausing.py``, ``rollout/sglang/pause.py``): a weight update
+    while paused skips the model-update lock, unpaused it takes it; a push that asks for a flush
+    while requests run fails with SGLang's words; retract and in_place reach the scheduler, abort
+    aborts every request; per-token versions are spans of the output tokens."""
+    from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED
+
+    control = "managers/tokenizer_control_mixin.py"
+    for call in ("update_weights_from_distributed", "update_weights_from_tensor", "_weight_update_session_call"):
+        text = ast.unparse(_function(control, call))
+        assert "is_paused = self.is_pause" in text and "async with self.model_update_lock.writer_lock:" in text, call
+    flush = _function("managers/scheduler_components/weight_updater.py", "flush_cache_after_weight_update")
+    assert "recv_req.flush_cache and (not self.flush_cache(" in ast.unparse(flush)
+    refusals = [node.value.elts[1].value for node in ast.walk(flush) if isinstance(node, ast.Return)
+                and isinstance(node.value.elts[1], ast.Constant)]
+    assert refusals == [FLUSH_REFUSED]
+    pause = ast.unparse(_function("managers/tokenizer_manager.py", "pause_generation"))
+    assert "if obj.mode != 'abort':" in pause and "self.abort_request(abort_all=True)" in pause
+    generate = _source("managers/tokenizer_manager.py")
+    assert "await self.is_pause_cond.wait_for(lambda: not self.is_pause)" in generate
+    spans = ast.unparse(_function("utils/weight_versions.py", "add_weight_versions_to_meta_info"))
+    assert "meta_info['weight_versions'] = [{'version': span.version, 'start': span.start, 'end':" in spans
+    assert "meta_info['weight_version'] = visible[-1].version" in spans
 
 
 def test_the_load_group_is_the_deepseek_loaders_pair():
@@ -365,7 +408,7 @@ def test_the_stand_ins_memory_rules_are_sglangs():
 
 
 def test_a_teachers_scoring_request_is_a_valid_prefill_only_request(verdicts):
-    """The distillation teacher's request (``wire.score_payload``): valid for GenerateReqInput with no
+    """The distillation teacher's request (``score_wire.score_payload``): valid for GenerateReqInput with no
     ignored field, passes /generate's contract gate, and its sampling_params pass SGLang's own
     SamplingParams.verify with max_new_tokens 0 (a prefill-only request)."""
     body, (status, value), contract, (sp_status, sp_value) = verdicts["scoring"]

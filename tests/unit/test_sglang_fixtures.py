@@ -4,8 +4,8 @@ The fixtures in ``tests/fixtures/sglang_0_5_23`` are response bodies as 0.5.23 b
 (each names the files and functions it was written from: the HTTP server's generate
 handler, the tokenizer manager's ``_handle_batch_output`` and logprob helpers, the
 scheduler's default ``logprob_start_len``, the finish reasons' ``to_json``, the routed-
-experts capturer and its base64 encoding), with the values a reader must decode from
-them. Shown: the client's decoder reads them to those values (routes compared with the
+experts capturer and its base64 encoding, the weight-version spans, a retraction and an abort
+by ``/pause_generation``), with the values a reader must decode from them. Shown: the client's decoder reads them to those values (routes compared with the
 decoding SGLang itself documents: ``np.frombuffer(b64decode(s), np.int32)``); and the
 stand-in's encoder writes a body with the same keys, in the same order, with the same
 JSON types at every level, and the decoder reads what it writes.
@@ -36,6 +36,7 @@ def _decode(doc: dict, body: dict):
     return decode_generate_response(
         body, rid=req["rid"], prompt_len=len(req["input_ids"]), want_routes=req["return_routed_experts"],
         num_layers=d["num_layers"], topk=d["topk"], num_experts=d["num_experts"], source="fixture",
+        allow_abort=d["finish_reason"] == "abort",
     )
 
 
@@ -65,6 +66,7 @@ def test_client_decodes_the_golden_response(path):
     got, want = _decode(doc, doc["response"]), doc["decoded"]
     assert got.output_ids == want["output_ids"] and got.finish_reason == want["finish_reason"]
     assert got.weight_version == want["weight_version"] and got.rid == doc["request"]["rid"]
+    assert got.token_versions == want["token_versions"]
     assert torch.equal(got.output_logprobs, torch.tensor(want["logprobs"], dtype=torch.float32))
     if want["routes"] is None:
         assert got.routed_experts is None
@@ -86,13 +88,15 @@ def test_stand_in_writes_the_golden_schema(path):
         rid=doc["request"]["rid"], prompt_len=len(doc["request"]["input_ids"]), output_ids=want["output_ids"],
         output_logprobs=torch.tensor(want["logprobs"]), finish_reason=want["finish_reason"],
         weight_version=want["weight_version"], routed_experts=routes, e2e_latency=0.01,
+        version_spans=[(s["version"], s["start"], s["end"]) for s in golden["meta_info"]["weight_versions"]],
+        num_retractions=want.get("num_retractions", 0),
     )
     assert list(ours) == list(golden)
     assert list(ours["meta_info"]) == list(golden["meta_info"])
     assert _json_type_tree(ours) == _json_type_tree(golden)
     meta, gold = ours["meta_info"], golden["meta_info"]
     for key in ("finish_reason", "prompt_tokens", "output_token_logprobs_length", "completion_tokens",
-                "input_token_logprobs", "routed_experts"):
+                "input_token_logprobs", "routed_experts", "weight_versions", "weight_version", "num_retractions"):
         assert meta.get(key) == gold.get(key), key
     back = _decode(doc, json.loads(json.dumps(ours)))
-    assert back.output_ids == want["output_ids"]
+    assert back.output_ids == want["output_ids"] and back.token_versions == want["token_versions"]

@@ -41,7 +41,9 @@ when the trainer pushes its weights into it again. Does not own sampling math
 
 from __future__ import annotations
 
-from typing import Sequence
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,7 +52,7 @@ from megatron_rl.parallel import comm
 from megatron_rl.parallel.groups import ParallelGroups
 from megatron_rl.parallel.offload import StorageSet
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams, check_routes_from
-from megatron_rl.rollout.local.hf_generate import check_lengths, generate
+from megatron_rl.rollout.local.hf_generate import DecodeControl, Generation, check_lengths, generate
 from megatron_rl.rollout.local.hf_model import (
     HFWeightLoader,
     build_hf_model,
@@ -59,6 +61,20 @@ from megatron_rl.rollout.local.hf_model import (
 from megatron_rl.rollout.local.hf_prefix_cache import PrefixCache
 from megatron_rl.rollout.sglang.weight_sync import gather_full_params
 from megatron_rl.sections import ModelConfig
+
+
+@dataclass
+class HFPending:
+    """A batch :meth:`HFEngine.start_generate` began."""
+
+    prompts: list
+    """Token ids per sample (the whole batch of this data-parallel rank)."""
+    control: DecodeControl
+    """Pauses its decoding while the weights change."""
+    thread: threading.Thread | None = None
+    mine: list[Generation] | None = None
+    """This rank's share, once generated."""
+    error: BaseException | None = None
 
 
 class HFEngine:
@@ -77,6 +93,8 @@ class HFEngine:
             from there (multi-turn rollouts; emptied at every weight push).
         logprobs_after_temperature: report ``log_softmax(logits / T)`` (SGLang's default
             convention, for the CPU SGLang stand-in) instead of the raw one.
+        pause_mode: partial rollouts: a push with generations running pauses them and goes on
+            (``in_place`` over the old KV, else computing it again); None: a push waits for none.
     """
 
     def __init__(
@@ -90,6 +108,7 @@ class HFEngine:
         dtype: str | None = None,
         prefix_cache: bool = False,
         logprobs_after_temperature: bool = False,
+        pause_mode: str | None = None,
     ) -> None:
         check_architecture(architecture)
         self.logprobs_after_temperature = logprobs_after_temperature
@@ -109,6 +128,9 @@ class HFEngine:
         self.weight_version = -1
         self.released: StorageSet | None = None
         """The replica's storages while its memory is released (None: resident)."""
+        self.pause_mode = pause_mode
+        self._running: list[HFPending] = []
+        """Batches :meth:`start_generate` began and :meth:`finish_generate` has not ended."""
         self.update_weights(0)
 
     # ------------------------------------------------------------------ weights
@@ -118,6 +140,12 @@ class HFEngine:
         """Collective over the world: load the Megatron model's weights into every replica as ``version``."""
         if self.released is not None:
             raise RuntimeError("HF engine: weights pushed while its memory is released (resume_memory first)")
+        running = [p for p in self._running if p.thread.is_alive()]
+        if running and self.pause_mode is None:
+            raise RuntimeError("HF engine: weights pushed while a generation runs (without partial rollouts a push "
+                               "waits for the batches in flight: finish them first)")
+        for pending in running:  # parked between decoding steps while the replica changes
+            pending.control.pause()
         for name, full in gather_full_params(self.model, self.groups, everywhere=True):
             for hf_name, tensor in self._name_map(name, full):
                 self._loader.load(hf_name, tensor)
@@ -126,6 +154,8 @@ class HFEngine:
             self.prefix_cache.clear()  # KV of the old weights must not serve the new ones
         self._check_replicas(version)
         self.weight_version = version
+        for pending in running:
+            pending.control.resume(version, recompute=self.pause_mode != "in_place")
 
     def fingerprint(self) -> float:
         """fp64 sum over every replica parameter (equal bytes give equal sums)."""
@@ -175,32 +205,96 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  return_routed_experts: bool = True, seed: int = 0,
-                 routes_from: Sequence[int] | None = None) -> list[RolloutSample]:
-        """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group)."""
+                 routes_from: Sequence[int] | None = None, kv: PrefixCache | None = None) -> list[RolloutSample]:
+        """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group);
+        ``kv``: a cache to use instead of the engine's own (prompts that extend an entry are
+        served from it, every computed row's KV is kept in it: the CPU SGLang stand-in's
+        pauses in place)."""
+        mine = self._share(prompts, params, return_routed_experts=return_routed_experts, seed=seed,
+                           routes_from=routes_from, kv=kv)
+        return self._samples(prompts, self._gathered(mine))
+
+    def _share(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, return_routed_experts: bool,
+               seed: int, routes_from: Sequence[int] | None = None, kv: PrefixCache | None = None,
+               control: DecodeControl | None = None) -> list[Generation]:
+        """This rank's share of the prompts, generated (nothing collective)."""
         if self.released is not None:
             raise RuntimeError("HF engine: generate while its memory is released (resume_memory first)")
         check_lengths(prompts, params.max_new_tokens, self.max_length)
         starts = check_routes_from(prompts, routes_from)
+        share = self._share_of(len(prompts))
         mp = self.groups.mp
-        mp_size, mp_rank = comm.size(mp), comm.rank(mp)
-        per, extra = divmod(len(prompts), mp_size)
-        start = mp_rank * per + min(mp_rank, extra)
-        share = range(start, start + per + (mp_rank < extra))
         generator = torch.Generator(device=next(self.hf_model.parameters()).device)
-        generator.manual_seed(seed * 1_000_003 + self.groups.dp_rank * mp_size + mp_rank)
-        mine = []
-        if len(share):
-            mine = generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
-                            return_routes=return_routed_experts, max_length=self.max_length,
-                            routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache,
-                            logprobs_after_temperature=self.logprobs_after_temperature)
-        if mp_size > 1:
-            mine = [g for part in comm.all_gather_objects(mine, mp) for g in part]
-        return [
-            RolloutSample(
+        generator.manual_seed(seed * 1_000_003 + self.groups.dp_rank * comm.size(mp) + comm.rank(mp))
+        if not len(share):
+            return []
+        return generate(self.hf_model, [prompts[i] for i in share], params, generator=generator,
+                        return_routes=return_routed_experts, max_length=self.max_length,
+                        routes_from=[starts[i] for i in share], prefix_cache=self.prefix_cache if kv is None else kv,
+                        logprobs_after_temperature=self.logprobs_after_temperature, control=control)
+
+    def _share_of(self, count: int) -> range:
+        """The indices this rank of its model-parallel group generates (contiguous, balanced)."""
+        mp = self.groups.mp
+        per, extra = divmod(count, comm.size(mp))
+        rank = comm.rank(mp)
+        start = rank * per + min(rank, extra)
+        return range(start, start + per + (rank < extra))
+
+    def _gathered(self, mine: list[Generation]) -> list[Generation]:
+        """Every share of the model-parallel group, in order (collective over it)."""
+        if comm.size(self.groups.mp) > 1:
+            return [g for part in comm.all_gather_objects(mine, self.groups.mp) for g in part]
+        return mine
+
+    def _samples(self, prompts: Sequence[Sequence[int]], generations: list[Generation]) -> list[RolloutSample]:
+        out = []
+        for prompt, g in zip(prompts, generations):
+            versions = torch.tensor(g.versions) if g.versions is not None else None
+            mixed = versions is not None and len(set(g.versions)) > 1
+            out.append(RolloutSample(
                 prompt_ids=list(prompt), output_ids=g.output_ids, output_logprobs=g.logprobs,
-                finish_reason="stop" if g.stopped else "length", weight_version=self.weight_version,
-                routed_experts=g.routes_NLK,
-            )
-            for prompt, g in zip(prompts, mine)
-        ]
+                finish_reason="stop" if g.stopped else "length", routed_experts=g.routes_NLK,
+                weight_version=self.weight_version if versions is None else int(versions.min()),
+                token_versions=versions if mixed else None,
+            ))
+        return out
+
+    # ------------------------------------------------------------------ asynchronous rollouts
+
+    def start_generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
+                       return_routed_experts: bool = True, seed: int = 0,
+                       on_samples: Callable[[dict[int, RolloutSample]], None] | None = None) -> HFPending:
+        """Begin :meth:`generate` of this rank's share in a thread of its own (nothing collective
+        there); :meth:`finish_generate` gathers the shares. While it runs, :meth:`update_weights`
+        pauses it between decoding steps, the SGLang servers' ``/pause_generation`` here: with
+        ``pause_mode`` ``in_place`` it goes on over the old KV, else (``abort``, ``retract``) its
+        KV is computed again under the new weights first; each token carries the version that
+        computed it. ``on_samples`` (model-parallel rank 0) gets its share's samples, by index."""
+        control = DecodeControl(self.weight_version)
+        pending = HFPending(list(prompts), control)
+        first = self._share_of(len(prompts)).start
+
+        def run() -> None:
+            try:
+                pending.mine = self._share(prompts, params, return_routed_experts=return_routed_experts, seed=seed,
+                                           control=control)
+                if on_samples is not None and comm.rank(self.groups.mp) == 0:
+                    on_samples({first + j: s for j, s in enumerate(self._samples(
+                        [prompts[first + j] for j in range(len(pending.mine))], pending.mine))})
+            except BaseException as err:  # noqa: BLE001 - raised by finish_generate
+                pending.error = err
+            finally:
+                control.finished()
+
+        pending.thread = threading.Thread(target=run, daemon=True, name="megatron-rl-hf-rollouts")
+        pending.thread.start()
+        self._running.append(pending)
+        return pending
+
+    def finish_generate(self, pending: HFPending, version: int) -> list[RolloutSample]:
+        """Collective over the model-parallel group: the batch :meth:`start_generate` began."""
+        pending.thread.join()
+        self._running = [p for p in self._running if p is not pending]
+        comm.raise_first_failure(pending.error, self.groups.mp, "a background hf generation")
+        return self._samples(pending.prompts, self._gathered(pending.mine))

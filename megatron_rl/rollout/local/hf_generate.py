@@ -23,6 +23,13 @@ Multi-turn: ``routes_from`` returns routes from a position on (SGLang's
 response is served from that response's KV, so only the new positions are computed
 (``hf_prefix_cache``).
 
+Pauses (the hf engine's asynchronous rollouts, :class:`DecodeControl`): between a sampled
+token and the next forward the decoding thread can park while the weights change; it then
+goes on, each token tagged with the version of the pass that computed its logits. With
+``recompute`` (SGLang's ``retract``) every live row's KV is computed again under the new
+weights (the prompt and the tokens so far); otherwise (``in_place``) the old KV stays. Routes
+of positions forwarded before the pause keep the pass that computed them.
+
 Does not own the model or its weights (``hf_model``), data-parallel splitting or
 versions (``hf_engine``).
 """
@@ -30,6 +37,7 @@ versions (``hf_engine``).
 from __future__ import annotations
 
 import re
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -61,6 +69,48 @@ class Generation:
     """Ended on a stop token (else on ``max_new_tokens``)."""
     routes_NLK: torch.Tensor | None
     """``[N - 1, L, K]`` experts of every forwarded position (compact integer dtype), when asked."""
+    versions: list[int] | None = None
+    """The weights version that computed each token's logits (with a :class:`DecodeControl`)."""
+
+
+class DecodeControl:
+    """Pauses a decoding thread between steps while the weights change (see the module docstring).
+
+    Args:
+        version: the version of the weights the model holds when decoding starts.
+    """
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.recompute = False
+        self._pause, self._parked, self._resumed, self._done = (threading.Event() for _ in range(4))
+
+    def pause(self) -> None:
+        """Ask the decoding thread to park at its next step; returns once it has (or has finished)."""
+        self._resumed.clear()
+        self._pause.set()
+        while not (self._parked.wait(0.01) or self._done.is_set()):
+            pass
+
+    def resume(self, version: int, recompute: bool) -> None:
+        """Go on under the weights of ``version``; ``recompute``: the KV again under them first."""
+        self.version, self.recompute = version, recompute
+        self._pause.clear()
+        self._parked.clear()
+        self._resumed.set()
+
+    def finished(self) -> None:
+        """The decoding ended (a pause asked later returns at once)."""
+        self._done.set()
+
+    def at_step(self) -> bool:
+        """Called by the decoding thread between steps: parks while paused; True when the KV must
+        be computed again (the weights changed and ``recompute``)."""
+        if not self._pause.is_set():
+            return False
+        self._parked.set()
+        self._resumed.wait()
+        return self.recompute
 
 
 def moe_routers(hf_model: torch.nn.Module) -> dict[int, torch.nn.Module]:
@@ -79,10 +129,12 @@ def _capture_routes(hf_model: torch.nn.Module, enabled: bool) -> Iterator[dict[i
     captured: dict[int, list[torch.Tensor]] = {}
     handles = []
     if enabled:
+        mine = threading.get_ident()  # another thread may decode with the same model (asynchronous rollouts)
         for layer, router in moe_routers(hf_model).items():
             calls = captured.setdefault(layer, [])
             # transformers' TopKRouter returns (router_logits, top-K weights, top-K indices).
-            handles.append(router.register_forward_hook(lambda _m, _i, out, calls=calls: calls.append(out[2])))
+            handles.append(router.register_forward_hook(
+                lambda _m, _i, out, calls=calls: calls.append(out[2]) if threading.get_ident() == mine else None))
         if not handles:
             raise ValueError(f"{type(hf_model).__name__}: no MoE router (model.layers.N.mlp.gate or .router) to read "
                              "routes from")
@@ -127,6 +179,7 @@ def generate(
     routes_from: Sequence[int] | None = None,
     prefix_cache: PrefixCache | None = None,
     logprobs_after_temperature: bool = False,
+    control: DecodeControl | None = None,
 ) -> list[Generation]:
     """One response per prompt, decoded together with a KV cache.
 
@@ -143,6 +196,11 @@ def generate(
             every finished response's KV in it (``hf_prefix_cache``).
         logprobs_after_temperature: report ``log_softmax(logits / T)`` instead of the raw
             convention (SGLang's default; :func:`~megatron_rl.rollout.sampling.sampled_logprobs`).
+        control: pauses between steps while the weights change, and tags each token with the
+            version that computed it (:class:`DecodeControl`).
+
+    Length: one decoding loop, read top to bottom (prefill, then per step: sample, retire rows,
+    pause, forward the new tokens).
     """
     if params.max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {params.max_new_tokens}")
@@ -165,13 +223,15 @@ def generate(
                 responses.routes[i].append(step_routes[i, S - len(suffixes[i]):])
         rows = torch.arange(B, device=device)  # sample index of each batch row
         next_pos_B = torch.tensor([len(p) for p in prompts], device=device)
+        out_version = None if control is None else control.version  # the weights that computed `out`
         for step in range(params.max_new_tokens):
             logits_BV = out.logits[:, -1].float()
             tokens_B = sample_next_tokens(logits_BV, temperature=params.temperature, top_p=params.top_p,
                                           top_k=params.top_k, generator=generator)
             token_lp_B = sampled_logprobs(logits_BV, tokens_B, temperature=params.temperature,
                                           after_temperature=logprobs_after_temperature)
-            keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens)
+            keep = responses.append(rows.tolist(), tokens_B, token_lp_B, stops, step + 1 == params.max_new_tokens,
+                                    out_version)
             if prefix_cache is not None:
                 _keep_finished(prefix_cache, cache, rows, keep, mask_BP, prompts, responses)
             if not keep:
@@ -181,6 +241,20 @@ def generate(
                 select_rows(cache, index)
                 rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
                 next_pos_B = next_pos_B[index]
+            if control is not None and control.at_step():
+                # The weights changed: every live row's KV again, its last token forwarded with it.
+                out_version = control.version
+                live = [list(prompts[i]) + responses.output_ids[i] for i in rows.tolist()]
+                cache, input_BS, mask_BP, positions_BS, _ = _prefill_inputs(hf_model, live, [None] * len(live), pad_id)
+                out = hf_model(input_ids=input_BS, attention_mask=mask_BP, position_ids=positions_BS, cache=cache,
+                               use_cache=True, logits_to_keep=1)
+                next_pos_B = torch.tensor([len(seq) for seq in live], device=device)
+                step_routes = _pop_step_routes(captured, len(rows), input_BS.shape[1])
+                if step_routes is not None:  # only the new position's: the others keep their first pass's
+                    for r, i in enumerate(rows.tolist()):
+                        responses.routes[i].append(step_routes[r, -1:])
+                continue
+            out_version = None if control is None else control.version
             mask_BP = torch.cat([mask_BP, mask_BP.new_ones(len(rows), 1)], dim=1)
             out = hf_model(input_ids=tokens_B[:, None], attention_mask=mask_BP, position_ids=next_pos_B[:, None],
                            cache=cache, use_cache=True)
@@ -189,6 +263,8 @@ def generate(
             if step_routes is not None:
                 for r, i in enumerate(rows.tolist()):
                     responses.routes[i].append(step_routes[r])
+    if control is not None:
+        control.finished()
     return responses.generations(compact_id_dtype(_num_experts(hf_model.config)), with_routes=return_routes,
                                  routes_from=starts)
 
@@ -266,15 +342,18 @@ class _Responses:
         self.output_ids: list[list[int]] = [[] for _ in range(num_samples)]
         self.logprobs: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
         self.routes: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
+        self.versions: list[list[int]] = [[] for _ in range(num_samples)]
         self.stopped = [False] * num_samples
 
     def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B: torch.Tensor,
-               stops: set[int], last_step: bool) -> list[int]:
-        """Adds each row's token to its sample; returns the rows that go on decoding."""
+               stops: set[int], last_step: bool, version: int | None = None) -> list[int]:
+        """Adds each row's token (computed by weights ``version``) to its sample; returns the rows
+        that go on decoding."""
         keep = []
         for r, (i, token) in enumerate(zip(samples, tokens_B.tolist())):
             self.output_ids[i].append(token)
             self.logprobs[i].append(token_lp_B[r])
+            self.versions[i].append(version)
             self.stopped[i] = token in stops
             if not self.stopped[i] and not last_step:
                 keep.append(r)
@@ -286,9 +365,10 @@ class _Responses:
             Generation(
                 output_ids=ids, logprobs=torch.stack(logprobs).float().cpu(), stopped=stopped,
                 routes_NLK=torch.cat(routes)[start:].to(id_dtype).cpu() if with_routes else None,
+                versions=None if None in versions else versions,
             )
-            for ids, logprobs, routes, stopped, start in zip(self.output_ids, self.logprobs, self.routes,
-                                                             self.stopped, routes_from)
+            for ids, logprobs, routes, stopped, start, versions in zip(
+                self.output_ids, self.logprobs, self.routes, self.stopped, routes_from, self.versions)
         ]
 
 

@@ -67,6 +67,10 @@ class PrefixCache:
         while len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
 
+    def take(self, ids: Sequence[int]) -> CachedPrefix | None:
+        """The entry of exactly ``ids`` (removed from the cache), or None."""
+        return self._entries.pop(tuple(ids), None)
+
     def lookup(self, prompt: Sequence[int], need_routes: bool) -> CachedPrefix | None:
         """The longest entry whose ids are a proper prefix of ``prompt`` (removed from the cache), or None."""
         prompt = tuple(prompt)

@@ -25,6 +25,11 @@ by sample index that keeps the first result and drops duplicates, and the call r
 only when the ledger holds every index exactly once, or raises naming the samples that
 failed. A server killed mid-batch therefore costs retries, never samples.
 
+Partial rollouts (``partial``): a response may span weight pushes; its tokens carry the
+version that produced each (``meta_info.weight_versions``), none may be older than the
+version expected, and one that a pause in mode ``abort`` cut short goes on as a new request
+from what it had (:mod:`~megatron_rl.rollout.sglang.partial`), counted in ``continued``.
+
 Restarts and hangs: retries last ``retry_budget_s`` (sized for a server restart) rather
 than a few attempts. A server that comes back serves its launch weights; with
 ``resync=True`` a sample answered by a server *behind* the expected version is not retried
@@ -70,6 +75,7 @@ from megatron_rl.rollout.sglang.ledger import (
     ServersBehindError,
     StaleWeightVersionError,
 )
+from megatron_rl.rollout.sglang.partial import ContinuedRequest, behind_versions, is_behind
 from megatron_rl.rollout.sglang.server_checks import (
     check_deterministic,
     probe_logprob_convention,
@@ -79,6 +85,7 @@ from megatron_rl.rollout.sglang.wire import (
     GenerateResult,
     GenerationAborted,
     MissingRoutesError,
+    RouteShape,
     WireFormatError,
     decode_generate_response,
     generate_payload,
@@ -126,6 +133,10 @@ class SGLangClientConfig:
     """The run asks for seeded sampling: every server must run with
     ``--enable-deterministic-inference`` (checked in ``/server_info``), else SGLang ignores
     ``sampling_seed``."""
+    partial: bool = False
+    """Partial rollouts: weights are pushed while requests run (the servers paused), so a
+    response may continue under newer weights, and one aborted by a pause continues as a
+    new request from its tokens (:mod:`~megatron_rl.rollout.sglang.partial`)."""
 
     def __post_init__(self) -> None:
         positive = ("request_timeout_s", "connect_timeout_s", "hang_check_after_s", "health_timeout_s")
@@ -135,21 +146,6 @@ class SGLangClientConfig:
         for name in ("retry_budget_s", "max_retries", "backoff_s", "backoff_max_s", "max_resyncs"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"SGLangClientConfig.{name}: must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(frozen=True)
-class RouteShape:
-    """What decoded routes must look like for the trained model."""
-
-    num_layers: int
-    """L: decoder layers (the columns SGLang sends)."""
-    topk: int
-    """K."""
-    num_experts: int
-    """E."""
-    moe_layers: tuple[int, ...] | None = None
-    """0-based indices of the MoE layers among the L; decoded routes keep only these columns
-    (SGLang sends zeros for dense layers). None: every layer is an MoE layer."""
 
 
 class _Retryable(Exception):
@@ -336,13 +332,14 @@ class SGLangClient:
                 return None  # unreachable now: requests to it will retry within their budget
 
         for url, served in zip(self.urls, await asyncio.gather(*(version(u) for u in self.urls))):
-            if served is not None and _is_behind(served, expected):
+            if served is not None and is_behind(served, expected):
                 self._behind[url] = served
 
     async def _sample(self, ledger, index, prompt, params, want_routes, expected_version, seed, resync,
                       start_len: int = 0) -> None:
         last_error, first_failure, attempt = None, None, 0
         url = None
+        request = ContinuedRequest(list(prompt), params, start_len, seed)
         while True:
             try:
                 async with self._slots:
@@ -350,12 +347,16 @@ class SGLangClient:
                     url = self._pick(avoid=url)
                     if url is None:
                         return  # every server is behind: the engine re-pushes weights and asks again
-                    rid = f"{ledger.batch}-{index}.a{attempt}"
-                    payload = generate_payload(rid=rid, prompt_ids=prompt, params=params,
-                                               return_routed_experts=want_routes, sampling_seed=seed,
-                                               routes_from=start_len)
-                    result = await self._attempt(url, rid, payload, index, len(prompt), want_routes, expected_version,
-                                                 start_len)
+                    rid = f"{ledger.batch}-{index}.a{attempt}" + (f".p{request.pieces}" if request.pieces else "")
+                    payload = generate_payload(rid=rid, prompt_ids=request.piece_prompt, params=request.piece_params,
+                                               return_routed_experts=want_routes, sampling_seed=request.piece_seed,
+                                               routes_from=request.piece_start)
+                    piece = await self._attempt(url, rid, payload, index, len(request.piece_prompt), want_routes,
+                                                expected_version, request.piece_start)
+                result = request.continue_after(piece) if piece.finish_reason == "abort" else request.result(piece)
+                if result is None:
+                    self.stats.continued += 1  # paused in mode abort: the rest is a new request
+                    continue
                 result.meta.update(server=url, attempts=attempt + 1)
                 ledger.add(index, result)
                 self.stats.per_server[url] = self.stats.per_server.get(url, 0) + 1
@@ -365,7 +366,7 @@ class SGLangClient:
                 if err.cool_down:
                     self._down_until[url] = time.monotonic() + self.cfg.server_cooldown_s
                 last_error = err
-                if resync and err.cause == "stale_version" and _is_behind(err.served, expected_version):
+                if resync and err.cause == "stale_version" and is_behind(err.served, expected_version):
                     # Retrying there cannot help until the engine re-pushes the weights; another
                     # server, if any is current, can take the sample at once.
                     self._behind[url] = err.served
@@ -474,7 +475,7 @@ class SGLangClient:
             result = decode_generate_response(
                 data, rid=rid, prompt_len=prompt_len, want_routes=want_routes, num_layers=self.routes.num_layers,
                 topk=self.routes.topk, num_experts=self.routes.num_experts, source=source,
-                moe_layers=self.routes.moe_layers, start_len=start_len,
+                moe_layers=self.routes.moe_layers, start_len=start_len, allow_abort=self.cfg.partial,
             )
         except MissingRoutesError as err:
             raise RolloutRequestError(f"{err} (not retried)") from None
@@ -482,19 +483,13 @@ class SGLangClient:
             raise _Retryable("bad_payload", str(err)) from None
         except GenerationAborted as err:
             raise _Retryable("aborted", str(err)) from None
-        if expected_version is not None and result.weight_version != expected_version:
-            stale = _Retryable("stale_version", f"{source}: generated with weight version {result.weight_version!r}, "
+        served = None if expected_version is None else behind_versions(result, expected_version,
+                                                                       partial=self.cfg.partial)
+        if served is not None:
+            stale = _Retryable("stale_version", f"{source}: generated with weight version {served!r}, "
                                f"expected {expected_version!r} (a server restarted without the current weights, "
                                "or one whose weight sync failed, stays stale)")
-            stale.served = str(result.weight_version)
+            stale.served = served
             raise stale
         return result
 
-
-def _is_behind(served: str, expected: str) -> bool:
-    """Whether a server at ``served`` lacks weights the trainer at ``expected`` pushed: an
-    older number, or a launch tag such as SGLang's "default" (a restarted server). A newer
-    number means another writer, which a re-push would fight, so it is not "behind"."""
-    if not expected.lstrip("-").isdigit():
-        return False
-    return not served.lstrip("-").isdigit() or int(served) < int(expected)

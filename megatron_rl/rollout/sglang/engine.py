@@ -2,8 +2,11 @@
 
 Owns what is collective about SGLang rollouts: model-parallel leaders send the requests
 and share the samples with their peers, weights are pushed with a version every sample
-must then carry, servers found behind that version (restarted) get the weights again
-before their samples are asked for again, and the client's counters become step metrics.
+must then carry (with partial rollouts, ``pause``: pushed while requests run, the servers
+paused around the push, :mod:`~megatron_rl.rollout.sglang.pause`, and each token tagged
+with the version that produced it), servers found behind that version (restarted) get the
+weights again before their samples are asked for again, and the client's counters become
+step metrics.
 In colocated runs it also releases and resumes the servers' memory, collectively, by the
 rules of :mod:`~megatron_rl.rollout.sglang.memory` (refusing, on every rank alike, what would
 kill a server: a release with generations in flight, a generation or push into released
@@ -32,6 +35,7 @@ from megatron_rl.rollout.sglang.client import (
     StaleWeightVersionError,
 )
 from megatron_rl.rollout.sglang.memory import ServerMemory
+from megatron_rl.rollout.sglang.pause import GenerationPause
 from megatron_rl.rollout.sglang.wire import GenerateResult
 
 if TYPE_CHECKING:  # the engine is usable without Megatron (a single process, no trainer)
@@ -43,9 +47,10 @@ __all__ = ["SGLangEngine", "PendingGeneration", "WeightSyncer", "STEP_METRICS", 
 class WeightSyncer(Protocol):
     """What the engine needs from :class:`~megatron_rl.rollout.sglang.weight_sync.WeightSync`."""
 
-    def sync(self, version: int, *, reconnect: bool = False) -> None:
+    def sync(self, version: int, *, reconnect: bool = False, flush_cache: bool = True) -> None:
         """Collectively push the current weights to every server, tagged ``version``;
-        ``reconnect``: servers restarted, so transport state they held is rebuilt first."""
+        ``reconnect``: servers restarted, so transport state they held is rebuilt first;
+        ``flush_cache``: the last bucket flushes the servers' cache."""
         ...
 
     def close(self) -> None:
@@ -57,7 +62,7 @@ class WeightSyncer(Protocol):
         ...
 
 
-STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts", "restarts")
+STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts", "continued", "restarts")
 """Counters :meth:`SGLangEngine.step_metrics` reports, as ``sglang/<name>``."""
 
 
@@ -124,12 +129,15 @@ class SGLangEngine:
             too, so servers never serve weights the trainer does not hold.
         memory: the servers' memory, for colocated runs (:meth:`release_memory`,
             :meth:`resume_memory`); None: the servers keep theirs.
+        pause: partial rollouts: pauses the servers around a push made while batches begun by
+            :meth:`start_generate` are in flight (None: pushes wait for nothing to be in flight).
     """
 
     def __init__(self, cfg: SGLangClientConfig, routes: RouteShape, *, groups: ParallelGroups | None = None,
-                 weight_sync: WeightSyncer | None = None, memory: ServerMemory | None = None) -> None:
+                 weight_sync: WeightSyncer | None = None, memory: ServerMemory | None = None,
+                 pause: GenerationPause | None = None) -> None:
         self.cfg, self.routes, self.groups, self.weight_sync = cfg, routes, groups, weight_sync
-        self.memory = memory
+        self.memory, self.pause = memory, pause
         self.pending: set[int] = set()
         """``id`` of each batch :meth:`start_generate` began and :meth:`finish_generate` has not ended."""
         self.weight_version = 0
@@ -146,9 +154,25 @@ class SGLangEngine:
         if self.memory is not None:
             self.memory.check_push()
         if self.weight_sync is not None:
-            self.weight_sync.sync(version)
+            self._sync(version)
             self.synced = True
         self.weight_version = version
+
+    def _sync(self, version: int, reconnect: bool = False) -> None:
+        """Collective: push ``version``; with batches in flight and ``pause`` set, inside a pause.
+
+        Without ``pause`` the caller has let every batch's requests end first (nothing may run
+        while a session's calls land, see :mod:`~megatron_rl.rollout.sglang.pause`)."""
+        if self.pause is not None and not self.synced:
+            # A trainer killed mid-push left its servers paused: a continue first (harmless otherwise).
+            self._on_rank0(self.pause.resume, "continuing generation on the SGLang servers")
+        paused = self.pause is not None and bool(self.pending)
+        if paused:
+            self._on_rank0(self.pause.pause, f"pausing generation for weight version {version}")
+        flush = {} if not paused or self.pause.flush_cache else {"flush_cache": False}
+        self.weight_sync.sync(version, reconnect=reconnect, **flush)
+        if paused:
+            self._on_rank0(self.pause.resume, f"continuing generation under weight version {version}")
 
     def close(self) -> None:
         """Release the weight-sync transport (collective like ``update_weights``)."""
@@ -242,7 +266,7 @@ class SGLangEngine:
                 if self._rank0():
                     print(f"SGLang servers behind weight version {self.weight_version} (restarted?): {servers}; "
                           "pushing the weights again", flush=True)
-                self.weight_sync.sync(self.weight_version, reconnect=True)
+                self._sync(self.weight_version, reconnect=True)
                 self.stats.resyncs += 1
         finally:
             self._totals.add(self.stats)
@@ -256,10 +280,11 @@ class SGLangEngine:
 
         Called on every rank together (the first weight push may be due, a collective); after
         that only the model-parallel leader works, in a thread that does HTTP and nothing
-        collective, against the weights the servers hold now (``weight_version``): every
-        request of the batch is generated by that one version, because the trainer pushes no
-        weights until it has finished the batch (the "finish under the old version" policy of
-        :mod:`megatron_rl.train.async_rollouts`). Same seeds as :meth:`generate`.
+        collective, starting from the weights the servers hold now (``weight_version``, the
+        oldest a token may carry). Without ``pause`` the trainer pushes nothing until the
+        batch's requests have ended, so one version generates each; with it, pushes pause the
+        servers and later tokens come from later versions, each tagged
+        (:mod:`megatron_rl.train.async_rollouts`). Same seeds as :meth:`generate`.
         ``on_samples`` (leader only) gets what the round got, in the thread, as soon as it has
         it (the trainer scores them there); samples asked for again at the join are not in it.
         """
@@ -388,8 +413,8 @@ class SGLangEngine:
         return {todo[j]: self._sample(prompts[todo[j]], r) for j, r in got.items()}, behind
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
-        """``sglang/{attempts,retries,duplicates,resyncs,timeouts,restarts}`` since the last call
-        (``restarts``: servers the weight push found restarted, which a rollout may not have seen).
+        """``sglang/{attempts,retries,duplicates,resyncs,timeouts,continued,restarts}`` since the last
+        call (``restarts``: servers the weight push found restarted, which a rollout may not have seen).
 
         Collective over the world when ``groups`` is set, with the same values on every
         rank: only model-parallel leaders send requests, so their counters are summed over
@@ -403,7 +428,7 @@ class SGLangEngine:
         counts = torch.tensor([
             totals.attempts if leader else 0, sum(totals.retries.values()) if leader else 0,
             totals.duplicates_dropped if leader else 0, totals.resyncs if first else 0,
-            totals.timeouts if leader else 0, restarts,
+            totals.timeouts if leader else 0, totals.continued if leader else 0, restarts,
         ], dtype=torch.float64)
         if self.groups is not None:
             comm.all_reduce(counts, self.groups.world)
@@ -411,10 +436,18 @@ class SGLangEngine:
 
     def _sample(self, prompt: Sequence[int], result: GenerateResult) -> RolloutSample:
         version = result.weight_version
-        number = int(version) if version is not None and version.lstrip("-").isdigit() else self.weight_version
+
+        def number(v: str | None) -> int:
+            return int(v) if v is not None and v.lstrip("-").isdigit() else self.weight_version
+
+        token_versions = None
+        if result.token_versions is not None and len(set(result.token_versions)) > 1:
+            token_versions = torch.tensor([number(v) for v in result.token_versions], dtype=torch.int64)
+        first = number(result.token_versions[0] if result.token_versions else version)
         return RolloutSample(
             prompt_ids=list(prompt), output_ids=result.output_ids, output_logprobs=result.output_logprobs,
-            finish_reason=result.finish_reason, weight_version=number, routed_experts=result.routed_experts,
+            finish_reason=result.finish_reason, weight_version=first if token_versions is None else
+            int(token_versions.min()), routed_experts=result.routed_experts, token_versions=token_versions,
             meta={"rid": result.rid, "server_weight_version": version, **result.meta},
         )
 

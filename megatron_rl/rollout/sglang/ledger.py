@@ -53,6 +53,8 @@ class ClientStats:
     """Attempts abandoned for time: ``request_timeout_s`` passed, or the server was hung."""
     resyncs: int = 0
     """Engine: weight re-pushes to servers that came back behind the trainer's version."""
+    continued: int = 0
+    """Responses a pause in mode ``abort`` cut short, asked to go on as new requests (partial rollouts)."""
     max_in_flight: int = 0
     """Most requests in flight at once."""
     per_server: dict[str, int] = field(default_factory=dict)
@@ -66,6 +68,7 @@ class ClientStats:
         self.duplicates_dropped += other.duplicates_dropped
         self.timeouts += other.timeouts
         self.resyncs += other.resyncs
+        self.continued += other.continued
         self.max_in_flight = max(self.max_in_flight, other.max_in_flight)
         for url, n in other.per_server.items():
             self.per_server[url] = self.per_server.get(url, 0) + n

@@ -4,8 +4,8 @@ Owns :class:`ScoringClient`: one prefill-only ``POST /generate`` per sample (``i
 prompt + response, ``max_new_tokens`` 0, ``return_logprob`` with ``logprob_start_len`` =
 prompt length - 1, so the answer holds every response token's log-prob, and
 ``top_logprobs_num`` for the top-k; the body and its decoding are
-:func:`~megatron_rl.rollout.sglang.wire.score_payload` and
-:func:`~megatron_rl.rollout.sglang.wire.decode_score_response`), spread over the servers
+:func:`~megatron_rl.rollout.sglang.score_wire.score_payload` and
+:func:`~megatron_rl.rollout.sglang.score_wire.decode_score_response`), spread over the servers
 round-robin with a bound on requests in flight, each retried with backoff on a connection
 error, a timeout or a 5xx within a time budget (a 4xx, a bad request, fails at once, naming
 the sample and the server). Does not own generation (:mod:`~megatron_rl.rollout.sglang.client`)
@@ -23,7 +23,8 @@ from typing import Sequence
 import aiohttp
 import torch
 
-from megatron_rl.rollout.sglang.wire import WireFormatError, decode_score_response, score_payload
+from megatron_rl.rollout.sglang.score_wire import decode_score_response, score_payload
+from megatron_rl.rollout.sglang.wire import WireFormatError
 
 
 class ScoringError(RuntimeError):

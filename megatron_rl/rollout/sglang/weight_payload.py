@@ -197,11 +197,12 @@ def end_weight_update_body() -> dict:
     return {}
 
 
-def tensor_update_body(entries: Sequence[bytes], *, version: str | None) -> list[bytes]:
+def tensor_update_body(entries: Sequence[bytes], *, version: str | None, flush_cache: bool = True) -> list[bytes]:
     """``POST /update_weights_from_tensor`` as encoded JSON, in pieces (the entries, base64
     ASCII, are not copied): one entry per server TP rank, a flattened bucket each; ``version``
-    (the last bucket only) sets the served weight version and flushes the prefix cache."""
-    rest = json.dumps({"load_format": FLATTENED_BUCKET, "flush_cache": version is not None,
+    (the last bucket only) sets the served weight version and, with ``flush_cache``, flushes
+    the prefix cache (which fails the update while requests run: ``weight_updater.py:120-133``)."""
+    rest = json.dumps({"load_format": FLATTENED_BUCKET, "flush_cache": flush_cache and version is not None,
                        "abort_all_requests": False, "weight_version": version}).encode()
     pieces: list[bytes] = [b'{"serialized_named_tensors": [']
     for i, entry in enumerate(entries):
@@ -209,7 +210,8 @@ def tensor_update_body(entries: Sequence[bytes], *, version: str | None) -> list
     return [*pieces, b"], ", rest[1:]]
 
 
-def distributed_update_body(bucket: FlatBucket | None, *, group_name: str, version: str | None) -> dict:
+def distributed_update_body(bucket: FlatBucket | None, *, group_name: str, version: str | None,
+                            flush_cache: bool = True) -> dict:
     """``POST /update_weights_from_distributed``: the bucket's names, dtypes and shapes in buffer
     order, received as one broadcast of the buffer; ``None`` announces nothing (per-tensor
     format: a flattened bucket may not be empty, tensor_bucket.py:107-108), and the server
@@ -218,7 +220,8 @@ def distributed_update_body(bucket: FlatBucket | None, *, group_name: str, versi
     names, dtypes, shapes = bucket.announce() if bucket is not None else ([], [], [])
     return {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
             "load_format": FLATTENED_BUCKET if bucket is not None else None,
-            "flush_cache": version is not None, "abort_all_requests": False, "weight_version": version}
+            "flush_cache": flush_cache and version is not None, "abort_all_requests": False,
+            "weight_version": version}
 
 
 def init_group_body(*, address: str, port: int, rank_offset: int, world_size: int, group_name: str,

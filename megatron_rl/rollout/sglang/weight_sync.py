@@ -55,6 +55,7 @@ from megatron_rl.rollout.sglang.control import (
 from megatron_rl.rollout.sglang.engine import SGLangEngine, route_shape_of
 from megatron_rl.rollout.sglang.loader_rules import Bucketer, load_group, loader_rules
 from megatron_rl.rollout.sglang.memory import ServerMemory
+from megatron_rl.rollout.sglang.pause import GenerationPause
 from megatron_rl.rollout.sglang.weight_transport import (
     BucketStream,
     DistributedTransport,
@@ -403,7 +404,7 @@ class WeightSync:
                 raise WeightSyncError(f"SGLang server {url} runs with dp_size {info['dp_size']}: SGLang's weight "
                                       "updates need dp_size 1 (one server per data-parallel replica)")
 
-    def sync(self, version: int, *, reconnect: bool = False) -> None:
+    def sync(self, version: int, *, reconnect: bool = False, flush_cache: bool = True) -> None:
         """Plan, open, gather, send and verify; a collective that raises on every rank if rank 0
         failed (rank 0 its own error, the others :class:`~megatron_rl.parallel.comm.RankFailed`).
 
@@ -415,10 +416,13 @@ class WeightSync:
         Args:
             version: the version the servers report once every bucket has landed.
             reconnect: servers restarted since the last sync: check them and rebuild the transport.
+            flush_cache: the last bucket flushes the servers' cache (False while they are paused
+                in place with requests holding KV: SGLang fails such an update).
         """
         error, stream, bucketer = None, None, None
         gather = plan_gather(self.model, self.groups)
         if self.transport is not None:
+            self.transport.flush_cache = flush_cache
             try:
                 push = self.plan(gather)
                 bucketer = Bucketer(self.cfg.bucket_bytes, self._group, push.group_sizes)
@@ -467,15 +471,21 @@ class WeightSync:
 
 def sglang_engine(model: torch.nn.Module, groups: ParallelGroups, client: SGLangClientConfig,
                   sync: WeightSyncConfig | None, *, architecture: str, model_config: ModelConfig,
-                  memory: ServerMemory | None = None) -> SGLangEngine:
+                  memory: ServerMemory | None = None, pause_mode: str | None = None) -> SGLangEngine:
     """The SGLang rollout engine for a trainer's model, with weight sync when ``sync`` is set.
 
     Call on every rank (parallel state initialized); ``sync=None`` leaves the servers'
     weights to someone else and skips version checks; ``memory``: the servers' memory of a
-    colocated run.
+    colocated run; ``pause_mode``: partial rollouts, the servers paused in that mode around
+    a push with requests in flight (needs ``sync``).
     """
     weight_sync = None
     if sync is not None:
         weight_sync = WeightSync(model, groups, client.urls, sync, architecture=architecture,
                                  model_config=model_config)
-    return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync, memory=memory)
+    pause = None
+    if pause_mode is not None:  # on every rank: whether a push pauses is decided alike everywhere
+        pause = GenerationPause(client.urls, pause_mode, Limits(sync.timeout_s, sync.hang_check_after_s,
+                                                                  sync.health_timeout_s), sync.server_wait_s)
+    return SGLangEngine(client, route_shape_of(model), groups=groups, weight_sync=weight_sync, memory=memory,
+                        pause=pause)

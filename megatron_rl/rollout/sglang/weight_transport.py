@@ -138,6 +138,8 @@ class TensorTransport:
 
     def __init__(self, urls: Sequence[str], tp_size: int, by_reference: bool | None, limits: Limits) -> None:
         self.urls, self.tp_size, self.by_reference, self.limits = list(urls), tp_size, by_reference, limits
+        self.flush_cache = True
+        """The last bucket flushes the servers' cache (not while paused in place: SGLang refuses)."""
 
     def start(self) -> None:
         """Nothing to prepare: every request stands alone."""
@@ -158,7 +160,8 @@ class TensorTransport:
 
     def post(self, entries: list[bytes], *, version: str | None) -> None:
         """Load one bucket's entries on every server; ``version`` (last bucket only) also sets their version."""
-        post_all(self.urls, "/update_weights_from_tensor", EncodedJSON(tensor_update_body(entries, version=version)),
+        post_all(self.urls, "/update_weights_from_tensor", EncodedJSON(tensor_update_body(entries, version=version,
+                                                                     flush_cache=self.flush_cache)),
                  self.limits)
 
     def send(self, bucket: FlatBucket, *, version: str | None) -> None:
@@ -285,6 +288,8 @@ class DistributedTransport:
         self.urls, self.tp_size, self.backend, self.limits = list(urls), tp_size, backend, limits
         self.address, self.port, self.group_name = address, port, group_name
         self.group: dist.ProcessGroup | None = None
+        self.flush_cache = True
+        """The last bucket flushes the servers' cache (not while paused in place: SGLang refuses)."""
         self.abandoned = False
         """A broadcast of the group is still pending (a push failed mid-bucket)."""
 
@@ -339,7 +344,8 @@ class DistributedTransport:
     def send(self, bucket: FlatBucket, *, version: str | None) -> None:
         """Announce one bucket to every server and broadcast its buffer, watching both."""
         path = "/update_weights_from_distributed"
-        body = distributed_update_body(bucket, group_name=self.group_name, version=version)
+        body = distributed_update_body(bucket, group_name=self.group_name, version=version,
+                                       flush_cache=self.flush_cache)
         announces = _background(call_all, self.urls, path, lambda _: body, self.limits)
         broadcast = _background(comm.broadcast, bucket.flat, 0, self.group)
         try:

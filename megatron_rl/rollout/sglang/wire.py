@@ -8,12 +8,25 @@ Owns the JSON of ``POST /generate`` (request fields ``rid``, ``input_ids``,
 ``sampling_params``, ``return_logprob``, ``return_routed_experts``,
 ``routed_experts_start_len``; response ``output_ids`` and ``meta_info`` with ``id``,
 ``finish_reason``, ``weight_version``, ``output_token_logprobs`` as
-``[logprob, token_id, text_or_null]`` triples, and ``routed_experts``: base64 of the raw
-bytes of a C-order int32 array ``[N, L, K]``), and the prompt-scoring form a distillation
-teacher answers (:func:`score_payload`: ``max_new_tokens`` 0, ``logprob_start_len``,
-``top_logprobs_num``; :func:`decode_score_response`). Both sides live here so that the client and
-the stand-in cannot drift apart. Does not own HTTP, retries or weight updates
-(:mod:`~megatron_rl.rollout.sglang.weight_payload`).
+``[logprob, token_id, text_or_null]`` triples, ``weight_versions``: the spans of output
+tokens each weight version produced, and ``routed_experts``: base64 of the raw bytes of a
+C-order int32 array ``[N, L, K]``), and of ``/pause_generation`` and ``/continue_generation``.
+Both sides live here so that the client and the stand-in cannot drift apart. Does not own HTTP,
+retries, weight updates (:mod:`~megatron_rl.rollout.sglang.weight_payload`) or the
+prompt-scoring form (:mod:`~megatron_rl.rollout.sglang.score_wire`).
+
+Weight versions per token (SGLang 0.5.23, ``srt/utils/weight_versions.py``): at every
+weight-version change the scheduler notes, for each live request with output, the old
+version and its output length so far (``record_weight_version_events``, ``:39-50``;
+``managers/scheduler.py:5636-5655``); a finished (or aborted) request's events become spans
+``{"version", "start", "end"}`` over its output tokens (``compute_weight_version_spans``,
+``:66-87``; ``managers/scheduler_components/output_streamer.py:541-554``), written to
+``meta_info.weight_versions`` with ``weight_version`` set to the last span's
+(``add_weight_versions_to_meta_info``, ``:90-110``; ``managers/tokenizer_manager.py:2560-2567``,
+``:3609-3613``). A request paused with ``/pause_generation`` mode ``abort`` ends with
+``finish_reason {"type": "abort", ...}`` and the tokens it had (``managers/scheduler.py:
+5800-5812``: ``FINISH_ABORT()`` without a status code answers normally,
+``managers/tokenizer_manager.py:1891-1921``).
 
 Routes are validated (length, id range, repeated experts) and narrowed to the compact id
 dtype (uint8 for E <= 256) as soon as they are decoded, so int32 payloads never pile up in
@@ -43,7 +56,7 @@ _ROUTE_DTYPES = {"int32": np.int32, "int16": np.int16, "uint16": np.uint16, "uin
 sends no such field and always int32."""
 
 
-_LOGPROB_SLACK = 1e-4
+LOGPROB_SLACK = 1e-4
 """Largest log-prob accepted: rounding in a server's log-softmax can land just above 0."""
 
 
@@ -60,6 +73,24 @@ class GenerationAborted(RuntimeError):
     """The server aborted the request (``finish_reason.type == "abort"``)."""
 
 
+PAUSE_MODES = ("abort", "retract", "in_place")
+"""``/pause_generation`` modes (``io_struct.py:1927-1946``, ``PauseGenerationReqInput.mode``)."""
+
+
+def pause_generation_body(mode: str) -> dict:
+    """``POST /pause_generation``: ``abort`` ends the running requests with what they have;
+    ``retract`` puts them back in the queue (their KV is recomputed after
+    ``/continue_generation``); ``in_place`` keeps them and their KV as they are."""
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+    return {"mode": mode}
+
+
+def continue_generation_body() -> dict:
+    """``POST /continue_generation`` (``io_struct.py:1949-1956``: ``torch_empty_cache`` defaults to true)."""
+    return {"torch_empty_cache": True}
+
+
 @dataclass(kw_only=True)
 class GenerateResult:
     """One decoded ``/generate`` response."""
@@ -70,14 +101,32 @@ class GenerateResult:
     """Generated token ids (the stop token included, when one was produced)."""
     output_logprobs: torch.Tensor
     """``[O]`` fp32 log-probs of the generated tokens."""
-    finish_reason: Literal["stop", "length"]
-    """Why generation ended."""
+    finish_reason: Literal["stop", "length", "abort"]
+    """Why generation ended ("abort": paused with mode ``abort``; only when the caller allows it)."""
     weight_version: str | None
-    """``meta_info.weight_version``: the weights that served the request."""
+    """``meta_info.weight_version``: the weights that served the request (the last ones)."""
+    token_versions: list[str] | None = None
+    """The weight version of each output token (``meta_info.weight_versions``), or None
+    when the server sent no spans."""
     routed_experts: torch.Tensor | None
     """``[N, L, K]`` expert ids in the compact dtype, when requested."""
     meta: dict = field(default_factory=dict)
     """Token counts and latency from ``meta_info``."""
+
+
+@dataclass(frozen=True)
+class RouteShape:
+    """What decoded routes must look like for the trained model."""
+
+    num_layers: int
+    """L: decoder layers (the columns SGLang sends)."""
+    topk: int
+    """K."""
+    num_experts: int
+    """E."""
+    moe_layers: tuple[int, ...] | None = None
+    """0-based indices of the MoE layers among the L; decoded routes keep only these columns
+    (SGLang sends zeros for dense layers). None: every layer is an MoE layer."""
 
 
 # --------------------------------------------------------------------------- requests
@@ -238,7 +287,7 @@ def parse_output_token_logprobs(
             raise WireFormatError(f"{source}: output_token_logprobs[{i}] is not a [logprob, token_id, text] triple")
         logprob, token = entry[0], entry[1]
         number = isinstance(logprob, (int, float)) and not isinstance(logprob, bool)
-        if not number or not math.isfinite(logprob) or logprob > _LOGPROB_SLACK:
+        if not number or not math.isfinite(logprob) or logprob > LOGPROB_SLACK:
             raise WireFormatError(f"{source}: output token {i} has log-prob {logprob!r} (need a finite value <= 0)")
         if isinstance(token, bool) or not isinstance(token, int):
             raise WireFormatError(f"{source}: output_token_logprobs[{i}] token id {token!r} is not an integer")
@@ -249,11 +298,41 @@ def parse_output_token_logprobs(
     return ids, torch.tensor(values, dtype=torch.float32)
 
 
-def finish_reason_payload(reason: Literal["stop", "length"], output_ids: Sequence[int]) -> dict:
-    """``meta_info.finish_reason`` as SGLang writes it."""
+def finish_reason_payload(reason: Literal["stop", "length", "abort"], output_ids: Sequence[int]) -> dict:
+    """``meta_info.finish_reason`` as SGLang writes it (``schedule_batch.py``: ``FINISH_MATCHED_TOKEN``,
+    ``FINISH_LENGTH``, ``FINISH_ABORT.to_json`` ``:332-345``, its message "Aborted" by default)."""
     if reason == "stop":
         return {"type": "stop", "matched": int(output_ids[-1])}
+    if reason == "abort":
+        return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
     return {"type": "length", "length": len(output_ids)}
+
+
+def weight_versions_payload(spans: Sequence[tuple[str, int, int]]) -> list[dict]:
+    """``meta_info.weight_versions``: ``{"version", "start", "end"}`` per span of output tokens."""
+    return [{"version": str(v), "start": int(a), "end": int(b)} for v, a, b in spans]
+
+
+def parse_weight_versions(entries: Any, num_tokens: int, *, source: str) -> list[str]:
+    """The weight version of each of ``num_tokens`` output tokens from ``meta_info.weight_versions``.
+
+    Raises:
+        WireFormatError: spans that are not objects with a string version and integer bounds,
+            or that do not tile ``[0, num_tokens)`` in order.
+    """
+    if not isinstance(entries, list) or not entries:
+        raise WireFormatError(f"{source}: weight_versions must be a non-empty list of spans, got {entries!r}")
+    versions: list[str] = []
+    for i, span in enumerate(entries):
+        ok = isinstance(span, dict) and isinstance(span.get("version"), str) and all(
+            isinstance(span.get(k), int) and not isinstance(span.get(k), bool) for k in ("start", "end"))
+        if not ok or span["start"] != len(versions) or span["end"] < span["start"]:
+            raise WireFormatError(f"{source}: weight_versions[{i}] = {span!r} does not continue the spans at token "
+                                  f"{len(versions)}")
+        versions.extend([span["version"]] * (span["end"] - span["start"]))
+    if len(versions) != num_tokens:
+        raise WireFormatError(f"{source}: weight_versions cover {len(versions)} tokens of {num_tokens}")
+    return versions
 
 
 def generate_response_payload(
@@ -262,28 +341,34 @@ def generate_response_payload(
     prompt_len: int,
     output_ids: Sequence[int],
     output_logprobs: torch.Tensor,
-    finish_reason: Literal["stop", "length"],
+    finish_reason: Literal["stop", "length", "abort"],
     weight_version: str,
     routed_experts: torch.Tensor | None,
     e2e_latency: float = 0.0,
+    version_spans: Sequence[tuple[str, int, int]] | None = None,
+    num_retractions: int = 0,
 ) -> dict:
     """The body SGLang returns for one non-streaming ``/generate`` request with ``return_logprob``
     from a server launched with ``--skip-tokenizer-init`` (no ``text``): the fields and order of
     0.5.23's ``TokenizerManager._handle_batch_output`` (golden copies in
     ``tests/fixtures/sglang_0_5_23``). ``input_token_logprobs`` is empty: the default
-    ``logprob_start_len`` starts scoring after the prompt."""
+    ``logprob_start_len`` starts scoring after the prompt. ``version_spans``: which version
+    produced which output tokens (default: ``weight_version`` all of them); ``weight_version``
+    is then the last span's."""
+    spans = list(version_spans) if version_spans else [(weight_version, 0, len(output_ids))]
     meta = {
         "id": rid,
         "finish_reason": finish_reason_payload(finish_reason, output_ids),
         "prompt_tokens": prompt_len,
-        "weight_version": weight_version,
-        "num_retractions": 0,
+        "weight_version": str(spans[-1][0]),
+        "num_retractions": num_retractions,
         "input_token_logprobs": [],
         "output_token_logprobs": output_token_logprobs_payload(output_logprobs, output_ids),
         "output_token_logprobs_length": len(output_ids),
         "reasoning_tokens": 0,
         "completion_tokens": len(output_ids),
         "cached_tokens": 0,
+        "weight_versions": weight_versions_payload(spans),
     }
     if routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(routed_experts)
@@ -303,11 +388,14 @@ def decode_generate_response(
     source: str,
     moe_layers: Sequence[int] | None = None,
     start_len: int = 0,
+    allow_abort: bool = False,
 ) -> GenerateResult:
     """Check and decode one ``/generate`` response body (already parsed from JSON).
 
     ``moe_layers``: as for :func:`decode_routed_experts` (the routes keep the MoE layers only);
-    ``start_len``: the request's ``routed_experts_start_len``.
+    ``start_len``: the request's ``routed_experts_start_len``; ``allow_abort``: an aborted
+    request (a pause in mode ``abort``) is a result with the tokens it had, possibly none
+    (then without routes), instead of :class:`GenerationAborted`.
 
     Raises:
         WireFormatError: a missing or malformed field, a response for another request,
@@ -321,7 +409,7 @@ def decode_generate_response(
     meta = body["meta_info"]
     if meta.get("id", rid) != rid:
         raise WireFormatError(f"{source}: response is for request {meta.get('id')!r}, expected {rid!r}")
-    reason = _finish_reason(meta.get("finish_reason"), source)
+    reason = _finish_reason(meta.get("finish_reason"), source, allow_abort)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list)
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in output_ids)):
@@ -329,10 +417,13 @@ def decode_generate_response(
     if "output_token_logprobs" not in meta:
         raise WireFormatError(f"{source}: meta_info has no output_token_logprobs (was return_logprob sent?)")
     ids, logprobs = parse_output_token_logprobs(meta["output_token_logprobs"], output_ids, source=source)
-    if not ids:
+    if not ids and reason != "abort":
         raise WireFormatError(f"{source}: the response has no generated token")
+    token_versions = None
+    if "weight_versions" in meta:
+        token_versions = parse_weight_versions(meta["weight_versions"], len(ids), source=source)
     routes = None
-    if want_routes:
+    if want_routes and ids:
         if meta.get("routed_experts") is None:
             raise MissingRoutesError(
                 f"{source}: meta_info has no routed_experts; launch SGLang with --enable-return-routed-experts"
@@ -349,110 +440,18 @@ def decode_generate_response(
         output_logprobs=logprobs,
         finish_reason=reason,
         weight_version=None if version is None else str(version),
+        token_versions=token_versions,
         routed_experts=routes,
         meta={k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency") if k in meta},
     )
 
 
-def _finish_reason(value: Any, source: str) -> Literal["stop", "length"]:
+def _finish_reason(value: Any, source: str, allow_abort: bool = False) -> Literal["stop", "length", "abort"]:
     kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "abort" and allow_abort and value.get("status_code") is None:
+        return kind
     if kind == "abort":
         raise GenerationAborted(f"{source}: the server aborted the request ({value.get('message', 'no message')})")
     if kind not in ("stop", "length"):
         raise WireFormatError(f"{source}: finish_reason {value!r} is not a stop/length/abort object")
     return kind
-
-
-# --------------------------------------------------------------------------- prompt scoring
-
-
-def score_payload(*, rid: str, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
-    """The JSON body asking SGLang for the log-probs of ``input_ids[logprob_start_len + 1:]``
-    under the served model, generating nothing: a prefill-only request (``max_new_tokens`` 0,
-    ``schedule_batch.py:1500-1506``), with the top ``top_logprobs_num`` log-probs at each of
-    those positions. Prompt log-probs are the raw ``log_softmax(logits)`` whatever the sampling
-    parameters (``layers/logprob_processor.py:586-740``)."""
-    payload = {
-        "rid": rid,
-        "input_ids": [int(t) for t in input_ids],
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "logprob_start_len": int(logprob_start_len),
-        "stream": False,
-    }
-    if top_logprobs_num:
-        payload["top_logprobs_num"] = int(top_logprobs_num)
-    return payload
-
-
-def score_entries_payload(input_ids: Sequence[int], start: int, logprobs_N: torch.Tensor, vocab_size: int,
-                          top_ids_NK: torch.Tensor | None = None, top_logprobs_NK: torch.Tensor | None = None) -> dict:
-    """``meta_info``'s ``input_token_logprobs`` (and ``input_top_logprobs``) as SGLang 0.5.23 writes
-    them for tokens ``start ..`` of ``input_ids``: the first entry's log-prob is None (no position
-    before it was scored), entry j the log-prob of token ``start + j`` (from position ``start + j -
-    1``; ``scheduler_components/logprob_result_processor.py:26-37``); a token id past
-    ``vocab_size - 2`` is reported as 0 (``:49-56``); top-k rows likewise, None first
-    (``:58-83``); each entry ``[logprob, token_id, null]`` (``tokenizer_manager.py:3098-3136``).
-
-    Args:
-        logprobs_N: ``[N]`` log-probs of tokens ``start + 1 ..``.
-    """
-    ids = [int(t) for t in input_ids[start:]]
-    reported = [t if t < vocab_size - 1 else 0 for t in ids]
-    values = [None] + [float(v) for v in logprobs_N.tolist()]
-    meta = {"input_token_logprobs": [[v, t, None] for v, t in zip(values, reported)]}
-    if top_ids_NK is not None:
-        rows = [None] + [[[float(v), int(t), None] for v, t in zip(vs, ts)]
-                         for vs, ts in zip(top_logprobs_NK.tolist(), top_ids_NK.tolist())]
-        meta["input_top_logprobs"] = rows
-    return meta
-
-
-def decode_score_response(body: Any, *, rid: str, input_ids: Sequence[int], start: int, topk: int,
-                          source: str) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``([N] log-probs, [N, K] ids, [N, K] log-probs)`` of tokens ``start + 1 ..`` from a
-    :func:`score_payload` response (the top-k None without ``topk``).
-
-    Raises:
-        WireFormatError: a missing or malformed field, a response for another request, an
-            entry for another token, or a log-prob that is not a finite value <= 0.
-    """
-    if not isinstance(body, dict) or not isinstance(body.get("meta_info"), dict):
-        raise WireFormatError(f"{source}: response is not an object with a meta_info object")
-    meta = body["meta_info"]
-    if meta.get("id", rid) != rid:
-        raise WireFormatError(f"{source}: response is for request {meta.get('id')!r}, expected {rid!r}")
-    _finish_reason(meta.get("finish_reason"), source)
-    entries = meta.get("input_token_logprobs")
-    expected = len(input_ids) - start
-    if not isinstance(entries, list) or len(entries) != expected:
-        got = len(entries) if isinstance(entries, list) else type(entries).__name__
-        raise WireFormatError(f"{source}: input_token_logprobs has {got} entries, expected {expected} "
-                              f"(tokens {start}..{len(input_ids) - 1}; was logprob_start_len sent?)")
-    values = []
-    for j, entry in enumerate(entries[1:], start=1):
-        token = int(input_ids[start + j])
-        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or entry[1] not in (token, 0):
-            raise WireFormatError(f"{source}: input_token_logprobs[{j}] is {entry!r}, not token {token}'s entry")
-        values.append(_checked_logprob(entry[0], f"{source}: input token {start + j}"))
-    top_ids = top_lp = None
-    if topk:
-        rows = meta.get("input_top_logprobs")
-        if not isinstance(rows, list) or len(rows) != expected:
-            raise WireFormatError(f"{source}: input_top_logprobs must hold {expected} rows (was top_logprobs_num sent?)")
-        top_ids, top_lp = torch.zeros(expected - 1, topk, dtype=torch.int64), torch.zeros(expected - 1, topk)
-        for j, row in enumerate(rows[1:]):
-            if not isinstance(row, list) or len(row) != topk:
-                raise WireFormatError(f"{source}: input_top_logprobs[{j + 1}] holds {row!r}, not {topk} entries")
-            for k, entry in enumerate(row):
-                top_lp[j, k] = _checked_logprob(entry[0] if isinstance(entry, (list, tuple)) else None,
-                                                f"{source}: top-{topk} entry {k} of input token {start + j + 1}")
-                top_ids[j, k] = int(entry[1])
-    return torch.tensor(values, dtype=torch.float32), top_ids, top_lp
-
-
-def _checked_logprob(value: Any, where: str) -> float:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or not math.isfinite(value) or value > _LOGPROB_SLACK:
-        raise WireFormatError(f"{where} has log-prob {value!r} (need a finite value <= 0)")
-    return float(value)
