@@ -202,6 +202,15 @@ def longest_sequence(cfg: RunConfig) -> int:
     return min(room, cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens)
 
 
+def _longest_set_by(cfg: RunConfig, longest: int) -> str:
+    """The keys :func:`longest_sequence` took ``longest`` from."""
+    if cfg.rollout.env.name is not None and cfg.rollout.env.max_total_tokens:
+        return "rollout.env.max_total_tokens"
+    if cfg.data.max_prompt_tokens is None or longest == cfg.model.max_position_embeddings:
+        return "model.max_position_embeddings"
+    return "data.max_prompt_tokens + rollout.max_new_tokens"
+
+
 def check_micro_batch_tokens(cfg: RunConfig) -> None:
     """A token budget must hold the longest possible sample and split evenly over TP under SP.
 
@@ -215,8 +224,7 @@ def check_micro_batch_tokens(cfg: RunConfig) -> None:
     per_rank = f" per CP rank x parallel.context_parallel_size ({cp})" if cp > 1 else ""
     require(budget * cp >= slot, "train.micro_batch_tokens",
              f"{budget}{per_rank} is smaller than the longest possible sample, {longest} tokens"
-             f"{f' ({slot} in its CP slot)' if cp > 1 else ''} (data.max_prompt_tokens + rollout.max_new_tokens, "
-             "at most model.max_position_embeddings)")
+             f"{f' ({slot} in its CP slot)' if cp > 1 else ''} ({_longest_set_by(cfg, longest)})")
     multiple = thd_row_multiple(tp if p.sequence_parallel_enabled() else 1, cp) // cp
     if cp == 1:
         rule = (f"parallel.tensor_model_parallel_size ({tp}): sequence parallelism splits every micro-batch row "

@@ -343,7 +343,7 @@ def run_agent(cmd: Sequence[str], env: Mapping[str, str], log_file: Path, stdout
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_rl.launcher",
+        prog="megatron-rl-launch",
         description="Validate a run config against the node layout, then start torchrun on this node.",
     )
     parser.add_argument("--config", required=True, help="run config (YAML); every worker gets the same path")

@@ -31,14 +31,6 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
 
 from megatron_rl.config import RunConfig, load_config  # noqa: E402
 from megatron_rl.config_loading import ConfigError  # noqa: E402
-from megatron_rl.parallel.smoke_worker import (  # noqa: E402
-    LayoutRun,
-    compare,
-    layout_worker,
-    merge_rank_results,
-    random_sequences,
-)
-from megatron_rl.parallel.world import run_world  # noqa: E402
 from megatron_rl.sections import ParallelConfig, validate_layout  # noqa: E402
 
 LOGIT_TOL = 1e-5
@@ -90,6 +82,21 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megatron-rl-smoke: error: {err}", file=sys.stderr, flush=True)
         return 2
+    return _run(cfg)
+
+
+def _run(cfg: RunConfig) -> int:
+    """The smoke run of a checked config; 1 when a layout's numbers differ."""
+    # Imported only now: Megatron-Core takes seconds to import, and a bad input is refused before.
+    from megatron_rl.parallel.smoke_worker import (
+        LayoutRun,
+        compare,
+        layout_worker,
+        merge_rank_results,
+        random_sequences,
+    )
+    from megatron_rl.parallel.world import run_world
+
     sequences = random_sequences(8, cfg.model.vocab_size, 5, 40, seed=cfg.seed)
     lengths = [int(s.numel()) for s in sequences]
     print(

@@ -8,7 +8,6 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.sglang.server import ManagedServer
 
 DEMO_TASK = Path(__file__).resolve().parents[1] / "configs" / "demo_task.yaml"
@@ -24,10 +23,12 @@ def protocol_server_command(port: int, *extra: str, config: Path = DEMO_TASK) ->
 def protocol_server(log_dir: Path, *extra: str, config: Path = DEMO_TASK,
                     env: dict[str, str] | None = None) -> ManagedServer:
     """A server not yet started (warnings off, log in ``log_dir``); ``env``: more environment
-    (``server.SERVER_ENV`` launches it as the wrapper does: raw log-probs)."""
-    port = free_port()
-    return ManagedServer(protocol_server_command(port, *extra, config=config), f"http://127.0.0.1:{port}",
-                         env={"PYTHONWARNINGS": "ignore", **(env or {})}, log_path=log_dir / "server.log")
+    (``server.SERVER_ENV`` launches it as the wrapper does: raw log-probs). It serves on a socket
+    bound as it starts, on a port the kernel picks (its ``url`` names it once started), kept by a
+    restart."""
+    return ManagedServer(protocol_server_command(0, *extra, config=config), "http://127.0.0.1:0",
+                         env={"PYTHONWARNINGS": "ignore", **(env or {})}, log_path=log_dir / "server.log",
+                         listen="127.0.0.1")
 
 
 def running_protocol_server(log_dir: Path, *extra: str) -> Iterator[ManagedServer]:

@@ -12,7 +12,9 @@ endpoints) with two test endpoints:
   routes missing), ``no_routes`` (as if launched without ``--enable-return-routed-experts``),
   ``stale_version`` (another weight version reported) or ``abort``; or the next ``n`` weight
   updates that carry tensors as ``stop_on_update`` (the server SIGSTOPs itself on receiving
-  it: a server that hangs mid-push). ``times`` 0 disarms.
+  it: a server that hangs mid-push); or ``hang_scheduler``: the engine thread (the stand-in's
+  scheduler) blocks until the fault is disarmed, while the HTTP front end answers what it
+  answers alone (``/ping``). ``times`` 0 disarms.
 * ``GET /_test/stats``: ``generate_requests`` (received), ``responses`` (answered 200),
   ``faults_fired`` by kind, the served ``weight_version``, ``sessions`` ended and the last
   session's report (``not_updated``, ``dropped``, ``skipped`` names, ``loaded`` count).
@@ -39,6 +41,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 
 import numpy as np
@@ -49,7 +52,7 @@ from megatron_rl.checkpoint.mapping import split
 from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, serve
 
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
-               "stop_on_update")
+               "stop_on_update", "hang_scheduler")
 """Faults ``POST /_test/fault`` can arm."""
 
 
@@ -67,6 +70,9 @@ class FaultInjectingServer(ProtocolServer):
         self.fired: dict[str, int] = {}
         self.calls: list[list] = []
         """What ``/_test/calls`` answers."""
+        self.scheduler_free = threading.Event()
+        """Cleared while ``hang_scheduler`` holds the engine thread."""
+        self.scheduler_free.set()
 
     def app(self) -> web.Application:
         app = super().app()
@@ -100,6 +106,12 @@ class FaultInjectingServer(ProtocolServer):
             return self._result(False, f"unknown fault {b.get('kind')!r}; known: {list(FAULT_KINDS)}")
         self.faults[b["kind"]] = int(b.get("times", 1))
         self.delay_s = float(b.get("delay_s", self.delay_s))
+        if b["kind"] == "hang_scheduler":
+            if self.faults["hang_scheduler"] and self.scheduler_free.is_set():
+                self.scheduler_free.clear()
+                asyncio.ensure_future(self.host.call(self.scheduler_free.wait))
+            elif not self.faults["hang_scheduler"]:
+                self.scheduler_free.set()
         return self._result(True, f"armed {b['kind']} x{self.faults[b['kind']]}")
 
     async def set_latency(self, request: web.Request) -> web.Response:
@@ -138,7 +150,7 @@ class FaultInjectingServer(ProtocolServer):
 
         return web.json_response(await self.host.call(digests))
 
-    def _take_fault(self, kinds=FAULT_KINDS[:-1]) -> str | None:
+    def _take_fault(self, kinds=FAULT_KINDS[:-2]) -> str | None:
         for kind, left in self.faults.items():
             if left > 0 and kind in kinds:
                 self.faults[kind] = left - 1

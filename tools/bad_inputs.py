@@ -39,6 +39,7 @@ TRAIN_ROWS = REPO / "megatron_rl" / "assets" / "arithmetic" / "train.jsonl"
 DEMO = REPO / "configs" / "demo_cpu.yaml"
 DISTILL = REPO / "configs" / "demo_distill.yaml"
 QWEN = REPO / "configs" / "qwen3_30b_a3b.yaml"
+TASK = REPO / "configs" / "demo_task.yaml"
 BIN = Path(sys.executable).parent
 LIMIT_S = 10.0
 
@@ -80,6 +81,8 @@ def build_inputs(root: Path) -> dict[str, Path]:
     paths["n_group"] = _copy(root, "n_group")
     family_config = {**COMMON, **FAMILIES["deepseek_v3"][2], "n_group": 3, "model_type": "deepseek_v3"}
     (paths["n_group"] / "config.json").write_text(json.dumps(family_config))
+    paths["n_group_0"] = _copy(root, "n_group_0")
+    (paths["n_group_0"] / "config.json").write_text(json.dumps({**family_config, "n_group": 0}))
     paths["swiglu"] = _copy(root, "swiglu")
     oss_config = {**config, "model_type": "gpt_oss", "swiglu_alpha": 1.5, "attention_bias": True, "num_local_experts": 8}
     (paths["swiglu"] / "config.json").write_text(json.dumps(oss_config))
@@ -194,7 +197,13 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
         Case("train: init truncated safetensors", [*train, f"init_checkpoint={p['trunc_st']}"], "model.safetensors"),
         Case("train: init config.json n_group=3", [*train, f"init_checkpoint={p['n_group']}"],
              "config.json n_group=3: must divide n_routed_experts (8)"),
+        Case("train: init config.json n_group=0", [*train, f"init_checkpoint={p['n_group_0']}"],
+             "config.json n_group=0: must be an integer >= 1"),
         Case("train: init config.json not JSON", [*train, f"init_checkpoint={p['bad_json']}"], "config.json"),
+        Case("train: no prompt fits beside the responses", [*train, "rollout.max_new_tokens=121"],
+             "rollout.max_new_tokens (121, of model.max_position_embeddings 128): leaves 7 tokens for a prompt"),
+        Case("train: task num_eval_prompts=0", ["megatron-rl-train", "--config", str(TASK),
+                                                "data.task.num_eval_prompts=0"], "data.task.num_eval_prompts"),
         Case("train: Gated DeltaNet init, CP2", [*train, f"init_checkpoint={p['qwen3_next']}",
                                                 "parallel.expert_model_parallel_size=1",
                                                 "parallel.context_parallel_size=2"],

@@ -30,8 +30,6 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -54,20 +52,22 @@ def model_overrides(layers: int) -> list[str]:
     return [f"model.{key}={value}" for key, value in model.items()]
 
 
-def start_server(port: int, overrides: list[str], log: Path) -> subprocess.Popen:
+def start_server(overrides: list[str], log: Path):
+    """The stand-in, serving on a socket bound here (no other process can take its port first)."""
     from megatron_rl.rollout.sglang.control import probe_servers
-    from megatron_rl.rollout.sglang.server import SERVER_ENV
+    from megatron_rl.rollout.sglang.server import SERVER_ENV, ManagedServer
 
-    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(BASE), "--port", str(port),
+    cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(BASE), "--port", "0",
            "--engine", "megatron", "--threads", "1", *overrides]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **SERVER_ENV, "PYTHONWARNINGS": "ignore"})
+    log.unlink(missing_ok=True)
+    server = ManagedServer(cmd, "http://127.0.0.1:0", env={**SERVER_ENV, "PYTHONWARNINGS": "ignore"}, log_path=log,
+                           listen="127.0.0.1").start()
     try:
-        probe_servers([f"http://127.0.0.1:{port}"], timeout_s=30, wait_s=900, poll_s=1.0)
+        probe_servers([server.url], timeout_s=30, wait_s=900, poll_s=1.0)
     except Exception:
-        os.killpg(proc.pid, signal.SIGTERM)
+        server.stop()
         raise
-    return proc
+    return server
 
 
 class StageClock:
@@ -267,22 +267,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--layers, --repeats and --bucket-mb: at least 1")
     from megatron_rl.config import load_config
     from megatron_rl.config_loading import to_dict
-    from megatron_rl.parallel.world import free_port, run_world
+    from megatron_rl.parallel.world import run_world
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = model_overrides(args.layers)
     cfg = load_config(BASE, overrides)
-    port = free_port()
     log = out / "server.log"
     load_start = os.getloadavg()[0]
-    server = start_server(port, overrides, log)
+    server = start_server(overrides, log)
     try:
-        result = run_world(_rank, 2, to_dict(cfg), f"http://127.0.0.1:{port}", vars(args), str(log),
-                           timeout_s=7200)[0]
+        result = run_world(_rank, 2, to_dict(cfg), server.url, vars(args), str(log), timeout_s=7200)[0]
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait()
+        server.stop()
     result.update(load_start=load_start, load_end=os.getloadavg()[0])
     (out / "results.json").write_text(json.dumps(result, indent=1))
     text = report(result, args)

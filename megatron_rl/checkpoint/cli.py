@@ -191,9 +191,12 @@ def parity_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt-length", type=int, default=64, help="tokens per random prompt")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     defaults = ParityTolerances()
-    parser.add_argument("--logprob-atol", type=float, default=defaults.logprob_max_abs)
-    parser.add_argument("--min-topk-agreement", type=float, default=defaults.topk_agreement_min)
-    parser.add_argument("--router-prob-atol", type=float, default=defaults.router_prob_max_abs)
+    parser.add_argument("--logprob-atol", type=float, default=defaults.logprob_max_abs,
+                        help="largest per-token log-prob difference allowed (default %(default)g)")
+    parser.add_argument("--min-topk-agreement", type=float, default=defaults.topk_agreement_min,
+                        help="smallest share of positions, per layer, with the same top-K experts (default %(default)g)")
+    parser.add_argument("--router-prob-atol", type=float, default=defaults.router_prob_max_abs,
+                        help="largest router-probability difference at Megatron's experts (default %(default)g)")
     parser.add_argument("--json", default=None, help="also write the report here")
     args = parser.parse_args(argv)
 

@@ -117,7 +117,11 @@ def _read_sigmoid_router(config: dict[str, Any]) -> dict[str, Any]:
             "converted; dequantize to bf16 first"
         )
     topk = get_key(config, "num_experts_per_tok")
-    groups, group_topk = config.get("n_group") or 1, config.get("topk_group") or 1
+    # Absent (or null): one group. A value is read as written: 0 is not 1.
+    groups, group_topk = (1 if config.get(key) is None else config[key] for key in ("n_group", "topk_group"))
+    for key, value in (("n_group", groups), ("topk_group", group_topk)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise CheckpointMismatchError(f"config.json {key}={value!r}: must be an integer >= 1")
     if group_topk > groups:
         raise CheckpointMismatchError(f"config.json topk_group={group_topk} exceeds n_group={groups}")
     if group_topk == groups:

@@ -127,7 +127,8 @@ def check_data_config(cfg: DataConfig) -> None:
 
 
 def load_prompts(
-    cfg: DataConfig, split: Split, tokenizer: PromptTokenizer, max_prompt_tokens: int
+    cfg: DataConfig, split: Split, tokenizer: PromptTokenizer, max_prompt_tokens: int,
+    limit_set_by: str = "data.max_prompt_tokens",
 ) -> PromptSet:
     """Reads, tokenizes and length-filters one split.
 
@@ -138,6 +139,8 @@ def load_prompts(
         tokenizer: Encodes the prompts; for source task it must be
             :func:`~megatron_rl.data.tokenizer.char_tokenizer_adapter` of the task tokenizer.
         max_prompt_tokens: Prompts with more ids are dropped and counted.
+        limit_set_by: what set ``max_prompt_tokens`` (keys and values), named when it drops
+            every prompt.
 
     Raises:
         ConfigError: a file cannot be read, a row lacks the prompt or answer, a prompt is
@@ -155,7 +158,7 @@ def load_prompts(
     records = [r for r in candidates if len(r.prompt_ids) <= max_prompt_tokens]
     if candidates and not records:
         raise ConfigError(
-            f"data.max_prompt_tokens: all {len(candidates)} {split} prompts are longer than "
+            f"{limit_set_by}: all {len(candidates)} {split} prompts are longer than "
             f"{max_prompt_tokens} tokens"
         )
     return PromptSet(records=records, num_filtered=len(candidates) - len(records))

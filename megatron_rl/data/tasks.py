@@ -150,11 +150,11 @@ class Task(abc.ABC):
     def __init__(self, cfg: TaskConfig) -> None:
         for key in ("num_train_prompts", "num_eval_prompts"):
             if getattr(cfg, key) < 1:
-                raise ConfigError(f"task.{key}: must be >= 1, got {getattr(cfg, key)}")
+                raise ConfigError(f"data.task.{key}: must be >= 1, got {getattr(cfg, key)}")
         needed = cfg.num_train_prompts + cfg.num_eval_prompts
         if needed > self.space_size:
             raise ConfigError(
-                f"task.num_train_prompts + task.num_eval_prompts: {needed} exceeds the "
+                f"data.task.num_train_prompts + data.task.num_eval_prompts: {needed} exceeds the "
                 f"{self.space_size} distinct problems of task {cfg.name!r}"
             )
         self.name = cfg.name
@@ -248,7 +248,7 @@ class AdditionTask(Task):
 
     def __init__(self, cfg: TaskConfig) -> None:
         if cfg.max_operand < 1:
-            raise ConfigError(f"task.max_operand: must be >= 1, got {cfg.max_operand}")
+            raise ConfigError(f"data.task.max_operand: must be >= 1, got {cfg.max_operand}")
         self.max_operand = cfg.max_operand
         super().__init__(cfg)
 
@@ -279,7 +279,7 @@ class ReverseTask(Task):
     def __init__(self, cfg: TaskConfig) -> None:
         if not 1 <= cfg.min_digits <= cfg.max_digits:
             raise ConfigError(
-                f"task.min_digits, task.max_digits: need 1 <= min_digits <= max_digits, "
+                f"data.task.min_digits, data.task.max_digits: need 1 <= min_digits <= max_digits, "
                 f"got {cfg.min_digits}, {cfg.max_digits}"
             )
         self.min_digits = cfg.min_digits

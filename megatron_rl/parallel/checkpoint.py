@@ -12,12 +12,14 @@ written in. Does not own trainer progress, which the trainer's checkpoint layers
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
+from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.mcore_compat import return_unexpected
 from megatron_rl.parallel.mcore_optimizer import (
     adam_step_fix,
@@ -110,7 +112,19 @@ def save_training_state(model, optimizer, directory: str | Path, sharding: str |
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=False, metadata=metadata)
+    writer_log = logging.getLogger(mc.ASYNC_WRITER_LOGGER)
+    if not any(isinstance(f, _RaisedAnyway) for f in writer_log.filters):
+        writer_log.addFilter(_RaisedAnyway())
     dist_checkpointing.save(state, str(directory), content_metadata=metadata)
+
+
+class _RaisedAnyway(logging.Filter):
+    """Drops Megatron's line for a write worker's failure ("Local process N encountered an
+    error: [enforce fail at inline_container.cc ...]"): the save raises that error, and the
+    run reports it once, in one line naming the path and the cause (a full disk)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Local process ")
 
 
 def load_training_state(model, optimizer, directory: str | Path, with_optimizer_state: bool) -> None:

@@ -22,10 +22,8 @@ build fixes, checkpoint format) give their reason in their docstring and hold fo
 optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, and ``parallel_state``'s globals in
 :mod:`megatron_rl.parallel.mcore_state`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
 
-Names resolve lazily (PEP 562 ``__getattr__``), so importing this module does not import
-Megatron-Core: the checkpoint-format constants serve the input checks, which run before
-any process starts and import no Megatron.
-"""
+Names resolve lazily (PEP 562 ``__getattr__``): importing this module imports no Megatron-Core
+(the checkpoint-format constants serve the input checks, which run first)."""
 
 from __future__ import annotations
 
@@ -176,6 +174,8 @@ INTERNALS: dict[str, Internal] = {
 
 DIST_CHECKPOINT_LOGGER = "megatron.core.dist_checkpointing.serialization"
 """Logger whose 'old incomplete checkpoint' warning a fresh conversion silences (0.16.1-0.19.2)."""
+ASYNC_WRITER_LOGGER = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+"""Logger of a failed write worker's error, which the save then raises ('Local process N encountered ...')."""
 SHARDED_OBJECT_SEPARATOR = "/shard_"
 """A ShardedObject is stored as ``<key>/shard_<offset>_<shape>`` (``ShardedObject.unique_key``)."""
 MEGATRON_METADATA_NAME = "metadata.json"

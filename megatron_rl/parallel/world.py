@@ -15,9 +15,12 @@ Lifetime: every rank leads its own process group, so stopping a rank reaches wha
 started (reward pool workers and their forkserver) and the terminal's Ctrl-C reaches only
 the parent. However ``run_world`` ends (results, failure, an exception such as
 :class:`Stopped`), no rank or rank child outlives it: ranks still running are sent
-SIGTERM, then SIGKILL, group by group. When the caller dies abruptly (SIGKILL, OOM killer)
-every rank kills its own group at once (:func:`exit_with_process`); the forkserver exits
-when its last client has. Entry points turn
+SIGTERM, then SIGKILL, group by group, and it returns once no process of those groups runs.
+When the caller dies abruptly (SIGKILL, OOM killer) every rank kills its own group at once
+(:func:`exit_with_process`); the forkserver exits when its last client has, without its
+interpreter's teardown (:mod:`~megatron_rl.parallel.forkserver_exit`). A caller that
+exits normally stops and reaps its forkserver first (:func:`~megatron_rl.parallel.world_end.end_forkserver`), so when a
+command returns, no process of its run remains. Entry points turn
 SIGTERM/SIGINT into :class:`Stopped` with :func:`raise_on_stop_signals`.
 
 The other two ways a default process group comes to be live here too: :func:`world_of_one`
@@ -28,8 +31,10 @@ that torchrun or srun started).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
 import multiprocessing as mp
+import multiprocessing.util as mp_util
 import os
 import queue
 import select
@@ -45,6 +50,7 @@ import torch
 
 from megatron_rl.parallel import comm
 from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
+from megatron_rl.parallel.world_end import adopt_orphans, end_forkserver_at_exit, end_groups, running
 
 
 class WorldError(RuntimeError):
@@ -207,24 +213,22 @@ def gone_on_this_host(processes: list[tuple[str, int]], wait_s: float = 1.0) -> 
     local = [(rank, pid) for rank, (name, pid) in enumerate(processes) if name == host and pid != os.getpid()]
     deadline = time.monotonic() + wait_s
     while True:
-        gone = [rank for rank, pid in local if not _running(pid)]
+        gone = [rank for rank, pid in local if not running(pid)]
         if gone or time.monotonic() >= deadline:
             return gone
         time.sleep(0.05)
 
 
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.NoSuchProcess:
-        return False
+RENDEZVOUS_TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a rank's store requests wait (torch's default process-group timeout)."""
 
 
-def free_port() -> int:
-    """A TCP port that is free on localhost right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def rendezvous_store(world_size: int, timeout: datetime.timedelta = RENDEZVOUS_TIMEOUT) -> torch.distributed.TCPStore:
+    """The master side of a TCP rendezvous, listening on a port the kernel picked as it bound
+    (``store.port``), so no other process can take the port between its pick and its bind, as
+    it can take a port picked free and bound later by rank 0 (``EADDRINUSE``)."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                                      timeout=timeout)
 
 
 def _dumps(obj: Any) -> bytes:
@@ -269,7 +273,9 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, in rank order
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size)
+        store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                           timeout=RENDEZVOUS_TIMEOUT)
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = fn(*args)
         results.put((rank, True, _dumps(value)))
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -277,6 +283,10 @@ def _rank_main(
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+FORKSERVER_EXIT = "megatron_rl.parallel.forkserver_exit"
+"""The module the forkserver imports last, to exit at once (its caller dead or done)."""
 
 
 def _rank_context() -> Any:
@@ -290,8 +300,17 @@ def _rank_context() -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS])
+    # Last: its exit handler then runs first, and the forkserver exits without a teardown.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS, FORKSERVER_EXIT])
+    if not _ENDS_AT_EXIT:
+        # The last of multiprocessing's own exit finalizers: after those that still talk to
+        # the resource tracker (a queue's semaphores), which is stopped too.
+        _ENDS_AT_EXIT.append(mp_util.Finalize(None, end_forkserver_at_exit, exitpriority=-100))
     return ctx
+
+
+_ENDS_AT_EXIT: list = []
+"""The exit finalizer that stops this process's forkserver, once registered."""
 
 
 def run_world(
@@ -320,11 +339,13 @@ def run_world(
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _rank_context()
     results: mp.Queue = ctx.Queue()
-    port = free_port()
+    # The caller hosts the ranks' store on a port it holds from the start (:func:`rendezvous_store`).
+    store = rendezvous_store(world_size)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results, backend),
+            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results,
+                  backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -332,6 +353,7 @@ def run_world(
     # Ranks that finished or failed get a moment to exit on their own; a stop or an
     # unexpected error ends them at once.
     wait_s = 0.0
+    adopt_orphans(True)
     try:
         for proc in procs:
             proc.start()
@@ -346,6 +368,7 @@ def run_world(
         raise
     finally:
         _end_ranks(procs, wait_s)
+        adopt_orphans(False)
 
 
 def _collect_outcomes(procs: list, results: "mp.Queue", deadline: float, late: str) -> dict[int, tuple[bool, Any]]:
@@ -401,6 +424,9 @@ def _end_ranks(procs: list, wait_s: float, grace_s: float = 5.0) -> None:
         deadline = time.monotonic() + (wait or 0.0)
         for proc in started:
             proc.join(timeout=None if wait is None else max(0.0, deadline - time.monotonic()))
+    # A rank's children (its reward workers) are orphans once it is gone: SIGKILLed with its
+    # group above, they may take a moment to be gone.
+    end_groups({proc.pid for proc in started}, grace_s)
 
 
 def _signal_rank(proc, sig: int) -> None:

@@ -5,19 +5,32 @@ own dispatch, timeouts of a whole response or error handling (``megatron_rl.rewa
 and ``megatron_rl.rewards.core``). Importing this module loads math-verify and sympy
 (about a second), which is why ``megatron_rl.rewards`` imports it only when a built-in is
 named.
+
+math-verify's limits are its own: a parse or a comparison that runs past one is a
+:class:`~megatron_rl.rewards.core.RewardTimeout` (tried once more by the scorer), never a
+wrong answer or an unparseable ground truth. The ground truth is parsed once per prompt
+(``math_reward.prepare``, run by the scorer outside the responses' time budget), and a worker
+warms the parser before its first response (``math_reward.warm_up``): math-verify's first
+parse in a process builds its grammar, 0.4 s of CPU on a quiet machine, which on a busy one
+with eight fresh workers ran past the 2 s limit.
 """
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
+from dataclasses import dataclass
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+from math_verify.errors import TimeoutException
+
+from megatron_rl.rewards.core import RewardTimeout
 
 PARSE_TIMEOUT_S = 2
 """math-verify's own limit (whole seconds, it uses signal.alarm) for parsing one answer."""
 VERIFY_TIMEOUT_S = 2
-"""math-verify's own limit (whole seconds) for one comparison; on expiry it answers "not equal"."""
+"""math-verify's own limit (whole seconds) for one comparison."""
 
 _EXTRACTION = (LatexExtractionConfig(), ExprExtractionConfig())
 _BOXED = re.compile(r"\\boxed\s*\{")
@@ -70,24 +83,93 @@ def _math_verify_timeouts() -> tuple[int | None, int | None]:
     return None, None
 
 
-def math_reward(prompt, response: str, ground_truth: str, metadata) -> dict[str, float]:
-    """1.0 when the response's final answer equals the ground truth mathematically, else 0.0.
+def _parse(text: str, what: str) -> list:
+    """math-verify's parse of ``text``; [] when it finds nothing it can parse.
 
-    The answer is the last ``\\boxed{}`` content, else the last number. Extras:
-    ``has_answer`` is 1.0 when an answer could be extracted.
+    Raises:
+        RewardTimeout: the parse ran past :data:`PARSE_TIMEOUT_S` (``what`` names the text).
+    """
+    limit, _ = _math_verify_timeouts()
+    try:
+        return parse(_as_latex(text), _EXTRACTION, parsing_timeout=limit, raise_on_error=True)
+    except TimeoutException:
+        raise RewardTimeout(f"math-verify took longer than {limit}s to parse {what} {text!r}") from None
+    except Exception:  # noqa: BLE001 - math-verify's own answer for a text it cannot parse
+        return []
+
+
+@dataclass(frozen=True)
+class ParsedGroundTruth:
+    """A ground truth and math-verify's parse of it (picklable: sympy objects and strings)."""
+
+    text: str
+    parsed: list
+
+
+def parse_ground_truth(ground_truth: str) -> ParsedGroundTruth:
+    """The ground truth parsed once for all of a prompt's responses (``math_reward.prepare``).
+
+    Raises:
+        ValueError: empty, or math-verify cannot parse it.
+        RewardTimeout: the parse ran past its limit.
     """
     if not ground_truth.strip():
         raise ValueError("ground truth is empty")
+    parsed = _parse(ground_truth.strip(), "the ground truth")
+    if not parsed:
+        raise ValueError(f"math-verify cannot parse the ground truth {ground_truth!r}")
+    return ParsedGroundTruth(ground_truth, parsed)
+
+
+WARM_UP_TIMEOUT_S = 120
+"""Limit of the warm-up's parse and comparison (a worker's start-up wait is longer)."""
+
+
+def warm_up() -> None:
+    """Pay math-verify's first parse and comparison (its grammar is built on first use) now,
+    so that no response is charged for it (``math_reward.warm_up``; a pool worker's main thread)."""
+    gold = parse("$1$", _EXTRACTION, parsing_timeout=WARM_UP_TIMEOUT_S)
+    verify(gold, parse("$1$", _EXTRACTION, parsing_timeout=WARM_UP_TIMEOUT_S), timeout_seconds=WARM_UP_TIMEOUT_S)
+
+
+def math_reward(prompt, response: str, ground_truth: str | ParsedGroundTruth, metadata) -> dict[str, float]:
+    """1.0 when the response's final answer equals the ground truth mathematically, else 0.0.
+
+    The answer is the last ``\\boxed{}`` content, else the last number. Extras:
+    ``has_answer`` is 1.0 when an answer could be extracted. ``ground_truth``: the text, or
+    what :func:`parse_ground_truth` made of it.
+
+    Raises:
+        RewardTimeout: math-verify ran past its own limit parsing or comparing.
+    """
+    gold = ground_truth if isinstance(ground_truth, ParsedGroundTruth) else parse_ground_truth(ground_truth)
     answer = extract_final_answer(response)
     if answer is None:
         return {"score": 0.0, "has_answer": 0.0}
-    parse_timeout, verify_timeout = _math_verify_timeouts()
-    gold = parse(_as_latex(ground_truth.strip()), _EXTRACTION, parsing_timeout=parse_timeout)
-    if not gold:
-        raise ValueError(f"math-verify cannot parse the ground truth {ground_truth!r}")
-    predicted = parse(_as_latex(answer), _EXTRACTION, parsing_timeout=parse_timeout)
-    correct = verify(gold, predicted, timeout_seconds=verify_timeout)
+    predicted = _parse(answer, "the answer")
+    correct = any(_equal(g, t, answer, gold.text) for g, t in itertools.product(gold.parsed, predicted))
     return {"score": 1.0 if correct else 0.0, "has_answer": 1.0}
+
+
+def _equal(gold, target, answer: str, ground_truth: str) -> bool:
+    """math-verify's comparison of one pair (``verify`` compares every pair, any equal one
+    counts), a pair it cannot compare being unequal, as in ``verify``.
+
+    Raises:
+        RewardTimeout: the comparison ran past :data:`VERIFY_TIMEOUT_S`.
+    """
+    _, limit = _math_verify_timeouts()
+    try:
+        return verify(gold, target, timeout_seconds=limit, raise_on_error=True)
+    except TimeoutException:
+        raise RewardTimeout(f"math-verify took longer than {limit}s to compare {answer!r} with "
+                            f"{ground_truth!r}") from None
+    except Exception:  # noqa: BLE001 - math-verify's own answer for a pair it cannot compare
+        return False
+
+
+math_reward.prepare = parse_ground_truth
+math_reward.warm_up = warm_up
 
 
 def exact_match_reward(prompt, response: str, ground_truth: str, metadata) -> float:

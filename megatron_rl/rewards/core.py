@@ -56,10 +56,26 @@ class RewardResult:
     """Further numeric fields the function returned, logged as ``reward/<name>``."""
     error: str | None = None
     """One line "ExcType: message" when the function failed or timed out, else None."""
+    timed_out: bool = False
+    """The error is a time limit (``reward.timeout_s``, or the function's own), kept after one
+    retry; counted in ``reward/timeouts`` as well as ``reward/errors``."""
 
 
 class RewardError(RuntimeError):
     """A reward function failed and ``reward.fatal_errors`` is set."""
+
+
+class RewardTimeout(TimeoutError):
+    """A reward function ran past a time limit of its own (a verifier's parse or comparison):
+    a timeout, tried once more, never a wrong answer or an unparseable ground truth."""
+
+
+def ground_truth_preparer(fn: Callable) -> Callable[[str], Any] | None:
+    """``fn.prepare`` when the reward has one: it turns a ground truth into what ``fn`` then
+    gets as ``ground_truth`` (e.g. parsed once per prompt, not once per response), run by the
+    scorer once per distinct ground truth of a batch, outside the responses' time budget."""
+    prepare = getattr(fn, "prepare", None)
+    return prepare if callable(prepare) else None
 
 
 def one_line_error(exc: BaseException) -> str:
@@ -161,9 +177,9 @@ def result_from_return(value: Any) -> RewardResult:
     return RewardResult(score=_finite_number(value, "returned score"))
 
 
-def error_result(error: str, error_score: float) -> RewardResult:
-    """The result of a response whose reward failed."""
-    return RewardResult(score=error_score, extras={}, error=error)
+def error_result(error: str, error_score: float, timed_out: bool = False) -> RewardResult:
+    """The result of a response whose reward failed (``timed_out``: ran past a time limit)."""
+    return RewardResult(score=error_score, extras={}, error=error, timed_out=timed_out)
 
 
 def call_reward(fn: Callable, item: tuple, error_score: float) -> RewardResult:
@@ -175,7 +191,17 @@ def call_reward(fn: Callable, item: tuple, error_score: float) -> RewardResult:
     except BaseException as exc:
         # BaseException because some verifiers raise BaseException subclasses on their own
         # timeouts (math-verify's TimeoutException does), and those are the function's failure.
-        return error_result(one_line_error(exc), error_score)
+        return error_result(one_line_error(exc), error_score, timed_out=isinstance(exc, TimeoutError))
+
+
+def call_preparer(prepare: Callable[[str], Any], ground_truth: str, error_score: float) -> Any:
+    """``prepare(ground_truth)``, or the error result its responses get when it fails."""
+    try:
+        return prepare(ground_truth)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # as call_reward: a failure of the reward's own code
+        return error_result(one_line_error(exc), error_score, timed_out=isinstance(exc, TimeoutError))
 
 
 def reward_args(item: RewardInput) -> tuple:

@@ -12,9 +12,17 @@ When a deadline passes, the response is an error result, the pool's workers are 
 (they are this process's children, found by the pids they reported at start-up), a fresh
 pool is started, and the other responses that were in flight are submitted again. A reward
 that hangs therefore costs one pool start-up (forks of the forkserver, a tenth of a second:
-``python tools/bench_reward_restart.py``) and never hangs the run. A worker that dies (segfault, ``os._exit``)
-breaks the pool the same way: it is replaced and the responses in flight are tried once
-more, then scored as errors.
+``python tools/bench_reward_restart.py``) and never hangs the run. A response that runs out of
+time (this deadline, or the function's own limit: a :class:`TimeoutError`) is tried once more
+before it is scored ``error_score``, and its result says it timed out (``reward/timeouts``). A
+worker that dies (segfault, ``os._exit``) breaks the pool the same way: it is replaced and the
+responses in flight are tried once more, then scored as errors.
+
+A reward with a ``prepare`` (:func:`~megatron_rl.rewards.core.ground_truth_preparer`; the
+``math`` reward parses the ground truth) has it run once per distinct ground truth of a batch,
+as its own task with its own deadline and retry, before the responses; a ground truth that
+fails fails its responses with that error, unscored. A reward with a ``warm_up`` has it run by
+each worker as it starts, before the pool counts as ready.
 
 In-process scoring (``num_workers=0``) cannot interrupt a function; a response that took
 longer than ``timeout_s`` is still scored as an error afterwards, so both modes agree.
@@ -48,12 +56,13 @@ from megatron_rl.rewards.core import (
     RewardError,
     RewardInput,
     RewardResult,
+    call_preparer,
     call_reward,
     check_reward_config,
     error_result,
+    ground_truth_preparer,
     one_line_error,
     resolve_reward,
-    reward_args,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,6 +72,7 @@ STARTUP_TIMEOUT_S = 120.0
 CLOSE_GRACE_S = 5.0
 """How long close() lets workers finish before it kills them."""
 _ATTEMPTS_ON_CRASH = 2
+_ATTEMPTS_ON_TIMEOUT = 2
 _IDS_IN_LOG = 8
 
 # Worker-process state, set once by _init_worker.
@@ -77,6 +87,9 @@ def _init_worker(function: str, error_score: float, sys_path: list[str], ready) 
     _worker_fn = resolve_reward(function)
     _worker_error_score = error_score
     _worker_ready = ready
+    warm_up = getattr(_worker_fn, "warm_up", None)
+    if callable(warm_up):
+        warm_up()  # before this worker counts as ready: no response pays for it
 
 
 def _report_ready(timeout_s: float) -> int:
@@ -88,6 +101,10 @@ def _report_ready(timeout_s: float) -> int:
 
 def _score_in_worker(item: tuple) -> RewardResult:
     return call_reward(_worker_fn, item, _worker_error_score)
+
+
+def _prepare_in_worker(ground_truth: str) -> Any:
+    return call_preparer(ground_truth_preparer(_worker_fn), ground_truth, _worker_error_score)
 
 
 def _start_method() -> str:
@@ -165,22 +182,46 @@ class RewardScorer:
         with self._one_at_a_time:
             if self._closed:
                 raise RuntimeError("RewardScorer.score called after close()")
-            if self.cfg.num_workers == 0:
-                results = [self._score_in_process(item) for item in items]
-            else:
-                results = self._score_in_pool(items)
+            prepared = self._prepare(items)
+            failed = {i: p for i, p in enumerate(prepared) if isinstance(p, RewardResult)}
+            calls = [(_score_in_worker, (item.prompt, item.response, truth, item.metadata))
+                     for item, truth in zip(items, prepared)]
+            todo = [i for i in range(len(items)) if i not in failed]
+            scored = dict(zip(todo, self._run([calls[i] for i in todo])))
+            results = [failed[i] if i in failed else scored[i] for i in range(len(items))]
             self._report_errors(items, results)
             return results
 
-    def _score_in_process(self, item: RewardInput) -> RewardResult:
-        start = time.monotonic()
-        result = call_reward(self._fn, reward_args(item), self.cfg.error_score)
-        if result.error is None and time.monotonic() - start > self.cfg.timeout_s:
-            return error_result(self._timeout_message(), self.cfg.error_score)
-        return result
+    def _prepare(self, items: list[RewardInput]) -> list:
+        """Per item, its ground truth as the reward gets it: prepared once per distinct ground
+        truth when the reward has a ``prepare``, or the error result of a failed one."""
+        prepare = ground_truth_preparer(self._fn)
+        if prepare is None:
+            return [item.ground_truth for item in items]
+        distinct = list(dict.fromkeys(item.ground_truth for item in items))
+        done = dict(zip(distinct, self._run([(_prepare_in_worker, truth) for truth in distinct])))
+        return [done[item.ground_truth] for item in items]
 
-    def _timeout_message(self) -> str:
-        return f"TimeoutError: scoring took longer than reward.timeout_s={self.cfg.timeout_s}s"
+    def _run(self, calls: list[tuple[Callable, Any]]) -> list:
+        """Each call's result (a worker function and its argument), in order."""
+        if self.cfg.num_workers > 0:
+            return self._run_in_pool(calls)
+        return [self._run_in_process(*call) for call in calls]
+
+    def _run_in_process(self, task: Callable, arg: Any) -> Any:
+        for attempt in range(1, _ATTEMPTS_ON_TIMEOUT + 1):
+            start = time.monotonic()
+            result = (call_reward(self._fn, arg, self.cfg.error_score) if task is _score_in_worker
+                      else call_preparer(ground_truth_preparer(self._fn), arg, self.cfg.error_score))
+            if not _timed_out(result) and time.monotonic() - start > self.cfg.timeout_s:
+                result = self._timeout_result()
+            if not _timed_out(result) or attempt == _ATTEMPTS_ON_TIMEOUT:
+                return _as_final(result, attempt)
+        raise AssertionError("unreachable")
+
+    def _timeout_result(self) -> RewardResult:
+        return error_result(f"TimeoutError: scoring took longer than reward.timeout_s={self.cfg.timeout_s}s",
+                            self.cfg.error_score, timed_out=True)
 
     def _start_pool(self) -> None:
         workers = self.cfg.num_workers
@@ -226,15 +267,16 @@ class RewardScorer:
         self._stop_pool(grace_s=0.0)
         self._start_pool()
 
-    def _score_in_pool(self, items: list[RewardInput]) -> list[RewardResult | None]:
-        results: list[RewardResult | None] = [None] * len(items)
-        crashes = [0] * len(items)
-        queue = deque(range(len(items)))
+    def _run_in_pool(self, calls: list[tuple[Callable, Any]]) -> list:
+        """Length: one scheduling loop (submit, wait, collect, expire), read top to bottom."""
+        results: list = [None] * len(calls)
+        crashes, timeouts = [0] * len(calls), [0] * len(calls)
+        queue = deque(range(len(calls)))
         in_flight: dict[Future, tuple[int, float]] = {}
         while queue or in_flight:
             while queue and len(in_flight) < self.cfg.num_workers:
                 index = queue.popleft()
-                future = self._executor.submit(_score_in_worker, reward_args(items[index]))
+                future = self._executor.submit(*calls[index])
                 in_flight[future] = (index, time.monotonic() + self.cfg.timeout_s)
             next_deadline = min(deadline for _, deadline in in_flight.values())
             wait_s = max(0.0, next_deadline - time.monotonic())
@@ -244,17 +286,28 @@ class RewardScorer:
                 self._retry_after_crash(in_flight, results, crashes, queue)
                 continue
             for future in done:
-                self._collect(future, in_flight.pop(future)[0], results)
+                index = in_flight.pop(future)[0]
+                self._collect(future, index, results)
+                if _timed_out(results[index]):  # the function's own limit: once more
+                    self._after_timeout(index, results, timeouts, queue, results[index])
             now = time.monotonic()
             expired = [f for f, (_, end) in in_flight.items() if end <= now and not f.done()]
             if expired:
                 for future in expired:
-                    results[in_flight.pop(future)[0]] = error_result(
-                        self._timeout_message(), self.cfg.error_score
-                    )
+                    index = in_flight.pop(future)[0]
+                    self._after_timeout(index, results, timeouts, queue, self._timeout_result())
                 self._requeue(in_flight, results, queue)
                 self._replace_pool()
         return results
+
+    def _after_timeout(self, index: int, results: list, timeouts: list, queue: deque, result: RewardResult) -> None:
+        """A call that ran out of time is queued once more, then its timeout is its result."""
+        timeouts[index] += 1
+        if timeouts[index] < _ATTEMPTS_ON_TIMEOUT:
+            results[index] = None
+            queue.append(index)
+        else:
+            results[index] = _as_final(result, timeouts[index])
 
     def _collect(self, future: Future, index: int, results: list) -> None:
         exc = future.exception()
@@ -316,3 +369,13 @@ class RewardScorer:
             first_error,
         )
 
+
+def _timed_out(result: Any) -> bool:
+    return isinstance(result, RewardResult) and result.timed_out
+
+
+def _as_final(result: Any, attempts: int) -> Any:
+    """A timed-out result after its last attempt says how many there were."""
+    if _timed_out(result) and attempts > 1:
+        return error_result(f"{result.error} ({attempts} attempts)", result.score, timed_out=True)
+    return result

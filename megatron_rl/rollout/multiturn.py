@@ -391,11 +391,24 @@ class MultiTurnRollout:
         return b.sample(with_routes)
 
 
+OWN_STATS = ("env/turns", "env/time_s", "env/masked_token_frac", "env/template_mismatch_frac")
+"""The ``env/*`` statistics this module computes (besides ``env/end/<reason>``); any other
+``env/<name>`` is an environment's count."""
+
+
+def is_env_count(name: str) -> bool:
+    """Whether ``name`` is an environment's count (``env/<count>``): its metric is the mean over
+    every trajectory, one that did not report it counting 0 (an environment that reports
+    ``hits`` only on a hit: ``env/hits`` is the share of trajectories that hit)."""
+    return name.startswith("env/") and name not in OWN_STATS and not name.startswith("env/end/")
+
+
 def trajectory_stats(samples: Sequence[RolloutSample]) -> dict[str, list[float]]:
     """Per-trajectory numbers behind the ``env/*`` metrics (names -> one value per trajectory
     that has it): turns, each environment count, environment seconds, environment tokens and
     all output tokens, template mismatches (of the trajectories checked), and per end reason
-    1 or 0 (their means are the shares of trajectories that ended so)."""
+    1 or 0 (their means are the shares of trajectories that ended so). The counts' means are
+    over every trajectory (:func:`is_env_count`)."""
     stats: dict[str, list[float]] = {}
 
     def add(name: str, value: float) -> None:

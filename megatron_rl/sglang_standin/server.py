@@ -29,7 +29,9 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   ``SGLANG_HEALTH_CHECK_TIMEOUT`` (20 s) and 503 after (``entrypoints/http_server.py:218``,
   ``:721-799``); ``/ping`` and ``/ready`` a flag check (``:714-718``, ``:2190-2199``);
 * ``/server_info`` with the launch settings (``tp_size``, ``dp_size``,
-  ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``),
+  ``enable_deterministic_inference``, ``enable_memory_saver``, ...; ``:863-894``), answered
+  by the scheduler (here the engine thread) between two batches (``managers/scheduler.py:
+  2026-2036``), so a hung scheduler leaves it unanswered while ``/ping`` answers,
   ``/model_info`` with SGLang's keys (``:812-850``);
 * memory release and resume with ``--enable-memory-saver`` (:mod:`~megatron_rl.sglang_standin.
   memory`); pauses in the three modes, the model-update lock, ``flush_cache`` refused while
@@ -43,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import sys
@@ -55,7 +56,9 @@ import torch.distributed as dist
 from aiohttp import web
 
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang.sockets import inherited_socket
 from megatron_rl.sglang_standin.batching import ContinuousBatcher
+from megatron_rl.sglang_standin.body import json_body
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
@@ -110,6 +113,10 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         self.host, self.model_path, self.weight_version, self.long_tail = host, model_path, weight_version, long_tail
         self.launch_version, self.tp_size, self.deterministic = weight_version, tp_size, deterministic
         self.counters = ServerCounters()
+        self.startup_time = {"load_weight": 0.0, "kv_cache_allocation": 0.0, "scheduler_e2e": 0.0, "cuda_graph": {}}
+        """``/server_info``'s ``startup_time`` (http_server.py:886): the scheduler's startup durations in
+        seconds, SGLang's keys (observability/startup_time.py:11-28), set by :func:`serve`; a server
+        started again reports new ones, which is how a client tells a restart."""
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
                                          token_latency_s=token_latency_s, alone=deterministic,
                                          keeps_kv=getattr(host, "engine_kind", None) == "hf")
@@ -180,7 +187,7 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         self.counters.generate_requests += 1
         started = time.monotonic()
         try:
-            body = await request.json()
+            body = await json_body(request)
             if is_scoring(body):
                 return await answer_scoring(self.host, body, self.weight_version, started)
             rid, prompt, params, want_routes, seed = parse_generate(
@@ -240,14 +247,19 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """``GET /server_info``: the launch settings SGLang reports there (http_server.py:863-894)."""
+        """``GET /server_info``: the launch settings SGLang reports there (http_server.py:863-894),
+        with the scheduler's internal state, which SGLang asks the scheduler for
+        (tokenizer_control_mixin.py:967-974) and the scheduler answers between two batches
+        (scheduler.py:2026-2036, :1909): here the engine thread, between two engine calls. A
+        hung engine thread leaves it unanswered while ``/ping`` still answers, as in SGLang."""
+        internal_state = await self.host.call(dict)
         return web.json_response({
             "model_path": self.model_path, "tp_size": self.tp_size, "dp_size": 1,
             "enable_deterministic_inference": self.deterministic, "enable_return_routed_experts": True,
             "enable_memory_saver": self.memory.memory_saver,
             "enable_weights_cpu_backup": self.memory.weights_cpu_backup,
             "skip_tokenizer_init": True, "weight_version": self.launch_version, "version": SGLANG_VERSION,
-            "internal_states": [{}],
+            "startup_time": self.startup_time, "internal_states": [internal_state],
         })
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -305,12 +317,13 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         return self._result(ok, message)
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
-        """``POST /update_weights_from_tensor``: session, then decode entry 0, then load."""
+        """``POST /update_weights_from_tensor``: session, then decode entry 0, then load (the
+        body, a bucket's size, parsed off the event loop that answers every other request)."""
         async with self.updating():
             return await self._update_from_tensor(request)
 
     async def _update_from_tensor(self, request: web.Request) -> web.Response:
-        body = json.loads(await request.read())
+        body = await json_body(request)
         entries, load_format = body.get("serialized_named_tensors"), body.get("load_format")
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             return _error(400, "serialized_named_tensors must be a list of base64 strings")
@@ -455,16 +468,22 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     if args.threads:
         torch.set_num_threads(args.threads)
     original = bool_env("SGLANG_RETURN_ORIGINAL_LOGPROB")  # layers/sampler.py:82, read once
+    began = time.perf_counter()
     host = EngineHost(cfg.model, architecture, cfg.seed, args.micro_batch_sequences, args.engine,
                       logprobs_after_temperature=not original, checkpoint=cfg.init_checkpoint)
+    built = time.perf_counter()
     server = server_type(host, weight_version=args.weight_version, model_path=args.config, tp_size=args.tp_size,
                          deterministic=args.enable_deterministic_inference, max_batch=args.max_batch,
                          token_latency_s=args.token_latency_s, long_tail=args.long_tail,
                          memory=MemoryOccupation(args.enable_memory_saver, args.enable_weights_cpu_backup))
+    server.startup_time.update(load_weight=built - began, scheduler_e2e=time.perf_counter() - began)
+    sock = inherited_socket()  # bound by whoever started us (server.ManagedServer): --port is its port
+    port = sock.getsockname()[1] if sock is not None else args.port
     try:
-        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{args.port}: {architecture}, "
+        print(f"protocol server (SGLang {SGLANG_VERSION} protocol) on http://{args.host}:{port}: {architecture}, "
               f"{host.engine_kind} engine, {'raw' if original else 'temperature-scaled'} log-probs", flush=True)
-        web.run_app(server.app(), host=args.host, port=args.port, print=None, handle_signals=True)
+        where = {"sock": sock} if sock is not None else {"host": args.host, "port": args.port}
+        web.run_app(server.app(), **where, print=None, handle_signals=True)
     finally:
         print(server.closing_line(), flush=True)
         host.close()

@@ -43,7 +43,7 @@ from megatron_rl.train.hf_export import RunExports
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.lifecycle import CheckpointLifecycle
 from megatron_rl.train.mismatch import StepMismatch
-from megatron_rl.train.prepare import max_prompt_tokens, run_tokenizer
+from megatron_rl.train.prepare import prompt_limit, run_tokenizer
 from megatron_rl.train.rollouts import RolloutSource
 from megatron_rl.train.run_log import RunLog
 from megatron_rl.train.sft import WarmStart
@@ -105,9 +105,9 @@ def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
     """Collective: every part of the run, on every rank of the world together."""
     objective = resolve_objective(cfg)
     tokenizer = run_tokenizer(cfg)
-    limit = max_prompt_tokens(cfg)
-    train_set = load_prompts(cfg.data, "train", tokenizer, limit)
-    eval_set = load_prompts(cfg.data, "eval", tokenizer, limit)
+    limit, set_by = prompt_limit(cfg)
+    train_set = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
+    eval_set = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
     init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
     validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
     # Before the model exists: a run whose rollout servers are missing fails in seconds.

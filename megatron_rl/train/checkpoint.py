@@ -25,11 +25,13 @@ layout is checked before any process starts (``train/prepare.py``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from torch.distributed import ProcessGroup
@@ -114,7 +116,7 @@ def write_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState,
     comm.barrier(group)
     optimizer_format = optimizer_sharding(model, sharding) if optimizer is not None else None
     with_optimizer_state = optimizer_format is not None or has_optimizer_state(optimizer)
-    with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
+    with _unpublished_removed_on_failure(root, path, rank), reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
         save_training_state(model, optimizer, path, optimizer_format)
         (path / "rng").mkdir(exist_ok=True)
         torch.save({"torch": torch.get_rng_state()}, path / "rng" / f"rank_{rank:05d}.pt")
@@ -133,13 +135,28 @@ def publish_checkpoint(written: WrittenCheckpoint, group: ProcessGroup) -> Path:
     """Collectively: write ``trainer_state.json`` and point ``latest`` at the checkpoint."""
     if comm.rank(group) == 0:
         path = written.path
-        with reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
+        with _unpublished_removed_on_failure(written.root, path, 0), \
+                reporting_a_full_disk(path, f"saving checkpoint {path.name}"):
             (path / "trainer_state.json").write_text(json.dumps(written.trainer_state, indent=1))
             tmp = written.root / "latest.tmp"
             tmp.write_text(path.name)
         os.replace(tmp, written.root / "latest")  # atomic: readers see the old or the new name
     comm.barrier(group)
     return written.path
+
+
+@contextlib.contextmanager
+def _unpublished_removed_on_failure(root: Path, path: Path, rank: int) -> Iterator[None]:
+    """A checkpoint directory whose writing failed (a full disk) is removed by rank 0, unless
+    ``latest`` names it: a resume never reads it, and it would hold the space it took."""
+    try:
+        yield
+    except BaseException:
+        latest = root / "latest"
+        if rank == 0 and not (latest.exists() and latest.read_text().strip() == path.name):
+            shutil.rmtree(path, ignore_errors=True)
+            (root / "latest.tmp").unlink(missing_ok=True)
+        raise
 
 
 def save_checkpoint(run_dir: str | Path, model, optimizer, state: TrainerState, config: dict,

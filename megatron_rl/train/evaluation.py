@@ -1,7 +1,8 @@
 """Held-out evaluation: the policy's responses to the eval prompts, scored, and their statistics.
 
 Owns :class:`Evaluator` (``eval/accuracy`` over ``eval.num_samples`` responses per eval
-prompt, ``eval/pass@k``, ``eval/accuracy_greedy``, and for multi-turn rollouts the
+prompt, ``eval/pass@k``, ``eval/accuracy_greedy``, the fractions of responses whose reward
+failed or timed out (``eval/reward_error_frac``, ``eval/reward_timeout_frac``), and for multi-turn rollouts the
 trajectories' statistics) and the unbiased pass@k estimator of Chen et al. (2021): with
 ``n`` samples of which ``c`` are correct, ``pass@k = 1 - C(n-c, k) / C(n, k)``, the
 probability that at least one of ``k`` samples drawn without replacement from the ``n`` is
@@ -86,10 +87,14 @@ class Evaluator:
             if e.greedy and e.temperature > 0:
                 greedy = self.rollouts.respond(mine, 0.0, self.seed, return_routes=False)
         check_versions(samples, self.engine.weight_version)
-        rewards = [self.rollouts.total_reward(res, s) for res, s in zip(self.rollouts.score(asked, samples), samples)]
+        results = self.rollouts.score(asked, samples)
+        rewards = [self.rollouts.total_reward(res, s) for res, s in zip(results, samples)]
         correct = [sum(reward > 0 for reward in rewards[i * n : (i + 1) * n]) for i in range(len(mine))]
-        names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k)]
-        sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k)]
+        # A response whose reward failed counts as wrong: the fractions say how many did, and why.
+        names = ["eval/accuracy", *(f"eval/pass@{k}" for k in e.pass_k), "eval/reward_error_frac",
+                 "eval/reward_timeout_frac"]
+        sums = [sum(correct) / n, *(pass_at_k(correct, n, k) for k in e.pass_k),
+                sum(r.error is not None for r in results) / n, sum(r.timed_out for r in results) / n]
         if greedy is not None:
             names.append("eval/accuracy_greedy")
             sums.append(float(sum(self.rollouts.total_reward(res, s) > 0

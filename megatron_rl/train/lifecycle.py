@@ -4,9 +4,10 @@ A run directory that holds a checkpoint of its own always resumes from its lates
 weights, optimizer, step, data position and weight version, and with asynchronous rollouts
 the batch that was generated ahead. Otherwise the run starts at step 0 from the weights
 the policy was built with (``init_checkpoint`` or random), warm-started when
-``train.sft_steps`` > 0, and saves step 0 at once. Every checkpoint holds the batch generated
+``train.sft_steps`` > 0, and writes step 0 at once. Every checkpoint holds the batch generated
 ahead whole (settled first), and is published (named by ``latest``) either at once or, for a
-step's checkpoint, after the step's metrics row is logged (:meth:`CheckpointLifecycle.publish`).
+step's checkpoint (step 0's too), after the step's metrics row is logged
+(:meth:`CheckpointLifecycle.publish`).
 
 Owns the order; not the format on disk (``train.checkpoint``), the warm start itself
 (``train.sft``) nor the batch generated ahead (``train.async_rollouts``).
@@ -68,9 +69,11 @@ class CheckpointLifecycle:
         """The step of the run's own checkpoint it continues (None: a fresh start)."""
         return int(self.resume_path.name.split("_")[-1]) if self.resume_path is not None else None
 
-    def start(self) -> TrainerState:
+    def start(self) -> tuple[TrainerState, WrittenCheckpoint | None]:
         """Resume from the run's latest checkpoint, or start (the policy's weights as built),
-        optionally warm-start, and save step 0."""
+        optionally warm-start, and write step 0's checkpoint (returned, for the caller to
+        publish after step 0's row, as every step's: a run stopped before the row resumes
+        at step 0 and logs it once)."""
         path = self.resume_path
         if path is not None:
             state = load_checkpoint(path, self.ddp, self.optimizer, self.groups.world)
@@ -78,7 +81,7 @@ class CheckpointLifecycle:
             resume_batches(self.rollouts, path, state, self.ahead, self.cfg.rollout.stale_samples)
             if self.rank0:
                 print(f"resumed from {path} (step {state.step})", flush=True)
-            return state
+            return state, None
         state = TrainerState(step=0, data_position=0, weight_version=0)
         if self.rank0 and self.init is not None:
             print(f"policy initialized from {self.init.path} ({self.init.hf.architecture})", flush=True)
@@ -86,8 +89,7 @@ class CheckpointLifecycle:
             self.warm_start()
             # The warm start changed the weights the engine was built with (same version 0).
             self.turns.weights_changed(state.weight_version)
-        self.save(state)
-        return state
+        return state, self.save(state, publish=False)
 
     def save(self, state: TrainerState, publish: bool = True) -> WrittenCheckpoint:
         """Checkpoint, with the batch generated ahead when rollouts are asynchronous; published

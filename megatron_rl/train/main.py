@@ -145,8 +145,12 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
     lock, busy = None, None
     try:
         cfg = load_config(args.config, args.overrides, world_size=world_size)
+        # A busy directory is refused before the input checks (minutes for a large dataset);
+        # one that does not exist yet is created only once they pass.
+        if rank0 and Path(cfg.train.run_dir).is_dir():
+            lock = RunDirLock(cfg.train.run_dir).acquire()
         summary = check_inputs(cfg)
-        if rank0:
+        if rank0 and lock is None:
             lock = RunDirLock(cfg.train.run_dir).acquire()
     except RunDirBusy as err:
         if not launched:
@@ -154,6 +158,8 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
             return 2
         busy = err  # the other ranks learn it once the group exists
     except ConfigError as err:
+        if lock is not None:
+            lock.release()
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
         print(f"megatron-rl-train: error: {err}", file=sys.stderr)

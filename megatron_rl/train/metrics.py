@@ -17,7 +17,7 @@ Default plots (``DEFAULT_PLOTS``). Each plot is drawn only if a metric matches o
 keys; keys are ``fnmatch`` patterns, where ``*`` also matches ``/``:
 
 * ``reward``: train reward (``*reward*mean``, ``*reward``) and accuracy (``*accuracy``,
-  e.g. ``eval/accuracy``);
+  e.g. ``eval/accuracy``), not the seconds spent scoring (``time/*``, ``perf/*``);
 * ``entropy``: policy entropy (``*entropy/mean``, ``*entropy``);
 * ``clip_fraction``: shares on a clip bound (``*clip/*_frac``, ``*clip_frac*``);
 * ``rspo_gamma``: RSPO router-shift weights (``*gamma/min``, ``*gamma/mean``,
@@ -93,7 +93,8 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         kept = [] if resume_from_step is None else _rows_up_to(self.path, resume_from_step)
-        _replace_lines(self.path, [line for line, _ in kept])
+        with reporting_a_full_disk(self.run_dir, "rewriting the metrics file of the resumed run"):
+            _replace_lines(self.path, [line for line, _ in kept])
         self._last_step = kept[-1][1]["step"] if kept else None
         self._file = self.path.open("a", encoding="utf-8")
         if tensorboard:
@@ -256,6 +257,13 @@ class PlotSpec:
     """``fnmatch`` patterns of metric names, tried in order (``*`` also matches ``/``)."""
     stacked: bool = False
     """Stack the series as areas (parts of a whole); a step a series lacks counts as 0."""
+    exclude: tuple[str, ...] = ()
+    """``fnmatch`` patterns of names never drawn here, though a key matches them."""
+
+    def matching(self, names: Sequence[str]) -> list[str]:
+        """The names drawn, in the order of :attr:`keys`, then of ``names``."""
+        return [name for name in dict.fromkeys(n for p in self.keys for n in names if fnmatchcase(n, p))
+                if not any(fnmatchcase(name, p) for p in self.exclude)]
 
 
 DEFAULT_PLOTS: dict[str, PlotSpec] = {
@@ -263,6 +271,7 @@ DEFAULT_PLOTS: dict[str, PlotSpec] = {
         title="Train reward and held-out accuracy",
         ylabel="reward / accuracy",
         keys=("*reward*mean", "*reward", "*accuracy"),
+        exclude=("time/*", "perf/*"),  # seconds (time/reward), not a reward
     ),
     "entropy": PlotSpec(title="Policy entropy", ylabel="nats", keys=("*entropy/mean", "*entropy")),
     "clip_fraction": PlotSpec(
@@ -312,7 +321,7 @@ def plot_run(
     written = []
     for plot_name, spec in plots.items():
         series = {}
-        for key in dict.fromkeys(k for p in spec.keys for k in names if fnmatchcase(k, p)):
+        for key in spec.matching(names):
             points = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
             if points:
                 series[key] = points

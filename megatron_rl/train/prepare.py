@@ -55,8 +55,17 @@ class InputSummary:
 def max_prompt_tokens(cfg: RunConfig) -> int:
     """Longest prompt the run keeps: the configured limit, or what the model's length (or a
     trajectory's, ``rollout.env.max_total_tokens``) leaves."""
-    room = (cfg.rollout.env.max_total_tokens or cfg.model.max_position_embeddings) - cfg.rollout.max_new_tokens
-    return room if cfg.data.max_prompt_tokens is None else min(cfg.data.max_prompt_tokens, room)
+    return prompt_limit(cfg)[0]
+
+
+def prompt_limit(cfg: RunConfig) -> tuple[int, str]:
+    """:func:`max_prompt_tokens`, and what sets it, named as a message names its culprit."""
+    total_key = "rollout.env.max_total_tokens" if cfg.rollout.env.max_total_tokens else "model.max_position_embeddings"
+    total = cfg.rollout.env.max_total_tokens or cfg.model.max_position_embeddings
+    room = total - cfg.rollout.max_new_tokens
+    if cfg.data.max_prompt_tokens is not None and cfg.data.max_prompt_tokens <= room:
+        return cfg.data.max_prompt_tokens, "data.max_prompt_tokens"
+    return room, f"rollout.max_new_tokens ({cfg.rollout.max_new_tokens}, of {total_key} {total})"
 
 
 def run_tokenizer(cfg: RunConfig) -> PromptTokenizer:
@@ -97,9 +106,13 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: the tokenizer uses {tokenizer.vocab_size} ids, more than "
                           f"the model's {cfg.model.vocab_size}")
-    limit = max_prompt_tokens(cfg)
-    train = load_prompts(cfg.data, "train", tokenizer, limit)
-    evals = load_prompts(cfg.data, "eval", tokenizer, limit)
+    limit, set_by = prompt_limit(cfg)
+    frame = len(tokenizer.encode_prompt(""))
+    if frame > limit:  # known before a prompt file is read (thousands of rows: seconds)
+        raise ConfigError(f"{set_by}: leaves {limit} tokens for a prompt, fewer than the {frame} the tokenizer's "
+                          "chat template takes around an empty one")
+    train = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
+    evals = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
     check_teacher_inputs(cfg, tokenizer, train.records)
     return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
                         dropped=train.num_filtered + evals.num_filtered)

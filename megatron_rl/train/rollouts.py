@@ -36,7 +36,7 @@ from megatron_rl.parallel.comm import (
 )
 from megatron_rl.rewards.core import RewardInput, RewardResult
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
-from megatron_rl.rollout.multiturn import trajectory_stats
+from megatron_rl.rollout.multiturn import is_env_count, trajectory_stats
 from megatron_rl.rollout.trajectory import ENV_FAULTS, turn_of_positions
 from megatron_rl.train.dp_balance import rebalance_over_dp
 from megatron_rl.train.phases import phase_timer
@@ -53,7 +53,8 @@ if TYPE_CHECKING:
     from megatron_rl.train.checkpoint import TrainerState
 
 MAX_REWARD_ERRORS_PRINTED = 5
-"""Reward errors printed per scoring call and rank (all are counted in ``reward/errors``)."""
+"""Reward errors printed per scoring call and rank (all are counted in ``reward/errors``, the
+timeouts among them also in ``reward/timeouts``)."""
 
 
 @dataclass
@@ -98,6 +99,8 @@ class _Drawn:
     """``reward/<name>`` -> the reward functions' extra fields, per response that has one."""
     errors: int = 0
     """Responses whose reward function failed."""
+    timeouts: int = 0
+    """Of those, responses whose reward ran out of time (twice: a timeout is tried once more)."""
     trajectories: dict[str, list[float]] = field(default_factory=dict)
     """``env/<name>`` -> one value per multi-turn trajectory that has it (``trajectory_stats``)."""
 
@@ -361,7 +364,7 @@ class RolloutSource:
             "sampling/groups_drawn": torch.tensor(float(len(drawn.rewards))),
             "sampling/informative_frac": torch.tensor(len(kept.problems) / max(1, len(drawn.rewards))),
         }, self.groups.dp))
-        metrics.update(self._reward_extras(drawn.extras, drawn.errors))
+        metrics.update(self._reward_extras(drawn.extras, drawn.errors, drawn.timeouts))
         if self.multiturn is not None:
             metrics.update(self.agreed_means(drawn.trajectories))
         return chosen
@@ -370,6 +373,7 @@ class RolloutSource:
         """Add a scored round to ``drawn``: each group kept, or dropped as uninformative."""
         G = self.cfg.rollout.group_size
         drawn.errors += sum(res.error is not None for res in results)
+        drawn.timeouts += sum(res.timed_out for res in results)
         for res in results:
             for name, value in res.extras.items():
                 drawn.extras.setdefault(f"reward/{name}", []).append(value)
@@ -422,19 +426,24 @@ class RolloutSource:
 
     def agreed_means(self, values: dict[str, list[float]]) -> dict[str, torch.Tensor]:
         """Collective: each name's mean over every rank's values (a rank may lack a name:
-        the names are agreed on first, so every rank reduces the same tensor)."""
+        the names are agreed on first, so every rank reduces the same tensor). An environment's
+        count (:func:`~megatron_rl.rollout.multiturn.is_env_count`) is a mean over every
+        trajectory (``env/turns`` has one value per trajectory), 0 where it was not reported."""
         names = set(values)
         if self.groups.dp_size > 1:
             names = set().union(*all_gather_objects(sorted(names), self.groups.dp))
         names = sorted(names)
-        totals = torch.tensor([sum(values.get(n, [])) for n in names] + [len(values.get(n, [])) for n in names],
-                              dtype=torch.float64)
+        trajectories = len(values.get("env/turns", []))
+        counted = [trajectories if is_env_count(n) else len(values.get(n, [])) for n in names]
+        totals = torch.tensor([sum(values.get(n, [])) for n in names] + counted, dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
         return {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
 
-    def _reward_extras(self, extras: dict[str, list[float]], errors: int) -> dict[str, torch.Tensor]:
-        """Means of the reward functions' extra fields over the global batch, and the error count.
+    def _reward_extras(self, extras: dict[str, list[float]], errors: int, timeouts: int) -> dict[str, torch.Tensor]:
+        """Means of the reward functions' extra fields over the global batch, and the counts of
+        responses whose reward failed (``reward/errors``) and, of those, ran out of time
+        (``reward/timeouts``).
 
         Ranks may see different extra names (a reward may add a field only sometimes), so
         the names are agreed on first: every rank then reduces the same tensor.
@@ -445,9 +454,9 @@ class RolloutSource:
         names = sorted(names)
         sums = [sum(extras.get(n, [])) for n in names]
         counts = [len(extras.get(n, [])) for n in names]
-        totals = torch.tensor([*sums, *counts, float(errors)], dtype=torch.float64)
+        totals = torch.tensor([*sums, *counts, float(errors), float(timeouts)], dtype=torch.float64)
         if self.groups.dp_size > 1:
             all_reduce(totals, self.groups.dp)
         out = {n: (totals[i] / totals[len(names) + i].clamp(min=1)).float() for i, n in enumerate(names)}
-        out["reward/errors"] = totals[-1].float()
+        out["reward/errors"], out["reward/timeouts"] = totals[-2].float(), totals[-1].float()
         return out

@@ -71,16 +71,17 @@ class Trainer:
         ``trackers`` (``train.sinks.Trackers``: W&B, MLflow) also get, with each HF checkpoint."""
         t = self.cfg.train
         with self.log.open(trackers, self.checkpoints.resumed_step) as log:
-            state = self.checkpoints.start()
+            state, written = self.checkpoints.start()
             self.reference = self.frozen.reference(state.step)
             self.teachers = self.frozen.teachers()
             self.exports.finish_owed(state.step, resumed=self.checkpoints.resumed_step is not None)
-            if state.step == 0:
+            if written is not None:  # as every step: its row, then its checkpoint published
                 log.log(0, {**self.evaluate(), **log.engine_metrics(),
                             "data/train_prompts": torch.tensor(float(len(self.train_set.records))),
                             "data/eval_prompts": torch.tensor(float(len(self.eval_set.records))),
                             "data/prompts_over_length": torch.tensor(
                                 float(self.train_set.num_filtered + self.eval_set.num_filtered))})
+                self.checkpoints.publish(written)
             watch = StepWatch(self.cfg.profile, t.run_dir, rank(self.groups.world))
             for step in log.progress(range(state.step + 1, t.steps + 1), "RL steps"):
                 watch.begin(step)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from process_tree import ProcessTree
 
 from megatron_rl.checkpoint.hf_io import INCOMPLETE_MARKER, staging_dir
 from megatron_rl.train.main import main
@@ -36,7 +37,7 @@ SMALL = [
     "eval.max_prompts=8", "eval.num_samples=2", "eval.pass_k=[1,2]", "reward.num_workers=1",
 ]
 PHASE_KEYS = ["time/rollout", "time/old_logprobs", "time/update", "reward/mean", "rollout/accuracy",
-              "reward/errors", "reward/has_answer",
+              "reward/errors", "reward/timeouts", "reward/has_answer",
               "mismatch/train_rollout_abs_diff", "routing/replay_agreement", "routing/flip_rate",
               "gamma/mean", "gamma/min", "optim/grad_norm", "perf/tokens_per_s"]
 
@@ -134,11 +135,15 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
     _, uninterrupted = ep2_run
     run_dir = tmp_path / "crashed"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    crashed = subprocess.run([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
-                              f"train.run_dir={run_dir}"], capture_output=True, text=True, env=env, cwd=ROOT)
-    assert crashed.returncode == 1, crashed.stderr
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as errors:
+        crashed = subprocess.Popen([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
+                                    f"train.run_dir={run_dir}"], stdout=out, stderr=errors, env=env, cwd=ROOT)
+    tree = ProcessTree(crashed.pid)
+    assert crashed.wait(900) == 1, (tmp_path / "err").read_text()
+    # When the command returns, nothing of the run is left (its forkserver used to outlive it).
+    assert tree.left() == [] and len(tree.seen) >= 3
     # Both ranks fail; the report is one line from the first, no traceback.
-    err = [line for line in crashed.stderr.splitlines() if "error" in line]
+    err = [line for line in (tmp_path / "err").read_text().splitlines() if "error" in line]
     assert len(err) == 1 and "injected failure after step 3" in err[0] and "Traceback" not in err[0], err
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     resumed = _run(run_dir)
@@ -148,6 +153,23 @@ def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path
             if key.startswith(("time/", "perf/")):
                 continue
             assert resumed[step][key] == value, (step, key, resumed[step][key], value)
+
+
+def test_a_run_resumed_at_step_0_holds_step_0_once(ep2_run, tmp_path):
+    """What a run that failed on a full disk saving step 1 leaves: step 0 published, its row
+    logged, a partial step 1. The same command resumes at step 0; step 0's row is not written
+    again (it was, after the checkpoint: metrics.jsonl held step 0 twice)."""
+    run_dir, _ = ep2_run
+    failed = Path(shutil.copytree(run_dir, tmp_path / "failed"))
+    (failed / "checkpoints" / "latest").write_text("step_000000")
+    rows = (failed / "metrics.jsonl").read_text().splitlines()
+    (failed / "metrics.jsonl").write_text(rows[0] + "\n")
+    partial = failed / "checkpoints" / "step_000001"
+    partial.mkdir(exist_ok=True)
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    assert main(["--config", str(CONFIG), *SMALL, f"train.run_dir={failed}", "train.steps=1"]) == 0
+    assert [row["step"] for row in read_metrics(failed / "metrics.jsonl")] == [0, 1]
+    assert (failed / "checkpoints" / "latest").read_text().strip() == "step_000001"
 
 
 def test_a_resumed_run_writes_the_hf_export_its_step_owes(ep2_run, tmp_path):

@@ -16,9 +16,9 @@ import time
 import psutil
 import pytest
 import torch
+from ports import refused_url
 from protocol_servers import running_protocol_server
 
-from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.client import (
     RolloutRequestError,
@@ -27,7 +27,7 @@ from megatron_rl.rollout.sglang.client import (
     SGLangClientConfig,
     StaleWeightVersionError,
 )
-from megatron_rl.rollout.sglang.control import request_json
+from megatron_rl.rollout.sglang.control import EncodedJSON, request_json
 from megatron_rl.rollout.sglang.engine import SGLangEngine
 from megatron_rl.rollout.sglang.scoring import ScoringClient, ScoringError
 from megatron_rl.rollout.sglang.server import (
@@ -206,6 +206,7 @@ BUSY_SERVER = r"""
 import asyncio, sys
 from aiohttp import web
 import torch
+from megatron_rl.rollout.sglang.sockets import inherited_socket
 from megatron_rl.rollout.sglang.wire import generate_response_payload
 busy = [0]
 async def generate(request):
@@ -226,18 +227,18 @@ app.add_routes([web.post("/generate", generate), web.get("/health", health),
                 web.get("/ping", lambda r: web.Response()),
                 web.get("/model_info", lambda r: web.json_response({"weight_version": "0"})),
                 web.get("/server_info", lambda r: web.json_response({"tp_size": 1}))])
-web.run_app(app, host="127.0.0.1", port=int(sys.argv[1]), print=None)
+web.run_app(app, sock=inherited_socket(), print=None)
 """
 
 
 def test_a_busy_server_is_not_called_hung(tmp_path):
     """Item 6: SGLang's /health is a one-token generation that a busy or paused scheduler answers
-    only after up to 20 s; the hang detector asks /ping (a flag check), so a request that takes
-    longer than hang_check_after_s + health_timeout_s on a live server is waited for."""
-    port = free_port()
+    only after up to 20 s; the hang detector asks /server_info (which a busy scheduler answers
+    between two batches), so a request that takes longer than hang_check_after_s +
+    health_timeout_s on a live server is waited for."""
     script = tmp_path / "busy_sglang.py"
     script.write_text(BUSY_SERVER)
-    with ManagedServer([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", env=QUIET) as busy:
+    with ManagedServer([sys.executable, str(script)], "http://127.0.0.1:0", env=QUIET, listen="127.0.0.1") as busy:
         results, stats = _generate([busy.url], _prompts(2), expected=None, routes=False, hang_check_after_s=1.0,
                                    health_timeout_s=2.0)
     assert [r.output_ids for r in results] == [[5], [5]] and stats.timeouts == 0 and not stats.retries
@@ -249,8 +250,8 @@ def test_two_urls_share_the_load_and_a_dead_one_is_avoided(server):
     results, stats = _generate([server.url, f"http://localhost:{port}"], prompts)
     _check_exactly_once(prompts, results)
     assert len(stats.per_server) == 2 and min(stats.per_server.values()) >= 4
-    dead = f"http://127.0.0.1:{free_port()}"
-    results, stats = _generate([dead, server.url], prompts, server_cooldown_s=30.0)
+    with refused_url() as dead:
+        results, stats = _generate([dead, server.url], prompts, server_cooldown_s=30.0)
     _check_exactly_once(prompts, results)
     # Only the first requests sent to the dead server fail; its cool-down keeps retries away.
     assert stats.per_server == {server.url: 16} and 1 <= stats.retries["connection"] <= 8
@@ -290,8 +291,9 @@ FAKE_SERVER = r"""
 import sys
 from aiohttp import web
 import torch
+from megatron_rl.rollout.sglang.sockets import inherited_socket
 from megatron_rl.rollout.sglang.wire import generate_response_payload
-port, prompt_len, output_len, layers, topk = map(int, sys.argv[1:6])
+prompt_len, output_len, layers, topk = map(int, sys.argv[1:5])
 routes = torch.stack([torch.randperm(64)[:topk] for _ in range((prompt_len + output_len - 1) * layers)])
 body = web.json_response(generate_response_payload(
     rid="@RID@", prompt_len=prompt_len, output_ids=list(range(3, 3 + output_len)),
@@ -311,17 +313,16 @@ async def stats(request):
 app = web.Application()
 app.add_routes([web.post("/generate", generate), web.get("/health", lambda r: web.Response()),
                 web.get("/_test/stats", stats)])
-web.run_app(app, host="127.0.0.1", port=port, print=None)
+web.run_app(app, sock=inherited_socket(), print=None)
 """
 
 
 def test_many_simultaneous_requests_keep_client_memory_bounded(tmp_path):
     prompt_len, output_len, layers, topk, count, concurrency = 200, 56, 24, 8, 1000, 64
-    port = free_port()
     script = tmp_path / "fake_sglang.py"
     script.write_text(FAKE_SERVER)
-    cmd = [sys.executable, str(script), str(port), str(prompt_len), str(output_len), str(layers), str(topk)]
-    with ManagedServer(cmd, f"http://127.0.0.1:{port}", env=QUIET) as fake:
+    cmd = [sys.executable, str(script), str(prompt_len), str(output_len), str(layers), str(topk)]
+    with ManagedServer(cmd, "http://127.0.0.1:0", env=QUIET, listen="127.0.0.1") as fake:
         shape = RouteShape(num_layers=layers, topk=topk, num_experts=64)
         cfg = SGLangClientConfig(urls=[fake.url], max_concurrency=concurrency, request_timeout_s=120.0)
         prompts = [[5] * prompt_len for _ in range(count)]
@@ -386,31 +387,67 @@ def test_launcher_command_line_and_cli():
 
 HEALTH_IGNORING_SIGTERM = r"""
 import http.server, signal, sys
+from megatron_rl.rollout.sglang.sockets import inherited_socket
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
 class H(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200); self.end_headers()
     def log_message(self, *a):
         pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+server = http.server.HTTPServer(("127.0.0.1", 0), H, bind_and_activate=False)
+server.socket = inherited_socket()
+server.server_activate()  # listens: ready to serve
+server.serve_forever()
 """
 
 
 def test_launcher_wait_and_stop_logic(tmp_path):
-    port = free_port()
-    stubborn = ManagedServer([sys.executable, "-c", HEALTH_IGNORING_SIGTERM, str(port)], f"http://127.0.0.1:{port}")
+    stubborn = ManagedServer([sys.executable, "-c", HEALTH_IGNORING_SIGTERM], "http://127.0.0.1:0", listen="127.0.0.1")
     stubborn.start().wait_healthy(timeout_s=30, poll_s=0.1)
     started = time.monotonic()
     assert stubborn.stop(grace_s=0.5) == -signal.SIGKILL and time.monotonic() - started < 10
     log = tmp_path / "crash.log"
     crashing = ManagedServer([sys.executable, "-c", "print('model not found'); raise SystemExit(3)"],
-                             f"http://127.0.0.1:{free_port()}", log_path=log)
+                             "http://127.0.0.1:0", log_path=log, listen="127.0.0.1")
     with pytest.raises(ServerStartError, match="exited with code 3(.|\n)*model not found"):
         crashing.start().wait_healthy(timeout_s=30, poll_s=0.1)
-    silent = ManagedServer([sys.executable, "-c", "import time; time.sleep(60)"], f"http://127.0.0.1:{free_port()}")
+    silent = ManagedServer([sys.executable, "-c", "import time; time.sleep(60)"], "http://127.0.0.1:0",
+                           listen="127.0.0.1")
     with pytest.raises(ServerStartError, match="not healthy after 1s"):
         silent.start().wait_healthy(timeout_s=1.0, poll_s=0.1)
     assert silent.process.poll() is not None  # stopped on the timeout
+
+
+def test_a_bucket_sized_body_is_parsed_while_the_server_answers(server):
+    """A 256 MiB weight update (the default bucket is 512 MB of tensors): parsed on the loop
+    that answers /ping, it kept every other request waiting for the whole parse (seconds; a
+    benchmark's healthy server was called hung); parsed off it, /ping answers throughout."""
+    chunk = b"A" * (4 << 20)  # valid base64; the pieces are sent one after another, never joined
+    body = EncodedJSON([b'{"serialized_named_tensors": ["', *[chunk] * 64, b'"], "load_format": null}'])
+    latencies, sending = [], threading.Event()
+
+    def ping() -> None:
+        while sending.is_set():
+            started = time.monotonic()
+            assert request_json("GET", server.url + "/ping", timeout_s=60)[0] == 200
+            latencies.append(time.monotonic() - started)
+            time.sleep(0.02)
+
+    sending.set()
+    pinger = threading.Thread(target=ping)
+    started = time.monotonic()
+    pinger.start()
+    try:
+        status, answer = request_json("POST", server.url + "/update_weights_from_tensor", body, timeout_s=300)
+    finally:
+        sending.clear()
+        pinger.join()
+    took = time.monotonic() - started
+    # Read and parsed (no session is open: refused after the parse, as SGLang refuses it).
+    assert status == 400 and "begin_weight_update" in str(answer), answer
+    print(f"\n256 MiB weight update answered in {took:.1f}s; /ping answered {len(latencies)} times meanwhile, "
+          f"slowest in {max(latencies):.3f}s")
+    assert len(latencies) >= 5 and max(latencies) < took / 4, (max(latencies), took)
 
 
 def test_protocol_server_stops_cleanly_on_sigterm(server):

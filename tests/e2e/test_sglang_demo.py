@@ -24,7 +24,7 @@ from protocol_servers import protocol_server
 
 from megatron_rl.config import load_config as run_config_from_checkpoint
 from megatron_rl.config_loading import to_dict
-from megatron_rl.parallel.world import free_port, run_world
+from megatron_rl.parallel.world import run_world
 from megatron_rl.rollout.sglang.control import request_json
 from megatron_rl.rollout.sglang.server import SERVER_ENV, ManagedServer
 
@@ -48,11 +48,13 @@ def servers(tmp_path_factory):
     deepseek = root / "tiny_deepseek_v3"
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_family_checkpoint.py"), "deepseek_v3",
                     str(deepseek)], check=True, capture_output=True, env={**SERVER_ENV, "PYTHONWARNINGS": "ignore"})
-    port, url_dir = free_port(), root / "urls"
+    url_dir = root / "urls"
+    # The wrapper hands the socket bound here on to its stand-in.
     qwen = ManagedServer([sys.executable, "-m", "megatron_rl.rollout.sglang.server", "--stand-in", str(CONFIG),
-                          "--host", "127.0.0.1", "--port", str(port), "--url-file", str(url_dir / "node0"),
+                          "--host", "127.0.0.1", "--port", "0", "--url-file", str(url_dir / "node0"),
                           "--log-file", str(root / "qwen.log"), "--", "--threads", "1"],
-                         f"http://127.0.0.1:{port}", env={"PYTHONWARNINGS": "ignore"}, log_path=root / "launcher.log")
+                         "http://127.0.0.1:0", env={"PYTHONWARNINGS": "ignore"}, log_path=root / "launcher.log",
+                         listen="127.0.0.1")
     ds = protocol_server(root / "deepseek", f"init_checkpoint={deepseek}", config=CONFIG, env=SERVER_ENV)
     qwen.start(), ds.start()
     qwen.wait_healthy(timeout_s=240, poll_s=0.2)

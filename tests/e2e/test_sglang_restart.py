@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import refused_url
 from protocol_servers import running_protocol_server
 
-from megatron_rl.parallel.world import free_port
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.rollout.sglang.client import (
     RolloutRequestError,
@@ -28,6 +28,7 @@ from megatron_rl.rollout.sglang.client import (
 from megatron_rl.rollout.sglang.control import probe_servers, request_json
 from megatron_rl.rollout.sglang.engine import STEP_METRICS, SGLangEngine
 from megatron_rl.rollout.sglang.partial import is_behind as _is_behind
+from megatron_rl.rollout.sglang.weight_sync import restarted_servers
 
 ROUTES = RouteShape(num_layers=4, topk=2, num_experts=8)
 DEMO_TASK = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
@@ -49,16 +50,22 @@ class VersionTag:
     in these tests, whose point is when the engine pushes, not what."""
 
     def __init__(self, urls: list[str]) -> None:
-        self.urls, self.calls = urls, []
+        self.urls, self.calls, self.started_at, self.restarts = urls, [], {}, 0
 
     def sync(self, version: int, *, reconnect: bool = False) -> None:
         self.calls.append((version, reconnect))
+        # As the real push does: a probe first, which tells a restarted server by its startup_time.
+        self.restarts += len(restarted_servers(self.started_at, probe_servers(self.urls, timeout_s=30)))
         for url in self.urls:
             status, body = request_json("POST", url + "/update_weight_version", {"new_version": str(version)})
             assert status == 200, body
 
     def close(self) -> None:
         pass
+
+    def take_restarts(self) -> int:
+        restarts, self.restarts = self.restarts, 0
+        return restarts
 
 
 def test_behind_means_older_or_a_launch_tag():
@@ -69,10 +76,11 @@ def test_behind_means_older_or_a_launch_tag():
 
 def test_probe_names_each_unreachable_server_at_once(server):
     probe_servers([server.url], timeout_s=5)
-    dead = [f"http://127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"]
-    started = time.monotonic()
-    with pytest.raises(RolloutRequestError) as err:
-        probe_servers([dead[0], server.url, dead[1]], timeout_s=5)
+    with refused_url() as first, refused_url() as second:
+        dead = [first, second]
+        started = time.monotonic()
+        with pytest.raises(RolloutRequestError) as err:
+            probe_servers([dead[0], server.url, dead[1]], timeout_s=5)
     assert time.monotonic() - started < 3
     lines = str(err.value).splitlines()
     assert lines[0] == "2 of 3 SGLang servers unreachable:"
@@ -122,6 +130,7 @@ def test_server_restarted_mid_batch_gets_the_weights_again(server):
     metrics = engine.step_metrics()
     assert sorted(metrics) == sorted(f"sglang/{n}" for n in STEP_METRICS)
     assert float(metrics["sglang/resyncs"]) == 1 and float(metrics["sglang/duplicates"]) == 0
+    assert float(metrics["sglang/restarts"]) == 1  # the re-push's probe saw a new startup_time
     assert float(metrics["sglang/attempts"]) == stats.attempts
     assert float(metrics["sglang/retries"]) == sum(stats.retries.values())
     assert all(float(v) == 0 for v in engine.step_metrics().values())  # counted once per step
@@ -143,7 +152,7 @@ def test_hung_server_is_reported_in_bounded_time(server):
     os.killpg(server.process.pid, signal.SIGSTOP)
     try:
         started = time.monotonic()
-        with pytest.raises(ServerHungError, match=rf"server {server.url} did not answer /ping within 2s \(hung\?\)"):
+        with pytest.raises(ServerHungError, match=rf"server {server.url} did not answer /server_info within 2s \(hung\?\)"):
             asyncio.run(run())
         elapsed = time.monotonic() - started
     finally:
@@ -153,6 +162,31 @@ def test_hung_server_is_reported_in_bounded_time(server):
     # Woken up, the same server serves again.
     engine = SGLangEngine(SGLangClientConfig(urls=[server.url]), ROUTES)
     assert len(engine.generate(_prompts(2), PARAMS)) == 2
+
+
+def test_a_hung_scheduler_is_named_though_the_http_front_end_answers(server):
+    """SGLang's HTTP process answers ``/ping`` from a flag whatever its scheduler does; a
+    scheduler that hangs is seen by ``/server_info``, which it answers between two batches."""
+    cfg = SGLangClientConfig(urls=[server.url], hang_check_after_s=1.0, health_timeout_s=2.0, request_timeout_s=20.0,
+                             max_retries=0)
+
+    async def run():
+        async with SGLangClient(cfg, ROUTES) as client:
+            await client.generate(_prompts(2), PARAMS, return_routed_experts=True)
+
+    assert request_json("POST", server.url + "/_test/fault", {"kind": "hang_scheduler", "times": 1})[0] == 200
+    try:
+        assert request_json("GET", server.url + "/ping", timeout_s=5)[0] == 200
+        started = time.monotonic()
+        with pytest.raises(ServerHungError, match=r"did not answer /server_info within 2s \(hung\?\)"):
+            asyncio.run(run())
+        elapsed = time.monotonic() - started
+        with pytest.raises(ServerHungError, match=r"is hung: GET /server_info unanswered within 2s"):
+            probe_servers([server.url], timeout_s=2)
+    finally:
+        request_json("POST", server.url + "/_test/fault", {"kind": "hang_scheduler", "times": 0})
+    assert 1.0 + 2.0 <= elapsed < 1.0 + 2.0 + 8.0, elapsed
+    probe_servers([server.url], timeout_s=30)  # released, the same server answers again
 
 
 class CollectiveVersionTag(VersionTag):
@@ -266,7 +300,7 @@ def test_a_server_that_hangs_during_a_push_is_named_in_bounded_time(server):
     (result,) = run_world(_push_hang_rank, 1, server.url, server.process.pid, timeout_s=300)
     print("\nhung server named after " + ", ".join(f"{k} {v:.1f}s" for k, v in result["seconds"].items()))
     for case in ("before_push", "tensor_mid_push", "distributed_mid_push"):
-        assert f"SGLang server {server.url} is hung: GET /ping unanswered within 2s" in result["errors"][case], result
+        assert f"SGLang server {server.url} is hung: GET /server_info unanswered within 2s" in result["errors"][case], result
         assert result["seconds"][case] < 20, result  # 312 s before (README: under a minute)
     assert "while POST /update_weights_from_tensor was unanswered" in result["errors"]["tensor_mid_push"]
     assert "broadcast was pending" in result["errors"]["distributed_mid_push"]

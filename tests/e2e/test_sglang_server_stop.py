@@ -15,8 +15,6 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatron_rl.parallel.world import free_port
-
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "demo_task.yaml"
 
@@ -62,12 +60,12 @@ def _port_free(port: int) -> bool:
 
 
 def test_sigterm_stops_the_server_and_a_taken_port_is_refused(tmp_path):
-    port = free_port()
-    first = _wrapper(port, tmp_path / "first.log")
+    first = _wrapper(0, tmp_path / "first.log")  # port 0: the wrapper binds one and hands it over
     try:
         server = _child(first)
         line = first.stdout.readline()  # blocks until /health answered 200
         assert "healthy" in line, (line, first.poll(), first.stderr.read() if first.poll() is not None else "")
+        port = int(line.split("healthy at http://127.0.0.1:")[1].split()[0])
         second = _wrapper(port, tmp_path / "second.log")
         out, err = second.communicate(timeout=60)
         assert second.returncode == 1 and "healthy" not in out, out + err
@@ -84,7 +82,7 @@ def test_sigterm_stops_the_server_and_a_taken_port_is_refused(tmp_path):
 def test_stopping_the_wrapper_while_its_server_starts_takes_the_server_along(sig, tmp_path):
     # Before the server is healthy: a SIGTERM must not wait out the startup, and a SIGKILL
     # leaves the wrapper no chance to act at all.
-    wrapper = _wrapper(free_port(), tmp_path / "server.log")
+    wrapper = _wrapper(0, tmp_path / "server.log")
     try:
         server = _child(wrapper)
         wrapper.send_signal(sig)

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from megatron_rl.parallel.world import free_port
+from ports import PortTaken, free_port, on_a_fresh_port, was_taken
 
 pytestmark = pytest.mark.parallel
 
@@ -124,15 +123,15 @@ def _start_munge(started):
         time.sleep(0.1)
 
 
-def _write_conf(root, node):
+def _write_conf(root, node, ports):
     for sub in ("state", "spool", "log"):
-        (root / sub).mkdir(parents=True)
+        (root / sub).mkdir(parents=True, exist_ok=True)
     conf = root / "slurm.conf"
     conf.write_text(f"""\
 ClusterName=mrltest
 SlurmctldHost={node}
-SlurmctldPort={free_port()}
-SlurmdPort={free_port()}
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -168,20 +167,11 @@ def slurm(tmp_path_factory):
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("slurm")
     node = socket.gethostname().split(".")[0]
-    conf = _write_conf(root, node)
-    env = {**os.environ, "SLURM_CONF": str(conf), "MEGATRON_RL_PYTHON": sys.executable}
     started, cgroups_before = [], _cgroup_dirs()
     try:
         _start_munge(started)
-        for daemon, pid_file in (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):
-            subprocess.run([_bin(daemon), "-f", str(conf)], env=env, check=True, capture_output=True)
-            started.append(_read_pid(root / pid_file))
-        deadline = time.monotonic() + 30
-        while (state := _sinfo_state(env, node)) != "idle":
-            if time.monotonic() > deadline:
-                logs = "\n".join((root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log"))
-                raise RuntimeError(f"node {node} is {state!r}, not idle, after 30 s:\n{logs}")
-            time.sleep(0.1)
+        # The daemons take port numbers only: ports taken before they bound them mean a fresh pair.
+        env = on_a_fresh_port(lambda port: _start_daemons(root, node, (port, free_port()), started))
         yield env
     finally:
         for pid in reversed(started):
@@ -191,6 +181,34 @@ def slurm(tmp_path_factory):
                 if sub.is_dir():
                     sub.rmdir()
             path.rmdir()
+
+
+def _start_daemons(root, node, ports, started) -> dict:
+    """slurmctld and slurmd on ``ports``, until the node is idle; returns the submitting environment.
+
+    Raises:
+        PortTaken: a daemon could not bind its port (both are stopped again).
+    """
+    conf = _write_conf(root, node, ports)
+    env = {**os.environ, "SLURM_CONF": str(conf), "MEGATRON_RL_PYTHON": sys.executable}
+    ours = []
+    for daemon, pid_file in (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):
+        (root / pid_file).unlink(missing_ok=True)
+        subprocess.run([_bin(daemon), "-f", str(conf)], env=env, check=True, capture_output=True)
+        ours.append(_read_pid(root / pid_file))
+    started.extend(ours)
+    deadline = time.monotonic() + 30
+    while (state := _sinfo_state(env, node)) != "idle":
+        if time.monotonic() > deadline:
+            logs = "\n".join((root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log"))
+            if was_taken(logs):
+                for pid in reversed(ours):
+                    _stop(pid)
+                    started.remove(pid)
+                raise PortTaken(f"ports {ports}: {logs}")
+            raise RuntimeError(f"node {node} is {state!r}, not idle, after 30 s:\n{logs}")
+        time.sleep(0.1)
+    return env
 
 
 def _sinfo_state(env, node):
@@ -269,7 +287,7 @@ def test_sglang_sbatch_serves_rollouts_from_a_server_step(slurm, tmp_path):
     finds it, trains over HTTP with weight sync, and the server step is stopped at the end."""
     run_dir = tmp_path / "run"
     env = {**slurm, "MEGATRON_RL_SGLANG_NODES": "0", "MEGATRON_RL_SGLANG_STAND_IN": str(CONFIG),
-           "MEGATRON_RL_SGLANG_PORT": str(free_port()), "MEGATRON_RL_SGLANG_ARGS": "--threads 1"}
+           "MEGATRON_RL_SGLANG_PORT": "0", "MEGATRON_RL_SGLANG_ARGS": "--threads 1"}  # the wrapper binds one
     job = _submit(env, "--nodes=1", "-o", str(tmp_path / "job-%j.out"), "launch/slurm/train_sglang.sbatch",
                   str(CONFIG), *SMALL, f"train.run_dir={run_dir}")
     state, exit_code = _wait(env, job, timeout=600)

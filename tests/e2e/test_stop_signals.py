@@ -70,7 +70,10 @@ def _assert_all_gone(procs: list[psutil.Process], run_dir: Path, within_s: float
     deadline = time.monotonic() + within_s
     while _alive(procs) and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = [p.pid for p in _alive(procs)]
+    left = []
+    for p in _alive(procs):
+        with contextlib.suppress(psutil.Error):
+            left.append(f"{p.pid} ({' '.join(p.cmdline())[:100]})")
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.kill()

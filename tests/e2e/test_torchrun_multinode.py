@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from megatron_rl.parallel.world import free_port
+from ports import PortTaken, on_a_fresh_port, was_taken
 
 pytestmark = pytest.mark.parallel
 
@@ -37,8 +36,13 @@ dist.barrier()  # rank 0 waits here for a peer that is gone
 
 
 def _two_nodes(tmp_path, *extra, timeout=300, per_node=lambda node: []):
-    """Start two launchers (node ranks 0 and 1) against one rendezvous; returns their exit codes."""
-    port = free_port()
+    """Start two launchers (node ranks 0 and 1) against one rendezvous; returns their exit codes
+    and outputs. torchrun takes the rendezvous port as a number: one taken before its agent
+    bound it (the agents then wait on whatever holds it) means a fresh port."""
+    return on_a_fresh_port(lambda port: _two_nodes_at(port, tmp_path, *extra, timeout=timeout, per_node=per_node))
+
+
+def _two_nodes_at(port, tmp_path, *extra, timeout, per_node):
     # Two "nodes" share this machine's cores: one thread per worker, as on a 1-core node.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
@@ -57,6 +61,11 @@ def _two_nodes(tmp_path, *extra, timeout=300, per_node=lambda node: []):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    # The agent that finds the port taken joins as a client of whatever holds it, and its
+    # rendezvous fails to connect.
+    lost = [o for p, o in zip(procs, outputs) if p.returncode and ("RendezvousConnectionError" in o or was_taken(o))]
+    if lost:
+        raise PortTaken(lost[0][-500:])
     return [p.returncode for p in procs], outputs
 
 
@@ -95,10 +104,8 @@ def test_each_node_serves_rollouts_from_its_own_sglang_server(tmp_path):
     finds both through the launch's URL directory, spreads requests over them and syncs
     weights into both; the servers are stopped and their URLs withdrawn at the end."""
     run_dir = tmp_path / "run"
-    ports = [free_port(), free_port()]
-
-    def server(node):
-        return ["--sglang", f"--stand-in {CONFIG} --host 127.0.0.1 --port {ports[node]} -- --threads 1"]
+    def server(node):  # port 0: the wrapper binds one, hands it to its stand-in and publishes its URL
+        return ["--sglang", f"--stand-in {CONFIG} --host 127.0.0.1 --port 0 -- --threads 1"]
 
     codes, outputs = _two_nodes(tmp_path, *SMALL, f"train.run_dir={run_dir}", per_node=server, timeout=400)
     assert codes == [0, 0], "\n".join(o[-3000:] for o in outputs)

@@ -20,12 +20,15 @@ max <= 0.5; routed expert sets agree on >= 0.95 of (position, layer) pairs (BF16
 near-ties may flip a few). Run ``pytest -s tests/gpu/test_sglang_real.py`` for the figures.
 """
 
+import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from ports import PortTaken, on_a_fresh_port, was_taken
 
 from megatron_rl.sections import ModelConfig, ParallelConfig
 
@@ -57,13 +60,34 @@ def _write_hf_checkpoint(directory) -> None:
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(directory)
 
 
+@contextlib.contextmanager
+def _sglang_on_a_fresh_port(cfg, log):
+    """A healthy SGLang server; SGLang takes a port number only, so one taken before it bound it
+    means a fresh port."""
+    from megatron_rl.rollout.sglang.server import SGLangServer, ServerStartError
+
+    def start(port):
+        server = SGLangServer(dataclasses.replace(cfg, port=port), log_path=log)
+        try:
+            return server.__enter__()
+        except ServerStartError as err:
+            if was_taken(str(err)):
+                raise PortTaken(str(err)) from None
+            raise
+
+    server = on_a_fresh_port(start)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
     from megatron_rl.parallel.logprobs import compute_logprobs
     from megatron_rl.parallel.model import build_model
-    from megatron_rl.parallel.world import free_port
     from megatron_rl.rollout.engine import SamplingParams
     from megatron_rl.rollout.sglang.client import SGLangClientConfig
-    from megatron_rl.rollout.sglang.server import SGLangServer, SGLangServerConfig
+    from megatron_rl.rollout.sglang.server import SGLangServerConfig
     from megatron_rl.rollout.sglang.weight_sync import WeightSyncConfig, sglang_engine
 
     version = _sglang_version()
@@ -75,14 +99,14 @@ def test_real_sglang_serves_the_megatron_weights(one_gpu_world, tmp_path):
             if name.endswith("router.weight"):
                 param.mul_(10)  # decisive routers: BF16 rounding should not flip top-K
     _write_hf_checkpoint(tmp_path / "hf")
-    server_cfg = SGLangServerConfig(model_path=str(tmp_path / "hf"), host="127.0.0.1", port=free_port(),
+    server_cfg = SGLangServerConfig(model_path=str(tmp_path / "hf"), host="127.0.0.1", port=0,
                                     mem_fraction_static=0.3, weight_version="init", python=SGLANG_PYTHON,
                                     extra_args=["--disable-cuda-graph"])
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, TINY.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(8, 40, (16,), generator=gen)]
     params = SamplingParams(temperature=0.7, max_new_tokens=24)
-    with SGLangServer(server_cfg, log_path=tmp_path / "sglang.log") as server:
+    with _sglang_on_a_fresh_port(server_cfg, tmp_path / "sglang.log") as server:
         engine = sglang_engine(model, groups, SGLangClientConfig(urls=[server.url], max_retries=1),
                                WeightSyncConfig(mode="tensor", bucket_bytes=1 << 20),
                                architecture="qwen3_moe", model_config=TINY)

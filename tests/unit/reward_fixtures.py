@@ -69,6 +69,46 @@ def most_at_once() -> int:
 
 NOT_CALLABLE = 3
 
+def slow_once(prompt, response, ground_truth, metadata):
+    """Hangs on its first call for a sample (a marker file records it), answers on the next."""
+    marker = metadata["marker"]
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        time.sleep(60.0)
+    return 1.0
+
+
+def own_timeout(prompt, response, ground_truth, metadata):
+    """Runs out of a time limit of its own, as a verifier does."""
+    raise TimeoutError(f"verifier gave up on {response!r}")
+
+
+class Prepared(str):
+    """A ground truth as ``counted.prepare`` made it."""
+
+
+_prepared = []
+
+
+def counted(prompt, response, ground_truth, metadata):
+    """In-process only: scores 1.0 when it gets the ground truth ``prepare`` made."""
+    return 1.0 if isinstance(ground_truth, Prepared) else 0.0
+
+
+def _prepare(ground_truth):
+    _prepared.append(ground_truth)
+    if ground_truth == "unparseable":
+        raise ValueError(f"cannot parse the ground truth {ground_truth!r}")
+    return Prepared(ground_truth)
+
+
+counted.prepare = _prepare
+
+
+def prepared_ground_truths() -> list[str]:
+    return list(_prepared)
+
+
 _BEHAVIOURS = {
     "good": good,
     "with_extras": with_extras,
@@ -80,6 +120,8 @@ _BEHAVIOURS = {
     "what_the_worker_imported": what_the_worker_imported,
     "math": math_reward,
     "exact_match": exact_match_reward,
+    "slow_once": slow_once,
+    "own_timeout": own_timeout,
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
@@ -67,9 +68,13 @@ def test_order_keys_are_monotone_and_merge_signed_zeros():
 
 
 @pytest.mark.parametrize(
-    "rho,n,k", [(0.2, 10, 2), (0.7, 10, 7), (0.3, 10, 3), (0.2, 11, 3), (0.01, 5, 1), (1.0, 7, 7)]
+    "rho,n,k", [(0.2, 10, 2), (0.7, 10, 7), (0.3, 10, 3), (0.2, 11, 3), (0.01, 5, 1), (1.0, 7, 7),
+                # rho * n is an integer, but in binary a hair above it (7.000000000000001, 14.000000000000002):
+                # a bare ceil keeps one token too many
+                (0.28, 25, 7), (0.07, 100, 7), (0.56, 25, 14)]
 )
 def test_entropy_top_rho_keeps_ceil_rho_n(rho, n, k):
+    assert k == math.ceil(Fraction(str(rho)) * n)  # the exact value, not the float product
     entropy = torch.linspace(0.0, 1.0, n, dtype=torch.float64)
     keep = entropy_top_keep_T(entropy, torch.ones(n, dtype=torch.bool), rho)
     assert int(keep.sum()) == k and keep[-k:].all()

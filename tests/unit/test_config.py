@@ -125,7 +125,9 @@ RUN_INVALID = [
     (["eval.pass_k=[1, 8]", "eval.num_samples=4"], "eval.pass_k", "k=8 must be between 1 and eval.num_samples"),
     (["rollout.max_new_tokens=200"], "rollout.max_new_tokens", "leaves no room for a prompt"),
     (["train.micro_batch_tokens=100"], "train.micro_batch_tokens",
-     "100 is smaller than the longest possible sample, 128 tokens"),
+     "100 is smaller than the longest possible sample, 128 tokens (model.max_position_embeddings)"),
+    (["train.micro_batch_tokens=60", "data.max_prompt_tokens=50"], "train.micro_batch_tokens",
+     "60 is smaller than the longest possible sample, 66 tokens (data.max_prompt_tokens + rollout.max_new_tokens)"),
     (["train.micro_batch_tokens=511", "parallel.tensor_model_parallel_size=2", "parallel.expert_model_parallel_size=1"],
      "train.micro_batch_tokens", "511 is not a multiple of parallel.tensor_model_parallel_size (2)"),
     # Under CP the budget is per CP rank: rows of budget x CP tokens, slots of 2 x CP.

@@ -8,6 +8,7 @@ free space decides, measured here as an 8 MiB tmpfs that a checkpoint filled rep
 """
 
 import errno
+import logging
 import shutil
 from collections import namedtuple
 from pathlib import Path
@@ -82,25 +83,62 @@ def test_metrics_logger_names_a_full_disk(tmp_path):
         logger._file = None
 
 
+def test_the_resumed_runs_rewrite_of_the_metrics_file_names_a_full_disk(monkeypatch, tmp_path):
+    from megatron_rl.train import metrics
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0, "reward/mean": 0.5}\n')
+
+    def full(path, lines):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(metrics, "_replace_lines", full)
+    with pytest.raises(NoSpaceLeft, match=f"^rewriting the metrics file of the resumed run: no space left on the "
+                                          f"device holding {tmp_path} "):
+        MetricsLogger(tmp_path, tensorboard=False, resume_from_step=0)
+
+
 class _NoModel:
     def sharded_state_dict(self):
         return {}
 
 
-def test_a_checkpoint_save_on_a_full_disk_names_the_checkpoint(monkeypatch, tmp_path):
+def test_a_checkpoint_save_on_a_full_disk_names_the_checkpoint_in_one_line_and_leaves_nothing(
+        monkeypatch, tmp_path, caplog):
     """save_checkpoint's own write path, Megatron's writer failing as it does on a full disk
-    (torch's zip writer on a full device, wrapped as Megatron hands it to every rank)."""
+    (torch's zip writer on a full device, wrapped as Megatron hands it to every rank): its
+    shards half written, its worker's error logged by Megatron before the save raises it."""
     import megatron_rl.train.checkpoint as checkpoint
+    from megatron_rl.parallel import mcore_compat as mc
     from megatron_rl.parallel.world import world_of_one
 
-    def full_disk_save(*args, **kwargs):
-        raise CheckpointException("write", {0: (_torch_save_error(), None)})
+    def full_disk_save(state, directory, **kwargs):
+        (Path(directory) / "__0_0.distcp").write_bytes(b"half a shard")
+        error = _torch_save_error()
+        logging.getLogger(mc.ASYNC_WRITER_LOGGER).error(f"Local process 0 encountered an error: {error}")
+        raise CheckpointException("write", {0: (error, None)})
 
     monkeypatch.setattr("megatron_rl.parallel.checkpoint.dist_checkpointing.save", full_disk_save)
     monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda path: Usage(8 << 20, 8 << 20, 0))
-    with world_of_one() as world, pytest.raises(NoSpaceLeft) as caught:
+    with world_of_one() as world, pytest.raises(NoSpaceLeft) as caught, caplog.at_level(logging.WARNING):
         checkpoint.save_checkpoint(tmp_path / "run", _NoModel(), None, checkpoint.TrainerState(1, 16, 1), {}, world)
     step = tmp_path / "run" / "checkpoints" / "step_000001"
     assert str(caught.value) == (f"saving checkpoint step_000001: no space left on the device holding {step} "
                                  "(0 B free of 8.0 MiB)")
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+    # Nothing partial left, and no line of torch's before the run's own.
+    assert list((tmp_path / "run" / "checkpoints").iterdir()) == [] and caplog.records == []
+
+
+def test_a_published_checkpoint_is_kept_when_a_later_save_fails(monkeypatch, tmp_path):
+    import megatron_rl.train.checkpoint as checkpoint
+    from megatron_rl.parallel.world import world_of_one
+
+    monkeypatch.setattr("megatron_rl.parallel.checkpoint.dist_checkpointing.save", lambda *args, **kwargs: None)
+    with world_of_one() as world:
+        checkpoint.save_checkpoint(tmp_path, _NoModel(), None, checkpoint.TrainerState(1, 16, 1), {}, world)
+        monkeypatch.setattr(checkpoint, "json", None)  # trainer_state.json cannot be written: publishing fails
+        with pytest.raises(AttributeError):
+            checkpoint.save_checkpoint(tmp_path, _NoModel(), None, checkpoint.TrainerState(1, 16, 1), {}, world)
+        with pytest.raises(AttributeError):
+            checkpoint.save_checkpoint(tmp_path, _NoModel(), None, checkpoint.TrainerState(2, 32, 2), {}, world)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_000001"]

@@ -43,6 +43,7 @@ from megatron_rl.rollout.multiturn import (
     EnvironmentFailure,
     LonePeers,
     MultiTurnRollout,
+    is_env_count,
     trajectory_stats,
 )
 
@@ -212,3 +213,29 @@ def test_bad_environment_configuration_is_named():
                          (EnvConfig(name="nocolon"), "neither a built-in environment")):
         with pytest.raises(ConfigError, match=message):
             check_env_config(cfg)
+
+
+def test_an_environment_count_is_a_mean_over_every_trajectory():
+    """An environment that reports ``hits`` only on a hit: 1 of 16 trajectories hit, so
+    ``env/hits`` is 1/16 (it was 1.0, the mean over the trajectories that reported it); the
+    module's own statistics keep their own denominators."""
+    from megatron_rl.train.rollouts import RolloutSource
+
+    def trajectory(metrics, checked):
+        sample = RolloutSample(prompt_ids=[1], output_ids=[2, 3, 4], output_logprobs=torch.zeros(3),
+                               finish_reason="stop", weight_version=0, turns=[(0, 1), (2, 3)], end_reason="done",
+                               generated_mask=torch.tensor([True, False, True]))
+        sample.meta.update(turns=2, env_metrics=metrics, env_time_s=0.5, template_checked=checked,
+                           template_mismatch_at=None)
+        return sample
+
+    samples = [trajectory({"hits": 1.0, "tool_calls": 2.0}, True)]
+    samples += [trajectory({"tool_calls": 1.0}, i < 3) for i in range(15)]
+    source = object.__new__(RolloutSource)  # what reducing a rank's statistics needs of it
+    source.groups = type("Groups", (), {"dp_size": 1})()
+    means = {name: float(value) for name, value in source.agreed_means(trajectory_stats(samples)).items()}
+    assert means["env/hits"] == 1 / 16 and means["env/tool_calls"] == 17 / 16
+    assert means["env/turns"] == 2.0 and means["env/end/done"] == 1.0 and means["env/time_s"] == 0.5
+    # Each mean is reduced in float64 and logged as float32.
+    assert means["env/template_mismatch_frac"] == 0.0 and means["env/masked_token_frac"] == float(torch.tensor(1 / 3))
+    assert is_env_count("env/hits") and not any(is_env_count(n) for n in ("env/turns", "env/end/done", "reward/x"))

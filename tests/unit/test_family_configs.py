@@ -97,6 +97,8 @@ def test_deepseek_v3_settings_the_model_would_compute_differently_are_named(chan
         ({"routed_scaling_factor": -1.0}, "config.json routed_scaling_factor=-1.0: must be > 0"),
         ({"num_experts_per_tok": 20, "n_group": 1, "topk_group": 1},
          "config.json num_experts_per_tok=20: top-K (20) must not exceed n_routed_experts (16)"),
+        ({"n_group": 0}, "config.json n_group=0: must be an integer >= 1"),  # was reported as n_group=1
+        ({"topk_group": 0}, "config.json topk_group=0: must be an integer >= 1"),
     ],
 )
 def test_broken_model_rules_name_the_config_json_keys_the_user_edits(changes, message):

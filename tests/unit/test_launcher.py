@@ -242,3 +242,22 @@ def test_a_colocated_config_starts_its_servers_with_the_memory_saver(no_processe
     argv[argv.index("rollout.placement=colocated")] = "rollout.placement=disaggregated"
     assert launcher.main(argv) == 0
     assert "--enable-memory-saver" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("main,prog", [("megatron_rl.launcher:main", "megatron-rl-launch"),
+                                       ("megatron_rl.checkpoint.cli:parity_main", "megatron-rl-logprob-parity")])
+def test_help_names_the_installed_command_and_says_what_every_option_does(main, prog, capsys):
+    import importlib
+    import re
+
+    module, name = main.split(":")
+    with pytest.raises(SystemExit) as done:
+        getattr(importlib.import_module(module), name)(["--help"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"usage: {prog} ")
+    # An option without help is a bare "  --name VALUE" line followed by the next option's.
+    options = [i for i, line in enumerate(lines) if re.match(r"^  -", line)]
+    bare = [lines[i].strip() for i in options if not re.search(r"\S {2,}\S", lines[i].strip())
+            and not (i + 1 < len(lines) and re.match(r"^ {10,}\S", lines[i + 1]))]
+    assert options and not bare, bare

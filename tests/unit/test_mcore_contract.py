@@ -321,6 +321,10 @@ def test_sharded_object_key_and_format_names():
     expect(isinstance(getattr(serialization, "logger", None), logging.Logger)
            and serialization.logger.name == mc.DIST_CHECKPOINT_LOGGER, "dist_checkpointing.serialization.logger",
            "a logger named after its module")
+    writer = importlib.import_module(mc.ASYNC_WRITER_LOGGER)
+    expect(writer.logger.name == mc.ASYNC_WRITER_LOGGER and '"Local process {local_proc_idx} encountered"'
+           in inspect.getsource(writer), "filesystem_async's worker error line",
+           "'Local process N encountered an error', on its module's logger (parallel/checkpoint.py drops it)")
     chained = importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer
     expect("chained_{" in inspect.getsource(chained.sharded_state_dict), "ChainedOptimizer.sharded_state_dict",
            "to prefix member states 'chained_<i>.' (mcore_compat.OPTIMIZER_KEY)")
@@ -393,6 +397,10 @@ def test_distributed_optimizer_touch_points():
     for key in ("distrib_optim_sharding_type", "distrib_optim_fully_reshardable_mem_efficient"):
         expect(key in sharded and key in mo.distributed_optimizer_metadata("fully_reshardable"),
                "DistributedOptimizer.sharded_state_dict", f"to read metadata[{key!r}]")
+    writer = importlib.import_module(mc.ASYNC_WRITER_LOGGER)
+    expect(writer.logger.name == mc.ASYNC_WRITER_LOGGER and '"Local process {local_proc_idx} encountered"'
+           in inspect.getsource(writer), "filesystem_async's worker error line",
+           "'Local process N encountered an error', on its module's logger (parallel/checkpoint.py drops it)")
     chained = importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer
     expect("chained_optim_avoid_prefix" in inspect.getsource(chained.sharded_state_dict),
            "ChainedOptimizer.sharded_state_dict", "to read metadata['chained_optim_avoid_prefix']")
@@ -435,6 +443,10 @@ def test_training_state_storages():
     buffers = inspect.getsource(importlib.import_module("megatron.core.distributed.param_and_grad_buffer"))
     for name in ("self.grad_data = ", "self.param_data = None"):
         expect(name in buffers, f"_ParamAndGradBuffer.{name.split()[0][5:]}", "a buffer attribute (None: no param buffer)")
+    writer = importlib.import_module(mc.ASYNC_WRITER_LOGGER)
+    expect(writer.logger.name == mc.ASYNC_WRITER_LOGGER and '"Local process {local_proc_idx} encountered"'
+           in inspect.getsource(writer), "filesystem_async's worker error line",
+           "'Local process N encountered an error', on its module's logger (parallel/checkpoint.py drops it)")
     chained = importlib.import_module("megatron.core.optimizer.optimizer").ChainedOptimizer
     expect("self.chained_optimizers" in inspect.getsource(chained.__init__), "ChainedOptimizer.chained_optimizers",
            "the member optimizers' list")

@@ -171,6 +171,14 @@ def test_plot_run_draws_present_metrics_only(tmp_path):
     assert not (tmp_path / "plots" / "clip_fraction.png").exists()
 
 
+def test_the_reward_plot_draws_rewards_and_accuracy_not_seconds():
+    names = ["time/reward", "reward/mean", "perf/phase/reward/seconds", "eval/accuracy", "reward/format_reward",
+             "time/step", "rollout/reward_mean"]
+    assert DEFAULT_PLOTS["reward"].matching(names) == [
+        "reward/mean", "rollout/reward_mean", "reward/format_reward", "eval/accuracy"]
+    assert DEFAULT_PLOTS["time"].matching(names) == ["time/reward", "time/step"]
+
+
 def test_plot_run_with_custom_plots_and_out_dir(tmp_path):
     rows = [(s, {"gamma/min": 0.9, "gamma/mean": 0.95, "loss": 1.0 / (s + 1)}) for s in range(4)]
     _write_run(tmp_path, rows)

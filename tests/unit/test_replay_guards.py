@@ -19,7 +19,7 @@ from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel.model import build_transformer_config, check_replay_fields
 from megatron_rl.sections import ModelConfig, ParallelConfig
-from megatron_rl.parallel.routing_replay import RoutingReplay
+from megatron_rl.parallel.routing_replay import NATURAL, RoutingReplay, _route_natural_rows
 
 HAZARDS = {
     "fused router": ({"moe_router_fusion": True}, "moe_router_fusion=True"),
@@ -75,3 +75,21 @@ def test_routing_replay_refuses_an_mtp_router():
     with pytest.raises(ValueError, match="layer 1: .*MTP layer"):
         RoutingReplay([_router(SimpleNamespace(), mtp=True)], {1: [torch.zeros(1, 2, dtype=torch.int64)]})
     RoutingReplay([_router(SimpleNamespace())], {1: [torch.zeros(1, 2, dtype=torch.int64)]})
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_padding_rows_alone_are_routed_by_the_routers_own_top_k(recompute):
+    """Rows marked NATURAL (a micro-batch row's padding) get the router's own top-K; every other
+    row keeps the experts it replays, in this call and in the recompute queue's next one."""
+    replay = mc.RouterReplay()
+    mc.RouterReplay.global_router_replay_instances.remove(replay)
+    replayed_NK = torch.tensor([[3, 1], [NATURAL, NATURAL], [0, 2], [NATURAL, NATURAL]])
+    replay.set_target_indices(replayed_NK)
+    replay.set_target_indices(replayed_NK.clone())  # the next micro-batch, queued behind it
+    scores_NE = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.4, 0.1, 0.3, 0.2], [0.3, 0.3, 0.2, 0.2],
+                              [0.1, 0.5, 0.1, 0.3]])
+    _route_natural_rows(replay, recompute, scores_NE, lambda: scores_NE.topk(2))
+    want_NK = torch.tensor([[3, 1], [0, 2], [0, 2], [1, 3]])
+    assert torch.equal(mc.queued_replay_ids(replay, recompute), want_NK)
+    if recompute:
+        assert torch.equal(replay.replay_backward_list[1], replayed_NK)  # the next call's, untouched

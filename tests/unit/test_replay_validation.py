@@ -75,6 +75,19 @@ def test_r3_routes_in_sglang_layout_are_accepted_and_extended():
     assert ids[4].tolist() == ids[3].tolist()  # the un-forwarded last position copies its predecessor
 
 
+@pytest.mark.parametrize("moe_layers", [(1, 2), (2, 4), (1, 3)])
+def test_r3_routes_with_a_column_per_decoder_layer_keep_the_moe_layers_columns(moe_layers):
+    """SGLang's routes have a column per decoder layer (4 here); replay takes the MoE layers'
+    own, also when dense layers come after the MoE layers (1, 2): an index off by one there
+    takes a dense layer's column without failing."""
+    columns_TL = torch.arange(4)[None, :].expand(4, 4)  # column c routes to experts 2c, 2c + 1
+    routes = [torch.stack([2 * columns_TL, 2 * columns_TL + 1], dim=-1)[:n - 1] for n in (5, 4)]
+    ids = replay_ids_for(_batch(routes), RoutingPlan(mode="R3"), num_experts=E, topk=K, layer_numbers=moe_layers,
+                         local_layers=moe_layers, num_model_layers=4)
+    assert ids.shape == (9, 2, 2)
+    assert ids[:, :, 0].tolist() == [[2 * (n - 1) for n in moe_layers]] * 9
+
+
 def test_r3_routes_of_wrong_length_name_the_sample():
     routes = [torch.tensor([[0, 1]]).repeat(4, 3, 1), torch.tensor([[2, 3]]).repeat(4, 3, 1)]
     with pytest.raises(RoutingDataError, match=r"R3 routes of sample 1: expected \[3, L, K\]"):

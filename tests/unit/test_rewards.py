@@ -164,16 +164,75 @@ def test_dict_extras_and_bad_return_values(pool_scorer):
     assert results[2].error == "ValueError: returned 'score' is nan"
 
 
-def test_hung_reward_times_out_and_pool_is_replaced(pool_scorer):
+def test_hung_reward_times_out_twice_and_pool_is_replaced(pool_scorer):
     starts = pool_scorer.pool_starts
     begin = time.monotonic()
     results = pool_scorer.score([_item("good"), _item("slow"), _item("good", "abc"), _item("good")])
     elapsed = time.monotonic() - begin
-    assert results[1].error.startswith("TimeoutError: scoring took longer than reward.timeout_s=")
+    assert results[1].error == f"TimeoutError: scoring took longer than reward.timeout_s={POOL_TIMEOUT_S}s (2 attempts)"
+    assert results[1].timed_out and not any(r.timed_out for r in results[::2])
     assert [r.score for r in results] == [2.0, 0.0, 3.0, 2.0]
-    assert POOL_TIMEOUT_S <= elapsed < POOL_TIMEOUT_S + 15
-    assert pool_scorer.pool_starts == starts + 1
+    assert 2 * POOL_TIMEOUT_S <= elapsed < 2 * POOL_TIMEOUT_S + 20
+    assert pool_scorer.pool_starts == starts + 2  # one replacement per timeout
     assert pool_scorer.score([_item("good")])[0].score == 2.0
+
+
+def test_a_timeout_is_tried_once_more_before_it_scores_the_error(pool_scorer, tmp_path):
+    """A response that ran out of time once (a busy machine) is scored on its retry; one that
+    runs out of a limit of its own twice is a timeout, never a wrong answer."""
+    results = pool_scorer.score([_item("slow_once", marker=str(tmp_path / "m")), _item("own_timeout"),
+                                 _item("good")])
+    assert results[0] == RewardResult(score=1.0)
+    assert results[1].timed_out and results[1].score == 0.0
+    assert results[1].error == "TimeoutError: verifier gave up on '42' (2 attempts)"
+    assert results[2] == RewardResult(score=2.0)
+
+
+def test_a_ground_truth_is_prepared_once_per_prompt_and_its_failure_fails_its_responses():
+    import reward_fixtures
+
+    scorer = RewardScorer(RewardConfig(function=f"{FIXTURES}:counted", num_workers=0))
+    items = [_item("x", ground_truth=truth) for truth in ("3", "4", "unparseable") for _ in range(4)]
+    results = scorer.score(items)
+    assert reward_fixtures.prepared_ground_truths() == ["3", "4", "unparseable"]
+    assert results[:8] == [RewardResult(score=1.0)] * 8
+    assert results[8:] == [RewardResult(score=0.0, error="ValueError: cannot parse the ground truth 'unparseable'")] * 4
+
+
+def _slow_math_parse(monkeypatch, seconds):
+    """math-verify's own parse, ``seconds`` slower (a loaded machine, a fresh parser); returns
+    the texts it was asked to parse."""
+    import math_verify.parser
+
+    texts, real = [], math_verify.parser.extract_target_from_pred
+
+    def slow(pred, *args, **kwargs):
+        texts.append(pred)
+        time.sleep(seconds)
+        return real(pred, *args, **kwargs)
+
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", slow)
+    return texts
+
+
+def test_math_parses_the_ground_truth_once_per_prompt_outside_the_responses_budget(monkeypatch):
+    texts = _slow_math_parse(monkeypatch, 0.8)
+    scorer = RewardScorer(RewardConfig(function="math", num_workers=0, timeout_s=1.4))
+    items = [_item("x", response, "42") for response in ("\\boxed{42}", "\\boxed{41}", "42", "so 42")]
+    assert [(r.score, r.error) for r in scorer.score(items)] == [(1.0, None), (0.0, None), (1.0, None), (1.0, None)]
+    assert texts == ["$42$", "$42$", "$41$", "$42$", "$42$"]  # the ground truth once, then each answer
+
+
+def test_a_math_verify_timeout_is_a_timeout_not_an_unparseable_ground_truth(monkeypatch):
+    import megatron_rl.rewards.builtin as builtin
+
+    _slow_math_parse(monkeypatch, 1.5)
+    monkeypatch.setattr(builtin, "PARSE_TIMEOUT_S", 1)
+    scorer = RewardScorer(RewardConfig(function="math", num_workers=0, timeout_s=30))
+    (result,) = scorer.score([_item("x", "\\boxed{42}", "42")])
+    assert result.timed_out and result.score == 0.0
+    assert result.error == ("RewardTimeout: math-verify took longer than 1s to parse the ground truth '42' "
+                            "(2 attempts)")
 
 
 def test_dead_worker_is_replaced(pool_scorer):
@@ -247,3 +306,57 @@ def test_package_import_is_light():
         "assert not heavy, heavy"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_steps_reward_metrics_count_errors_and_the_timeouts_among_them():
+    import torch
+
+    from megatron_rl.algos.section import ObjectiveConfig
+    from megatron_rl.config import RunConfig
+    from megatron_rl.rollout.engine import RolloutSample
+    from megatron_rl.train.rollouts import RolloutSource, Round, _Drawn
+
+    source = object.__new__(RolloutSource)  # what scoring a round needs of a rank's source
+    source.cfg, source.objective, source.multiturn = RunConfig(), ObjectiveConfig(), None
+    source.groups = type("Groups", (), {"dp_size": 1})()
+    G = source.cfg.rollout.group_size
+    samples = [RolloutSample(prompt_ids=[1], output_ids=[2, 3], output_logprobs=torch.zeros(2), finish_reason="stop",
+                             weight_version=0) for _ in range(2 * G)]
+    results = [RewardResult(score=1.0, extras={"has_answer": 1.0})] * (2 * G - 3)
+    results += [RewardResult(score=0.0, error="ValueError: x"),
+                RewardResult(score=0.0, error="TimeoutError: y (2 attempts)", timed_out=True),
+                RewardResult(score=0.0, error="TimeoutError: z (2 attempts)", timed_out=True)]
+    drawn = _Drawn()
+    source._sort_round(drawn, Round(["p", "q"], samples), results)
+    metrics = source._reward_extras(drawn.extras, drawn.errors, drawn.timeouts)
+    assert float(metrics["reward/errors"]) == 3.0 and float(metrics["reward/timeouts"]) == 2.0
+
+
+EIGHT_FRESH_WORKERS = """
+from megatron_rl.rewards.config import RewardConfig
+from megatron_rl.rewards.core import RewardInput
+from megatron_rl.rewards.pool import RewardScorer
+
+items = [RewardInput(f"add-{a}-{a + 1}", "q", f"so \\\\boxed{{{2 * a + 1}}}", str(2 * a + 1), {})
+         for a in range(16) for _ in range(2)]
+with RewardScorer(RewardConfig(function="math", num_workers=8)) as scorer:
+    print([(r.score, r.error) for r in scorer.score(items)])
+"""
+
+
+def test_math_with_eight_fresh_workers_on_busy_cores_scores_every_correct_answer():
+    """The README's ``reward.num_workers: 8`` while two other processes keep both cores busy:
+    a fresh worker's first parse (math-verify builds its grammar: 0.4 s of CPU when quiet) ran
+    past the 2 s parse limit and turned correct answers into "cannot parse the ground truth".
+    In a process of its own: a fresh forkserver, as a trainer rank's pool has (stopping this
+    process's would wait for the module's pool, whose workers hold it)."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        done = subprocess.run([sys.executable, "-c", EIGHT_FRESH_WORKERS], capture_output=True, text=True,
+                              timeout=600)
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str([(1.0, None)] * 32)

@@ -183,6 +183,16 @@ CASES = {
                                   "train.mismatch.breakdown: multi-turn trajectories do not carry"),
     "environment without chat template": (["rollout.env.name=calculator", "tokenizer.chat_template=false"],
                                           "rollout.env.name: multi-turn rollouts render"),
+    "responses the model leaves no prompt room for": (
+        ["rollout.max_new_tokens=121"],
+        "rollout.max_new_tokens (121, of model.max_position_embeddings 128): leaves 7 tokens for a prompt, fewer than "
+        "the 8 the tokenizer's chat template takes around an empty one"),
+    "responses the model leaves too little prompt room for": (
+        ["rollout.max_new_tokens=120"],
+        "rollout.max_new_tokens (120, of model.max_position_embeddings 128): all 2300 train prompts are longer than "
+        "8 tokens"),
+    "a prompt limit below the chat template": (["data.max_prompt_tokens=4"],
+                                               "data.max_prompt_tokens: leaves 4 tokens for a prompt, fewer than the"),
 }
 
 

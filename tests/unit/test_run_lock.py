@@ -40,6 +40,34 @@ def test_a_second_run_is_refused_in_one_line_naming_the_dir_and_the_owner(holder
     assert owner.poll() is None
 
 
+def test_a_busy_directory_is_refused_before_the_input_checks(holder, capsys, monkeypatch):
+    """The lock first: the input checks read every prompt file (2.5 min for a large dataset)."""
+    import megatron_rl.train.main as train_main
+
+    def checked(cfg):
+        raise AssertionError("the inputs were checked before the lock")
+
+    monkeypatch.setattr(train_main, "check_inputs", checked)
+    run_dir, owner = holder
+    assert main(["--config", str(DEMO), f"train.run_dir={run_dir}"]) == 2
+    assert f"{run_dir} is in use by another run (pid {owner.pid} on " in capsys.readouterr().err
+
+
+def test_a_run_refused_by_its_inputs_leaves_its_directory_free(tmp_path, capsys, monkeypatch):
+    import megatron_rl.train.main as train_main
+
+    def refused(cfg):
+        raise train_main.ConfigError("data.train_files: no such file")
+
+    monkeypatch.setattr(train_main, "check_inputs", refused)
+    (tmp_path / "run").mkdir()
+    assert main(["--config", str(DEMO), f"train.run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.strip() == "megatron-rl-train: error: data.train_files: no such file"
+    RunDirLock(tmp_path / "run").acquire().release()  # not held by the refused run
+    assert main(["--config", str(DEMO), f"train.run_dir={tmp_path / 'fresh'}"]) == 2
+    assert not (tmp_path / "fresh").exists()  # created only once the inputs pass
+
+
 def test_an_owner_that_was_killed_leaves_no_stuck_lock(holder):
     run_dir, owner = holder
     with pytest.raises(RunDirBusy, match=f"pid {owner.pid}"):

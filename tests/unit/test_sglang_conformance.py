@@ -26,6 +26,7 @@ import torch
 
 from megatron_rl.rollout.engine import SamplingParams
 from megatron_rl.sglang_standin import weights as standin_weights
+from megatron_rl.sglang_standin.server import ProtocolServer
 from megatron_rl.rollout.sglang.server import (
     SERVER_ENV,
     SGLangServerConfig,
@@ -352,6 +353,23 @@ def test_launch_settings_and_probes_exist_in_sglang():
     assert 'HEALTH_CHECK_TIMEOUT = int(os.getenv("SGLANG_HEALTH_CHECK_TIMEOUT", 20))' in http
     assert '@app.get("/health")\n@app.get("/health_generate")' in http and '@app.get("/ping")' in http
     assert '@app.get("/server_info")' in http
+    # Liveness: /server_info passes through the scheduler, which answers it once per turn of its
+    # loop, paused or not; /ping is a flag of the HTTP process (control.py's docstring).
+    route = http[http.index('@app.get("/server_info")'):]
+    assert "await _global_state.tokenizer_manager.get_internal_state()" in route[:route.index("\n@app.")]
+    assert "self.get_internal_state_communicator(req)" in ast.unparse(
+        _function("managers/tokenizer_control_mixin.py", "get_internal_state"))
+    assert "(GetInternalStateReq, self.get_internal_state)" in _source("managers/scheduler.py")
+    loop = ast.unparse(_function("managers/scheduler.py", "event_loop_normal"))
+    assert loop.index("self.ingest_requests()") < loop.index("if self._engine_paused:")
+    # A restart shows as a new startup_time, which the server sets as it starts.
+    assert '"startup_time": _global_state.tokenizer_manager.startup_time' in route[:route.index("\n@app.")]
+    assert 'tokenizer_manager.set_startup_time(scheduler_info["startup_time"])' in http
+    (returned,) = [n.value for n in ast.walk(_function("observability/startup_time.py", "build_scheduler_startup_time"))
+                   if isinstance(n, ast.Return)]
+    assert [k.value for k in returned.keys] == list(ProtocolServer(None).startup_time)  # the stand-in's, same keys
+    ping = http[http.index('@app.get("/ping")'):]
+    assert "tokenizer_manager.is_healthy()" in ping[:ping.index("\n@app.")]
     assert re.search(r"^    tp_size: A\[", _source("arg_groups/fields/parallel.py"), re.M)
     assert re.search(r"^    enable_deterministic_inference: A\[", _source("arg_groups/fields/exec_.py"), re.M)
     assert "--enable-deterministic-inference" in build_command(SGLangServerConfig(model_path="m",

@@ -151,16 +151,18 @@ def test_task_names_are_unique():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"num_train_prompts": 2400, "num_eval_prompts": 101}, "2501 exceeds the 2500 distinct"),
-        ({"num_train_prompts": 0}, "task.num_train_prompts: must be >= 1"),
-        ({"num_eval_prompts": 0}, "task.num_eval_prompts: must be >= 1"),
-        ({"max_operand": 0}, "task.max_operand: must be >= 1"),
-        ({"name": "reverse", "min_digits": 3, "max_digits": 2}, "min_digits <= max_digits"),
-        ({"name": "reverse", "min_digits": 0}, "min_digits <= max_digits"),
+        ({"num_train_prompts": 2400, "num_eval_prompts": 101},
+         "data.task.num_train_prompts + data.task.num_eval_prompts: 2501 exceeds the 2500 distinct"),
+        ({"num_train_prompts": 0}, "data.task.num_train_prompts: must be >= 1"),
+        ({"num_eval_prompts": 0}, "data.task.num_eval_prompts: must be >= 1"),
+        ({"max_operand": 0}, "data.task.max_operand: must be >= 1"),
+        ({"name": "reverse", "min_digits": 3, "max_digits": 2}, "data.task.min_digits, data.task.max_digits: need"),
+        ({"name": "reverse", "min_digits": 0}, "data.task.min_digits, data.task.max_digits: need"),
     ],
 )
 def test_bad_task_knobs_name_the_key(overrides, message):
-    with pytest.raises(ConfigError, match=re.escape(message)):
+    """By the dotted path a user writes (the task section is ``data.task``)."""
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
         build_task(TaskConfig(**overrides))
 
 

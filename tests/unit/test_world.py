@@ -2,13 +2,19 @@
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
+from multiprocessing import forkserver as mp_forkserver
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from process_tree import ProcessTree
 
+from megatron_rl.parallel import world
 from megatron_rl.parallel.world import (
     WorldError,
     WorldTimeout,
@@ -38,8 +44,14 @@ def _hang():
     return "done"
 
 
-def test_results_come_back_in_rank_order():
-    results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
+def test_results_come_back_in_rank_order(monkeypatch):
+    # Another process holds the port a free-port pick returns by the time rank 0 would bind it
+    # (EADDRINUSE); the world must not depend on such a pick.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(world, "free_port", lambda: taken.getsockname()[1], raising=False)
+        results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(float(r["sum"]) == 30.0 for r in results)
 
@@ -91,13 +103,58 @@ def test_a_killed_rank_is_named_with_its_signal_before_its_peers_errors(tmp_path
     assert (tmp_path / "gone").read_text() == "[1]"
 
 
-def test_train_names_a_rank_killed_while_its_peer_was_busy(monkeypatch, capsys, tmp_path):
-    """Before any peer fails, the world has only the dead rank to report: one line, exit 1."""
-    import megatron_rl.train.main as train_main
+KILLED_RANK_RUN = """
+import sys
+import megatron_rl.train.main as train_main
+import test_world
+from megatron_rl.parallel.world import run_world
+train_main.run_world = lambda *args, **kwargs: run_world(test_world._killed_while_peer_works, 2, timeout_s=60)
+sys.exit(train_main.main(sys.argv[1:]))
+"""
 
-    monkeypatch.setattr(train_main, "run_world",
-                        lambda *args, **kwargs: run_world(_killed_while_peer_works, 2, timeout_s=60))
-    assert train_main.main(["--config", str(DEMO), f"train.run_dir={tmp_path}"]) == 1
-    err = capsys.readouterr().err.strip()
-    assert err == ("megatron-rl-train: error: rank 1 was killed by SIGKILL "
-                   "(MEGATRON_RL_TRACEBACK=1 prints every rank's traceback)"), err
+
+def test_train_names_a_rank_killed_while_its_peer_was_busy_and_leaves_no_process(tmp_path):
+    """The command with its world's rank 1 SIGKILLed: before any peer fails, the world has only
+    the dead rank to report (one line, exit 1), and when the command returns, nothing of the
+    run is left: not the ranks, not their forkserver (it used to outlive the command by 3-20 s,
+    holding its output pipes, then stay a zombie of PID 1)."""
+    here = Path(__file__).parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(here), str(here.parent), os.environ.get("PYTHONPATH", "")])}
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        command = subprocess.Popen([sys.executable, "-c", KILLED_RANK_RUN, "--config", str(DEMO),
+                                    f"train.run_dir={tmp_path / 'run'}"], stdout=out, stderr=err, env=env)
+    tree = ProcessTree(command.pid)
+    assert command.wait(300) == 1
+    assert tree.left() == [] and len(tree.seen) >= 3  # the forkserver and two ranks, all gone
+    assert (tmp_path / "err").read_text().strip() == (
+        "megatron-rl-train: error: rank 1 was killed by SIGKILL (MEGATRON_RL_TRACEBACK=1 prints every rank's "
+        "traceback)")
+
+
+FORKSERVER_EXIT_RUN = """
+import atexit, os, sys
+atexit.register(lambda: open(sys.argv[1], "a").write(f"{os.getpid()}\\n"))  # as torch's: before the module
+import megatron_rl.parallel.forkserver_exit
+print("flushed", end="")
+child = os.fork()
+if child == 0:
+    sys.exit(3)  # a process forked from it keeps its own exit, handlers and status
+_, status = os.waitpid(child, 0)
+print(f" child {child} exited {os.waitstatus_to_exitcode(status)}", end="")
+raise SystemExit  # what the forkserver does at its pipe's EOF
+"""
+
+
+def test_the_forkserver_exits_without_its_teardown(tmp_path):
+    """The forkserver imports forkserver_exit last, so that on its caller's death it leaves at
+    once (its teardown with torch and Megatron-Core loaded took 13 s on busy cores, the
+    forkserver outliving the SIGKILLed command): handlers registered before it never run."""
+    world._rank_context()
+    assert mp_forkserver._forkserver._preload_modules[-1] == world.FORKSERVER_EXIT
+    ran = tmp_path / "handlers_ran"
+    done = subprocess.run([sys.executable, "-c", FORKSERVER_EXIT_RUN, str(ran)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out, child = done.stdout, done.stdout.split()[2]
+    assert out == f"flushed child {child} exited 3"
+    assert ran.read_text() == f"{child}\n"  # the child's handler ran; the forkserver's own did not

@@ -1,8 +1,8 @@
 """The SGLang rollout client: async HTTP to SGLang servers.
 
 Targets the HTTP protocol of **SGLang 0.5.23** (``sglang.launch_server``): ``POST
-/generate``, ``GET /ping`` (liveness), ``GET /health_generate``, ``GET /model_info``, ``GET
-/server_info`` and ``POST /flush_cache``; the wire format itself is
+/generate``, ``GET /server_info`` (launch settings, and liveness), ``GET /health_generate``,
+``GET /model_info`` and ``POST /flush_cache``; the wire format itself is
 :mod:`megatron_rl.rollout.sglang.wire`. Owns request scheduling over one or more servers:
 a bound on requests in flight, per-request timeouts, retries with jittered exponential
 backoff within a time budget, least-loaded server choice with a cool-down for servers that
@@ -36,8 +36,8 @@ than a few attempts. A server that comes back serves its launch weights; with
 there: the server is set aside and, when no other server is left, the call raises
 :class:`ServersBehindError` carrying the results it has, so the engine can re-push the
 weights (a collective) and ask again for the rest. A server that accepts connections but
-never answers (SIGSTOP, a wedged process) is caught by probing its liveness (``GET /ping``, a
-flag check; SGLang's ``/health`` is a generation that a busy server may take 20 s to answer)
+never answers (SIGSTOP, a wedged scheduler) is caught by probing its liveness (``GET
+/server_info``, a round trip through the scheduler: :mod:`~megatron_rl.rollout.sglang.control`)
 once a request has waited ``hang_check_after_s``: no answer within ``health_timeout_s`` ends
 the call naming it; the calls before any request (``/model_info``, ``/server_info``) have
 ``health_timeout_s`` as their limit, so a hung server is named within ``hang_check_after_s +
@@ -66,6 +66,7 @@ from typing import Sequence
 import aiohttp
 
 from megatron_rl.rollout.engine import SamplingParams
+from megatron_rl.rollout.sglang.control import LIVENESS_PATH
 from megatron_rl.rollout.sglang.ledger import (
     ClientStats,
     RolloutRequestError,
@@ -198,9 +199,9 @@ class SGLangClient:
             return resp.status, await resp.read()
 
     async def health(self, url: str, *, generate: bool = False) -> bool:
-        """``GET /ping`` is 200 (liveness), or with ``generate`` ``GET /health_generate``
+        """``GET /server_info`` is 200 (liveness), or with ``generate`` ``GET /health_generate``
         (a one-token generation, up to SGLang's 20 s)."""
-        path, limit = ("/health_generate", None) if generate else ("/ping", self.cfg.health_timeout_s)
+        path, limit = ("/health_generate", None) if generate else (LIVENESS_PATH, self.cfg.health_timeout_s)
         try:
             status, _ = await self._get(url, path, limit)
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -405,10 +406,11 @@ class SGLangClient:
         return tied[self._turn % len(tied)]
 
     async def _post_watched(self, url: str, payload: dict, source: str) -> tuple[int, bytes]:
-        """``POST /generate``; while it waits, ``/ping`` tells a slow server from a hung one.
+        """``POST /generate``; while it waits, liveness tells a slow server from a hung one.
 
         A non-streaming ``/generate`` sends nothing until the whole response is done, so the
-        silence of a long generation looks like a stopped server; ``/ping`` tells them apart.
+        silence of a long generation looks like a stopped server; the scheduler, which answers
+        ``/server_info`` between two batches, tells them apart.
         """
         async def post() -> tuple[int, bytes]:
             async with self._session.post(url + "/generate", json=payload) as resp:
@@ -428,7 +430,7 @@ class SGLangClient:
             request.cancel()
 
     async def _probe(self, url: str) -> str | None:
-        """Why ``url`` looks hung (None: it answered ``/ping``, or it is down, which the
+        """Why ``url`` looks hung (None: it answered ``/server_info``, or it is down, which the
         request itself will show). One probe per server at a time serves every waiting request."""
         task = self._probes.get(url)
         if task is None or task.done():
@@ -438,13 +440,13 @@ class SGLangClient:
     async def _liveness_problem(self, url: str) -> str | None:
         limit = self.cfg.health_timeout_s
         try:
-            async with self._session.get(url + "/ping", timeout=aiohttp.ClientTimeout(total=limit)) as resp:
+            async with self._session.get(url + LIVENESS_PATH, timeout=aiohttp.ClientTimeout(total=limit)) as resp:
                 status = resp.status
         except asyncio.TimeoutError:
-            return f"server {url} did not answer /ping within {limit:g}s (hung?)"
+            return f"server {url} did not answer {LIVENESS_PATH} within {limit:g}s (hung?)"
         except aiohttp.ClientError:
             return None
-        return None if status == 200 else f"server {url} answered /ping with HTTP {status} (unhealthy)"
+        return None if status == 200 else f"server {url} answered {LIVENESS_PATH} with HTTP {status} (unhealthy)"
 
     async def _attempt(self, url, rid, payload, index, prompt_len, want_routes, expected_version,
                        start_len: int = 0) -> GenerateResult:

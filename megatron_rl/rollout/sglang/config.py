@@ -42,10 +42,11 @@ class SGLangConfig:
     """Longest retry delay."""
     hang_check_after_s: float = 15.0
     """A request or weight-update call unanswered this long makes the client probe the
-    server's liveness (``GET /ping``)."""
+    server's liveness (``GET /server_info``, answered by its scheduler between two batches)."""
     health_timeout_s: float = 10.0
-    """A server silent on ``/ping`` (or ``/model_info``) this long is hung: the step or the
-    weight push fails naming it, within ``hang_check_after_s + health_timeout_s`` of the hang.
+    """A server silent on ``/server_info`` (or ``/model_info``) this long is hung: the step or
+    the weight push fails naming it, within ``hang_check_after_s + health_timeout_s`` of the
+    hang; so each turn of a healthy scheduler's loop (a batch, a bucket's load) must take less.
     The startup probe uses it too."""
     deterministic_inference: bool = False
     """Seeded sampling: the servers must run with ``--enable-deterministic-inference``

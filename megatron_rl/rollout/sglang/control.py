@@ -1,13 +1,27 @@
 """Blocking HTTP control calls to SGLang servers: liveness, server facts, watched JSON requests.
 
-Liveness is ``GET /ping``: a flag check in SGLang's HTTP process, 200 once startup is done
-and until it shuts down, also while it is busy or paused (``srt/entrypoints/http_server.py:
-2190-2199``, ``srt/managers/tokenizer_manager.py:728-730``). ``/health`` is not used for it:
-in 0.5.23 it runs a one-token generation that takes at least a second and answers 503 after
-20 s of a busy scheduler, a long weight update or a pause (``http_server.py:218``,
-``:721-799``). A server that accepts the connection but does not answer ``/ping`` within its
-limit is hung (a stopped process); one that refuses the connection or answers 503 is down or
-starting.
+Liveness is ``GET /server_info``, because it must pass through the scheduler: SGLang's HTTP
+process asks every scheduler for its internal state (``srt/entrypoints/http_server.py:863-894``
+-> ``tokenizer_manager.get_internal_state``, ``srt/managers/tokenizer_control_mixin.py:
+967-974``, one ``GetInternalStateReq`` over ZMQ), and a scheduler answers it where it takes in
+requests, once per turn of its loop, between two batches and also while paused
+(``srt/managers/scheduler.py:2026-2036``, dispatched at ``:1909``). What it costs the
+scheduler: a dict of its resolved launch settings, topology and memory figures
+(``scheduler_components/internal_state.py:45-62``), no GPU work; the caller gets it as JSON.
+So a server whose scheduler hangs (a wedged forward, a collective that never completes, a
+stopped process) leaves it unanswered, while ``GET /ping``, a flag check in the HTTP process
+(``http_server.py:2190-2199``, ``tokenizer_manager.py:728-730``), still answers 200 and could not
+tell. ``/health`` is not used either: a one-token generation that a busy scheduler, a long
+weight update or a pause keeps from answering for 20 s, then 503 (``http_server.py:218``,
+``:721-799``).
+
+The bound this gives: a server is called hung when a liveness probe is unanswered within its
+limit (``health_timeout_s``), so a scheduler that completes no turn of its loop (one batch,
+one weight load, one bucket's broadcast) for that long is named, within ``hang_check_after_s
++ health_timeout_s`` of the hang; a healthy scheduler must therefore finish each turn within
+``health_timeout_s`` (10 s at the defaults; a decode step takes milliseconds, a chunked
+prefill or a bucket's load well under that). A server that refuses the connection or answers
+503 is down or starting, not hung.
 
 :func:`probe_servers` checks every server is live before heavy work (and waits for a
 restarting one); :func:`watched_request` is a control request that probes the server's
@@ -31,8 +45,8 @@ from typing import Any, Sequence
 
 from megatron_rl.rollout.sglang.ledger import RolloutRequestError, ServerHungError
 
-LIVENESS_PATH = "/ping"
-"""The liveness endpoint (see the module docstring)."""
+LIVENESS_PATH = "/server_info"
+"""The liveness request: one that must pass through the scheduler (see the module docstring)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +93,7 @@ def request_json(method: str, url: str, payload: Any = None, *, timeout_s: float
 
 
 def hung_problem(url: str, timeout_s: float) -> str | None:
-    """Why ``url`` is hung, or None (it answered ``/ping``, or is down, which callers see anyway)."""
+    """Why ``url`` is hung, or None (it answered :data:`LIVENESS_PATH`, or is down, which callers see anyway)."""
     status, _ = request_json("GET", url + LIVENESS_PATH, timeout_s=timeout_s)
     if status == -1:
         return f"SGLang server {url} is hung: GET {LIVENESS_PATH} unanswered within {timeout_s:g}s"
@@ -87,8 +101,9 @@ def hung_problem(url: str, timeout_s: float) -> str | None:
 
 
 def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float = 0.0,
-                  poll_s: float = 1.0) -> None:
-    """Fail unless every server answers ``GET /ping`` with 200 (blocking; cheap).
+                  poll_s: float = 1.0) -> dict[str, Any]:
+    """Fail unless every server answers :data:`LIVENESS_PATH` with 200 (blocking; cheap); returns
+    each server's answer (its ``/server_info``) by URL.
 
     Meant for before any heavy work (building the model, a weight push), so a run whose
     servers are not there fails in seconds instead of after it.
@@ -106,6 +121,7 @@ def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float
     """
     pending = [u.rstrip("/") for u in urls]
     deadline = time.monotonic() + wait_s
+    live: dict[str, Any] = {}
     while True:
         with ThreadPoolExecutor(max_workers=max(1, min(len(pending), 32))) as pool:
             answers = list(pool.map(lambda u: (u, *request_json("GET", u + LIVENESS_PATH, timeout_s=timeout_s)),
@@ -114,9 +130,10 @@ def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float
         if hung:
             raise ServerHungError("; ".join(f"SGLang server {u} is hung: GET {LIVENESS_PATH} unanswered within "
                                             f"{timeout_s:g}s" for u in hung))
+        live.update((u, body) for u, status, body in answers if status == 200)
         failed = [(u, status, body) for u, status, body in answers if status != 200]
         if not failed:
-            return
+            return live
         if time.monotonic() + poll_s > deadline:
             lines = [f"SGLang server {u} is not live: " + (f"GET {LIVENESS_PATH}: {body}" if status == 0
                                                            else f"GET {LIVENESS_PATH} answered HTTP {status}")
@@ -130,8 +147,8 @@ def probe_servers(urls: Sequence[str], timeout_s: float = 10.0, *, wait_s: float
 
 def watched_request(method: str, url: str, path: str, payload: Any = None, *, timeout_s: float,
                     hang_check_after_s: float, liveness_timeout_s: float) -> tuple[int, Any]:
-    """:func:`request_json` to ``url + path`` that probes ``/ping`` every ``hang_check_after_s``
-    while it waits; a server that stays silent there too is reported hung.
+    """:func:`request_json` to ``url + path`` that probes :data:`LIVENESS_PATH` every
+    ``hang_check_after_s`` while it waits; a server that stays silent there too is reported hung.
 
     Raises:
         ServerHungError: naming the server and the call, within ``hang_check_after_s +

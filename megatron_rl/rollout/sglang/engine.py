@@ -57,8 +57,12 @@ class WeightSyncer(Protocol):
         """Release what the transport holds."""
         ...
 
+    def take_restarts(self) -> int:
+        """Servers found restarted by the pushes since the last call (rank 0; 0 elsewhere)."""
+        ...
 
-STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts", "continued")
+
+STEP_METRICS = ("attempts", "retries", "duplicates", "resyncs", "timeouts", "continued", "restarts")
 """Counters :meth:`SGLangEngine.step_metrics` reports, as ``sglang/<name>``."""
 
 
@@ -409,19 +413,22 @@ class SGLangEngine:
         return {todo[j]: self._sample(prompts[todo[j]], r, params.temperature) for j, r in got.items()}, behind
 
     def step_metrics(self) -> dict[str, torch.Tensor]:
-        """``sglang/{attempts,retries,duplicates,resyncs,timeouts,continued}`` since the last call.
+        """``sglang/{attempts,retries,duplicates,resyncs,timeouts,continued,restarts}`` since the last
+        call (``restarts``: servers the weight push found restarted, which a rollout may not have seen).
 
         Collective over the world when ``groups`` is set, with the same values on every
         rank: only model-parallel leaders send requests, so their counters are summed over
-        the world; every rank takes part in a re-push, so those are counted once (rank 0).
+        the world; every rank takes part in a re-push, so those are counted once (rank 0),
+        as the restarts rank 0's push found.
         """
         totals, self._totals = self._totals, ClientStats()
         leader = self._leader()
         first = self._rank0()
+        restarts = self.weight_sync.take_restarts() if first and self.weight_sync is not None else 0
         counts = torch.tensor([
             totals.attempts if leader else 0, sum(totals.retries.values()) if leader else 0,
             totals.duplicates_dropped if leader else 0, totals.resyncs if first else 0,
-            totals.timeouts if leader else 0, totals.continued if leader else 0,
+            totals.timeouts if leader else 0, totals.continued if leader else 0, restarts,
         ], dtype=torch.float64)
         if self.groups is not None:
             comm.all_reduce(counts, self.groups.world)

@@ -12,11 +12,10 @@ tokenizer since requests carry token ids, TP size, memory fraction, FP8 weights
 ``--weight-version``, ``--enable-deterministic-inference`` for seeded sampling,
 ``--enable-memory-saver`` for a colocated run, whose servers release and resume their memory
 around the trainer's turns and take the weights again after each resume, so without
-``--enable-weights-cpu-backup``), in an
-environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0`` (:func:`server_env`: SGLang's default,
-log-probs of the distribution it samples, ``log_softmax(logits / T)``, the policy the trainer
-scores; ``--original-logprobs`` sets it to 1 for runs that train the T = 1 policy,
-``train.policy_temperature: one``; SGLang reads it once at start, ``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
+``--enable-weights-cpu-backup``), in an environment with ``SGLANG_RETURN_ORIGINAL_LOGPROB=0``
+(:func:`server_env`: SGLang's default, ``log_softmax(logits / T)`` of the distribution it samples,
+which the trainer scores; ``--original-logprobs`` sets 1 for ``train.policy_temperature: one``; read
+once at start, ``srt/layers/sampler.py:82``); starting it in its own process group (so a stop reaches every
 worker it forks, and dying with this process if it is killed outright); refusing to start
 on a port something already answers on (its health would be mistaken for ours); waiting
 until ``GET /health`` answers 200 (failing early, with the log tail, when the process exits
@@ -52,6 +51,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Literal, Mapping, Sequence
 from urllib.parse import urlsplit
+
+from megatron_rl.rollout.sglang.sockets import (
+    LISTEN_FD_ENV,
+    bound_socket,
+    inherited_socket,
+    port_in_use,
+    with_port,
+)
 
 
 @dataclass(kw_only=True)
@@ -90,8 +97,7 @@ class SGLangServerConfig:
     enable_memory_saver: bool = False
     """``--enable-memory-saver``: ``/release_memory_occupation`` frees the GPU memory (colocated runs)."""
     original_logprobs: bool = False
-    """``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: log-probs of the raw logits at every temperature (runs
-    with ``train.policy_temperature: one``); off: of the T-scaled distribution sampled."""
+    """``SGLANG_RETURN_ORIGINAL_LOGPROB=1``: raw log-probs at every T (``train.policy_temperature: one``)."""
     extra_args: list[str] = field(default_factory=list)
     """Further ``sglang.launch_server`` flags, appended verbatim."""
     python: str = sys.executable
@@ -128,15 +134,14 @@ def build_command(cfg: SGLangServerConfig) -> list[str]:
 
 
 SERVER_ENV = {"SGLANG_RETURN_ORIGINAL_LOGPROB": "0"}
-"""The environment servers are launched with by default: SGLang returns ``log_softmax(logits / T)``
-of the distribution it samples (``srt/layers/sampler.py:275``, ``:312-316``), which is what the
-trainer scores; set explicitly so that a value inherited from the caller's environment cannot
-turn it into raw log-probs (``:82``, ``:231-237``, ``:319-323``)."""
+"""The servers' default environment: ``log_softmax(logits / T)``, sampled and scored (``srt/layers/sampler.py:275``,
+``:312-316``); set lest an inherited value make them raw (``:82``, ``:231-237``, ``:319-323``)."""
 
 
 def server_env(cfg: SGLangServerConfig) -> dict[str, str]:
     """The server's environment: :data:`SERVER_ENV`, or raw log-probs with ``original_logprobs``."""
     return {"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"} if cfg.original_logprobs else dict(SERVER_ENV)
+
 
 HEALTH_PROBE_S = 25.0
 """Limit of one ``GET /health`` while waiting for a server: SGLang's answers within its
@@ -179,16 +184,6 @@ def parent_death_signal(sig: int) -> Callable[[], None] | None:
     return arm
 
 
-def port_in_use(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at ``url``'s host and port."""
-    parts = urlsplit(url)
-    try:
-        with socket.create_connection((parts.hostname, parts.port), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
-
-
 class ManagedServer:
     """A server process with a health URL: start, wait until healthy, stop.
 
@@ -197,13 +192,19 @@ class ManagedServer:
         url: base URL; ``GET url/health`` must return 200 once it is ready.
         env: extra environment variables.
         log_path: file for the server's stdout and stderr (None: inherit this process's).
+        listen: for a server that serves on a socket it is handed (:data:`LISTEN_FD_ENV`: the
+            stand-in, the wrapper of one): the interface to bind ``url``'s port on at each start,
+            port 0 meaning the kernel's pick (``url`` then names it), or a bound socket the
+            caller holds. None: the server binds its port itself, after a check that nothing
+            answers there.
     """
 
     def __init__(self, command: Sequence[str], url: str, *, env: Mapping[str, str] | None = None,
-                 log_path: str | Path | None = None) -> None:
+                 log_path: str | Path | None = None, listen: str | socket.socket | None = None) -> None:
         self.command, self.url = list(command), url.rstrip("/")
         self.env = {**os.environ, **(env or {})}
         self.log_path = Path(log_path) if log_path is not None else None
+        self.listen = listen
         self.process: subprocess.Popen | None = None
 
     def start(self) -> "ManagedServer":
@@ -215,11 +216,20 @@ class ManagedServer:
         """
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError(f"server for {self.url} is already running (pid {self.process.pid})")
-        if port_in_use(self.url):
-            port = urlsplit(self.url).port
-            raise ServerStartError(f"port {port} is already in use ({self.url} accepts connections), not by a "
-                                   f"server this process started; stop whatever listens there (ss -ltnp "
-                                   f"'sport = :{port}') or choose another port")
+        port = urlsplit(self.url).port
+        taken = (f"port {port} is already in use ({self.url} accepts connections), not by a server this process "
+                 f"started; stop whatever listens there (ss -ltnp 'sport = :{port}') or choose another port")
+        sock = self.listen if isinstance(self.listen, socket.socket) else None
+        if isinstance(self.listen, str):
+            try:
+                sock = bound_socket(self.listen, port)
+            except OSError as err:
+                raise ServerStartError(taken.replace("accepts connections", err.strerror or str(err))) from None
+        elif sock is None and port_in_use(self.url):
+            raise ServerStartError(taken)
+        if sock is not None:
+            self.url = with_port(self.url, sock.getsockname()[1])
+        env = self.env if sock is None else {**self.env, LISTEN_FD_ENV: str(sock.fileno())}
         out = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -227,12 +237,15 @@ class ManagedServer:
         try:
             # SIGKILL on our death: the server leads its own session, so nothing else would
             # stop it, and SGLang's own workers already die with it.
-            self.process = subprocess.Popen(self.command, env=self.env, stdout=out,
+            self.process = subprocess.Popen(self.command, env=env, stdout=out,
                                             stderr=subprocess.STDOUT if out else None, start_new_session=True,
-                                            preexec_fn=parent_death_signal(signal.SIGKILL))
+                                            preexec_fn=parent_death_signal(signal.SIGKILL),
+                                            pass_fds=() if sock is None else (sock.fileno(),))
         finally:
             if out is not None:
                 out.close()
+            if isinstance(self.listen, str) and sock is not None:
+                sock.close()  # the server's now: a dead server's port refuses, as it should
         return self
 
     def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 0.5) -> None:
@@ -380,8 +393,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, SGLangServer
                         help="--enable-deterministic-inference: sampling_seed decides each sample")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="release and resume GPU memory around a colocated trainer's turns")
-    parser.add_argument("--original-logprobs", action="store_true",
-                        help="SGLANG_RETURN_ORIGINAL_LOGPROB=1: raw log-probs (train.policy_temperature=one)")
+    parser.add_argument("--original-logprobs", action="store_true", help="raw log-probs (policy_temperature=one)")
     parser.add_argument("--base-gpu-id", type=int, default=0)
     parser.add_argument("--python", default=sys.executable, help="interpreter with SGLang installed")
     parser.add_argument("--log-file", default=None)
@@ -426,7 +438,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.print_command:
         print(" ".join(command))
         return 0
-    server = ManagedServer(command, cfg.url, env=server_env(cfg), log_path=args.log_file)
+    # The stand-in serves on a socket the wrapper binds (or was handed), so its port cannot be
+    # taken between a check and the bind, and --port 0 means the kernel's pick.
+    listen = (inherited_socket(serving=False) or cfg.host) if args.stand_in else None
+    server = ManagedServer(command, cfg.url, env=server_env(cfg), log_path=args.log_file, listen=listen)
 
     def stop_now(signum: int, _frame: object) -> None:
         # Raised, not flagged: the startup wait (up to --startup-timeout) must end too.
@@ -467,11 +482,11 @@ def _serve(server: ManagedServer, args: argparse.Namespace, cfg: SGLangServerCon
             first = str(err).splitlines()[0]
             write_url_file(args.url_file + FAILED_SUFFIX, f"{first} (log: {args.log_file or 'stdout'})")
         raise
-    url = cfg.url
+    url = server.url
     if args.url_file:
         if cfg.host in ("0.0.0.0", "::"):
             # Other nodes reach this server by the node's name, not by loopback.
-            url = f"http://{os.uname().nodename}:{cfg.port}"
+            url = f"http://{os.uname().nodename}:{urlsplit(server.url).port}"
         write_url_file(args.url_file, url)
     print(f"{'stand-in' if args.stand_in else 'SGLang'} server healthy at {url} (pid {server.process.pid})",
           flush=True)

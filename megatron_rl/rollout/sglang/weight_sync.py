@@ -9,7 +9,7 @@ push, each its own step so it can be timed alone:
    what the served architecture loads (every name known, each once: SGLang would skip an
    unknown one without a word, :mod:`~megatron_rl.rollout.sglang.loader_rules`), the
    payload's dtypes (:mod:`~megatron_rl.rollout.sglang.weight_payload`), and the buckets;
-2. **servers**: every server answers ``/ping`` (a restarting one is waited for
+2. **servers**: every server is live (``/server_info``; a restarting one is waited for
    ``server_wait_s``, a hung one fails at once); before the first push and after a
    reconnect, ``/server_info`` must show ``tp_size == server_tp_size`` and ``dp_size == 1``;
    then a weight-update session opens on every server (:class:`~megatron_rl.rollout.sglang.
@@ -36,7 +36,7 @@ through rank 0: right for any layout, but its links bound the throughput of larg
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Literal, Sequence
+from typing import Any, Iterator, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,7 +87,7 @@ class WeightSyncConfig:
     master_address: str | None = None
     """Distributed mode: address of rank 0 the servers connect to (None: this host's name)."""
     master_port: int = 0
-    """Distributed mode: rendezvous port on rank 0 (0: any free port)."""
+    """Distributed mode: rendezvous port on rank 0 (0: one the kernel picks as rank 0 binds it)."""
     group_name: str = "megatron_rl_weight_sync"
     """Distributed mode: name of the group on both sides."""
     timeout_s: float = 600.0
@@ -285,6 +285,19 @@ class PushPlan:
     """Bytes of the largest bucket (the size of the stream's buffers)."""
 
 
+def restarted_servers(started_at: dict[str, Any], server_info: dict[str, dict]) -> list[str]:
+    """The servers whose ``/server_info`` ``startup_time`` (SGLang's, set as a server starts:
+    ``srt/entrypoints/http_server.py:284``, ``:886``) differs from the one in ``started_at``,
+    which is updated; a server seen for the first time is not counted."""
+    restarted = []
+    for url, info in server_info.items():
+        now = info.get("startup_time") if isinstance(info, dict) else None
+        if url in started_at and now != started_at[url]:
+            restarted.append(url)
+        started_at[url] = now
+    return restarted
+
+
 class WeightSync:
     """Push the trainer's weights to SGLang servers (construct and call on every rank).
 
@@ -308,6 +321,11 @@ class WeightSync:
         self.rules = loader_rules(architecture)
         self.limits = Limits(cfg.timeout_s, cfg.hang_check_after_s, cfg.health_timeout_s)
         self.servers_checked = False
+        self.started_at: dict[str, Any] = {}
+        """Rank 0: each server's ``startup_time`` (its ``/server_info``) at the last push."""
+        self.restarts = 0
+        """Rank 0: servers found restarted at a push's probe (their ``startup_time`` changed),
+        counted until the engine takes them into a step's metrics."""
         self.transport = self.sessions = None
         if comm.rank(groups.world) == 0:
             self.sessions = Sessions(self.urls, self.limits)
@@ -353,7 +371,13 @@ class WeightSync:
     def _open(self, reconnect: bool) -> None:
         """Rank 0: the servers are live (and right), a session is open on each."""
         cfg = self.cfg
-        probe_servers(self.urls, timeout_s=cfg.health_timeout_s, wait_s=cfg.server_wait_s)
+        restarted = restarted_servers(self.started_at, probe_servers(self.urls, timeout_s=cfg.health_timeout_s,
+                                                                     wait_s=cfg.server_wait_s))
+        if restarted:
+            # Between two pushes (a rollout may have seen nothing): it lost its weights and its groups.
+            print(f"SGLang servers restarted since the last push: {', '.join(restarted)}", flush=True)
+            self.restarts += len(restarted)
+            reconnect = True
         if reconnect or not self.servers_checked:
             self._check_servers()
             self.servers_checked = True
@@ -361,6 +385,11 @@ class WeightSync:
             self.transport.reset()
         self.sessions.begin()
         self.transport.start()
+
+    def take_restarts(self) -> int:
+        """:attr:`restarts`, reset (a step's count)."""
+        restarts, self.restarts = self.restarts, 0
+        return restarts
 
     def _check_servers(self) -> None:
         """``/server_info``: the TP size payloads and groups are built for, and no data parallelism

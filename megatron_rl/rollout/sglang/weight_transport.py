@@ -19,8 +19,11 @@ again once (:meth:`Sessions.begin`).
   an error naming the server before any tensor is broadcast; later, the broadcast runs
   beside the announces, and a refusal or a hung server ends the push at once, naming it.
 
-Every control call is watched (:func:`~megatron_rl.rollout.sglang.control.watched_request`):
-a server that hangs mid-push is reported within ``hang_check_after_s + health_timeout_s``.
+Every control call is watched (:func:`~megatron_rl.rollout.sglang.control.watched_request`),
+by ``GET /server_info``, which the server's scheduler answers between two turns of its loop:
+a server whose scheduler hangs mid-push (its HTTP process may still answer ``/ping``) is
+reported within ``hang_check_after_s + health_timeout_s``, provided each turn of a healthy
+scheduler (one bucket's load or broadcast) takes less than ``health_timeout_s``.
 Does not own gathering, naming or bucketing (:mod:`~megatron_rl.rollout.sglang.weight_sync`).
 """
 
@@ -38,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.parallel import comm
-from megatron_rl.parallel.world import free_port
+from megatron_rl.parallel.world import rendezvous_store
 from megatron_rl.rollout.sglang.control import (
     EncodedJSON,
     hung_problem,
@@ -73,7 +76,7 @@ class Limits:
     hang_check_after_s: float
     """A call unanswered this long probes the server's liveness."""
     liveness_s: float
-    """A server silent on ``/ping`` this long is hung."""
+    """A server silent on ``/server_info`` (its scheduler) this long is hung."""
 
 
 def _failures(answers: list[tuple[str, int, Any]], path: str) -> list[str]:
@@ -227,12 +230,14 @@ class BucketStream:
 
 
 def init_custom_group(backend: str, address: str, port: int, world_size: int, rank: int, group_name: str,
-                      timeout: timedelta) -> dist.ProcessGroup:
+                      timeout: timedelta, store: dist.Store | None = None) -> dist.ProcessGroup:
     """A process group outside the default world (both sides of a weight-update group).
 
     The same construction as SGLang's ``init_custom_process_group`` (``srt/utils/common.py:
     2859-2925``): a TCP rendezvous at ``address:port`` (rank 0 hosts it), a store prefixed by
     ``group_name``, and torch's process-group factory, so the key layout matches a server's.
+    ``store``: rank 0's store, already listening on ``port`` (:func:`~megatron_rl.parallel.world.
+    rendezvous_store`), instead of one created here.
     """
     from torch.distributed.distributed_c10d import (
         Backend,
@@ -242,7 +247,8 @@ def init_custom_group(backend: str, address: str, port: int, world_size: int, ra
         rendezvous,
     )
 
-    store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     group, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
                                          group_name=group_name, timeout=timeout)
@@ -295,14 +301,17 @@ class DistributedTransport:
         """
         path = "/init_weights_update_group"
         address = self.address or socket.gethostname()
-        port = self.port or free_port()
         world_size = 1 + len(self.urls) * self.tp_size
+        timeout = timedelta(seconds=self.limits.request_s)
+        # A port of our own choosing is bound before the servers are told it (none can take it between).
+        store = None if self.port else rendezvous_store(world_size, timeout)
+        port = self.port or store.port
         ranks = {url: 1 + i * self.tp_size for i, url in enumerate(self.urls)}
         body = {url: init_group_body(address=address, port=port, rank_offset=ranks[url], world_size=world_size,
                                      group_name=self.group_name, backend=self.backend) for url in self.urls}
         joins = _background(call_all, self.urls, path, body.get, self.limits)
         forming = _background(init_custom_group, self.backend, address, port, world_size, 0, self.group_name,
-                              timedelta(seconds=self.limits.request_s))
+                              timeout, store)
         deadline = time.monotonic() + self.limits.request_s
         while "result" not in forming or "result" not in joins:
             for box in (joins, forming):
