@@ -87,3 +87,27 @@ def expert_biases_trainable(model: Any) -> None:
             return output.clone(), bias
 
         module.forward = copied
+
+
+def sum_replicated_expert_grads_over_tp(model: Any, config: Any, experts_take_expert_groups: bool) -> int:
+    """Flag expert weights replicated over TP so that their gradients are summed over TP.
+
+    With TP > 1, sequence parallelism, EP 1 and expert-TP 1 every TP rank holds each expert
+    whole and routes its own sequence shard through it, so its gradient is that shard's part
+    only. Before 0.19.0 Megatron-Core treats such experts as dense weights (``allreduce``
+    True: ``tensor_parallel/layers.py``, ``expert_parallel = EP > 1``) reduced over the
+    data-parallel group alone, and the TP ranks' copies drift apart from the first update
+    (Megatron-LM cd4afffa64 gives them the expert groups from 0.19.0). Flagged
+    ``sequence_parallel``, ``finalize_model_grads`` sums them over TP as it does the norms'.
+    Returns how many parameters were flagged.
+    """
+    replicated = (config.tensor_model_parallel_size > 1 and config.sequence_parallel
+                  and config.expert_model_parallel_size == 1 and config.expert_tensor_parallel_size == 1)
+    if experts_take_expert_groups or not replicated:
+        return 0
+    flagged = 0
+    for name, param in model.named_parameters():
+        if ".experts." in name:
+            param.sequence_parallel = True
+            flagged += 1
+    return flagged

@@ -29,6 +29,7 @@ from megatron.core.transformer import (
 from megatron_rl.config_loading import ConfigError
 from megatron_rl.parallel import mcore_compat as mc
 from megatron_rl.parallel import mcore_layers
+from megatron_rl.parallel.mcore_optimizer import EXPERT_GROUPS_WHEN_ETP_DIFFERS
 from megatron_rl.parallel.families import (
     family_fields,
     replicated_mla_down_projections,
@@ -306,6 +307,7 @@ def build_model(
     gpt.true_vocab_size = model.vocab_size
     if model.add_bias_linear and not use_te:
         mcore_layers.expert_biases_trainable(gpt)
+    mcore_layers.sum_replicated_expert_grads_over_tp(gpt, config, EXPERT_GROUPS_WHEN_ETP_DIFFERS)
     if config.moe_enable_routing_replay:
         # Replay addresses routers by layer number; Megatron's class-level list would only
         # keep every model ever built alive.

@@ -160,19 +160,19 @@ class ContinuousBatcher:
         """The mode generation is paused in (None: running)."""
         self.parked: list[_Request] = []
         """Requests a retract or in-place pause cut, continued after the pause."""
-        self._queue: asyncio.Queue | None = None
+        self._waiting: asyncio.Queue | None = None
         self._resumed: asyncio.Event | None = None
 
     async def submit(self, prompt: list[int], params: SamplingParams, want_routes: bool, seed: int) -> Answer:
         """The request's answer, once produced; raises the engine's error."""
         future = asyncio.get_running_loop().create_future()
-        await self._queue.put(_Request(params, list(prompt), want_routes, seed, future))
+        await self._waiting.put(_Request(params, list(prompt), want_routes, seed, future))
         return await future
 
     @property
     def queued(self) -> int:
         """Requests waiting for an engine call."""
-        return 0 if self._queue is None else self._queue.qsize()
+        return 0 if self._waiting is None else self._waiting.qsize()
 
     @property
     def running_requests(self) -> int:
@@ -182,7 +182,7 @@ class ContinuousBatcher:
     async def running(self, _app=None) -> AsyncIterator[None]:
         """Batches while suspended at its ``yield`` (an aiohttp ``cleanup_ctx`` entry);
         afterwards the requests still decoding are cancelled."""
-        self._queue, self._resumed = asyncio.Queue(), asyncio.Event()
+        self._waiting, self._resumed = asyncio.Queue(), asyncio.Event()
         self._resumed.set()
         task = asyncio.create_task(self._batch_forever())
         yield
@@ -196,16 +196,16 @@ class ContinuousBatcher:
     async def _batch_forever(self) -> None:
         while True:
             await self._resumed.wait()
-            batch = [await self._queue.get()]
+            batch = [await self._waiting.get()]
             deadline = time.monotonic() + self.window_s
             while len(batch) < self.max_batch and (left := deadline - time.monotonic()) > 0:
                 try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), left))
+                    batch.append(await asyncio.wait_for(self._waiting.get(), left))
                 except asyncio.TimeoutError:
                     break
             if self.paused is not None:  # a pause came while the batch gathered: it stays queued
                 for request in batch:
-                    self._queue.put_nowait(request)
+                    self._waiting.put_nowait(request)
                 continue
             groups: dict[tuple, list[_Request]] = {}
             for request in batch:
@@ -264,8 +264,8 @@ class ContinuousBatcher:
         for request in list(self.decoding):
             self._cut(request, now)
         if mode == "abort":
-            while not self._queue.empty():
-                self._resolve(self._queue.get_nowait(), "abort")
+            while not self._waiting.empty():
+                self._resolve(self._waiting.get_nowait(), "abort")
 
     def _cut(self, request: _Request, now: float) -> None:
         sample, version, t0, entry, task = request.decoding
@@ -295,5 +295,5 @@ class ContinuousBatcher:
         """``/continue_generation``: the requests a pause kept are computed on from where they were cut."""
         parked, self.parked, self.paused = self.parked, [], None
         for request in parked:
-            self._queue.put_nowait(request)
+            self._waiting.put_nowait(request)
         self._resumed.set()

@@ -257,7 +257,21 @@ def layout_step_worker(parallel, checkpoint):
                                micro_batch_sequences=2, record_routing=True)
         temperature = _temperature_step(model, ddp, groups, mine)
         _perturb_routers(model)
-        return {**_step_all_plans(model, ddp, groups, mine, old, filters=True), "temperature": temperature}
+        steps = _step_all_plans(model, ddp, groups, mine, old, filters=True)
+        return {**steps, "temperature": temperature, "expert_spread_over_tp": _expert_spread_over_tp(model, groups)}
+
+
+def _expert_spread_over_tp(model, groups) -> float | None:
+    """Largest difference of the expert weights between TP ranks after the update (None: experts
+    are not whole on every TP rank, or TP 1). Replicated experts must stay equal."""
+    import torch.distributed as dist
+
+    if groups.tp_size == 1 or groups.ep_size > 1 or groups.etp_size > 1:
+        return None
+    experts = torch.cat([p.detach().reshape(-1) for n, p in model.named_parameters() if ".experts." in n])
+    copies = [torch.empty_like(experts) for _ in range(groups.tp_size)]
+    dist.all_gather(copies, experts, group=groups.tp)
+    return max(float((c - copies[0]).abs().max()) for c in copies)
 
 
 def _hook_router_logits(model):
@@ -458,6 +472,7 @@ def layout(checkpoint_dir, reference):
             for key, value in rank["update"]["weights"].items():
                 weights.setdefault(key, value)
         merged["update"] = {"grad_norm": [r["update"]["grad_norm"] for r in per_rank], "weights": weights}
+        merged["expert_spread_over_tp"] = [r["expert_spread_over_tp"] for r in per_rank]
         budget_grads = {}
         for rank in per_rank:
             for key, value in rank["budget:R2"]["grads"].items():
@@ -569,6 +584,12 @@ def test_optimizer_step_is_layout_invariant(name, layout, reference):
         assert abs(norm - ref["grad_norm"]) <= 1e-5 * ref["grad_norm"], (name, norm, ref["grad_norm"])
     for key, weight in ref["weights"].items():
         assert relative_error(got["weights"][key], weight) <= 1e-6, (name, key)
+
+
+def test_experts_replicated_over_tp_stay_equal_after_the_update(layout):
+    # TP2+SP with EP 1 and expert-TP 1: each TP rank routes its own sequence shard through
+    # whole experts; their gradients must be summed over TP (parallel.mcore_layers).
+    assert layout("TP2+SP")["expert_spread_over_tp"] == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("mode", PLANS)
