@@ -143,7 +143,8 @@ class FaultInjectingServer(ProtocolServer):
         def digests() -> dict[str, str]:
             served = self.host.weights
             out = {}
-            for name, (weight, part) in served.parts.items():
+            for name, pairs in served.parts.items():
+                weight, part = pairs[0]  # every pair holds the HF tensor whole (a stacked one: once per expert)
                 tensor = split(weight, served.params[weight.megatron].detach(), served.model_cfg)[part]
                 out[name] = hashlib.sha256(tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
             return out

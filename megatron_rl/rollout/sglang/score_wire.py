@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from megatron_rl.rollout.sglang.wire import LOGPROB_SLACK, WireFormatError
+from megatron_rl.rollout.sglang.wire import LOGPROB_SLACK, WireFormatError, parse_finish_reason
 
 
 def score_payload(*, rid: str, input_ids: Sequence[int], logprob_start_len: int, top_logprobs_num: int = 0) -> dict:
@@ -73,7 +73,7 @@ def decode_score_response(body: Any, *, rid: str, input_ids: Sequence[int], star
     meta = body["meta_info"]
     if meta.get("id", rid) != rid:
         raise WireFormatError(f"{source}: response is for request {meta.get('id')!r}, expected {rid!r}")
-    _finish_reason(meta.get("finish_reason"), source)
+    parse_finish_reason(meta.get("finish_reason"), source)
     entries = meta.get("input_token_logprobs")
     expected = len(input_ids) - start
     if not isinstance(entries, list) or len(entries) != expected:

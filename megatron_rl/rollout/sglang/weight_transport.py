@@ -79,6 +79,10 @@ class Limits:
     """A server silent on ``/server_info`` (its scheduler) this long is hung."""
 
 
+SERVER_ANSWER_WAIT_S = 5.0
+"""How long a failed group formation on our side waits for the servers' own answer."""
+
+
 def _failures(answers: list[tuple[str, int, Any]], path: str) -> list[str]:
     return [f"{url}{path}: HTTP {status}: {str(body)[:300]}" for url, status, body in answers
             if status != 200 or (isinstance(body, dict) and body.get("success") is False)]
@@ -313,10 +317,20 @@ class DistributedTransport:
         forming = _background(init_custom_group, self.backend, address, port, world_size, 0, self.group_name,
                               timeout, store)
         deadline = time.monotonic() + self.limits.request_s
+        answer_wait = None
         while "result" not in forming or "result" not in joins:
-            for box in (joins, forming):
-                if "error" in box:
-                    raise box["error"]
+            if "error" in joins:
+                raise joins["error"]
+            if "error" in forming:
+                # Our side failed at once (e.g. no NCCL here); a server's refusal, if it comes
+                # within a few seconds, names the cause better (a backend it does not join).
+                answer_wait = answer_wait or time.monotonic() + SERVER_ANSWER_WAIT_S
+                if "result" not in joins and time.monotonic() < min(answer_wait, deadline):
+                    time.sleep(0.05)
+                    continue
+                if "result" in joins and _failures(joins["result"], path):
+                    break
+                raise forming["error"]
             if "result" in joins and _failures(joins["result"], path):
                 raise WeightSyncError("weight update failed: " + "; ".join(_failures(joins["result"], path)))
             if time.monotonic() > deadline:

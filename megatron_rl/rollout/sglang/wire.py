@@ -409,7 +409,7 @@ def decode_generate_response(
     meta = body["meta_info"]
     if meta.get("id", rid) != rid:
         raise WireFormatError(f"{source}: response is for request {meta.get('id')!r}, expected {rid!r}")
-    reason = _finish_reason(meta.get("finish_reason"), source, allow_abort)
+    reason = parse_finish_reason(meta.get("finish_reason"), source, allow_abort)
     output_ids = body.get("output_ids")
     if output_ids is not None and (not isinstance(output_ids, list)
                                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in output_ids)):
@@ -446,7 +446,7 @@ def decode_generate_response(
     )
 
 
-def _finish_reason(value: Any, source: str, allow_abort: bool = False) -> Literal["stop", "length", "abort"]:
+def parse_finish_reason(value: Any, source: str, allow_abort: bool = False) -> Literal["stop", "length", "abort"]:
     kind = value.get("type") if isinstance(value, dict) else None
     if kind == "abort" and allow_abort and value.get("status_code") is None:
         return kind
