@@ -47,7 +47,9 @@ setup(
         # The tests log real W&B offline runs and MLflow file-store runs and read them back with
         # the libraries' own readers: wandb.sdk.internal.datastore, which 0.30 dropped, hence
         # the bound (the "wandb" extra has none).
-        "test": ["pytest>=8", "wandb>=0.19,<0.30", "mlflow-skinny>=3.0"],
+        # pytest-xdist: the suite runs as two workers, one test file each at a time (the e2e
+        # tests spend much of their time waiting on servers and process starts).
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "wandb>=0.19,<0.30", "mlflow-skinny>=3.0"],
         # Trackers (logging.wandb, logging.mlflow). mlflow-skinny is MLflow's client: servers
         # and file stores; a local database store (sqlite://) needs the full "mlflow" package.
         "wandb": ["wandb>=0.19"],
