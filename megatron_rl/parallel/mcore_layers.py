@@ -98,8 +98,10 @@ def sum_replicated_expert_grads_over_tp(model: Any, config: Any, experts_take_ex
     True: ``tensor_parallel/layers.py``, ``expert_parallel = EP > 1``) reduced over the
     data-parallel group alone, and the TP ranks' copies drift apart from the first update
     (Megatron-LM cd4afffa64 gives them the expert groups from 0.19.0). Flagged
-    ``sequence_parallel``, ``finalize_model_grads`` sums them over TP as it does the norms'.
-    Returns how many parameters were flagged.
+    ``sequence_parallel``, ``finalize_model_grads`` sums them over TP as it does the norms'; and,
+    no longer split over TP (``tensor_model_parallel`` False: each rank holds them whole), the
+    gradient norm counts them on TP rank 0 only (``param_is_not_tensor_parallel_duplicate``),
+    as it does the norms'. Returns how many parameters were flagged.
     """
     replicated = (config.tensor_model_parallel_size > 1 and config.sequence_parallel
                   and config.expert_model_parallel_size == 1 and config.expert_tensor_parallel_size == 1)
@@ -109,5 +111,6 @@ def sum_replicated_expert_grads_over_tp(model: Any, config: Any, experts_take_ex
     for name, param in model.named_parameters():
         if ".experts." in name:
             param.sequence_parallel = True
+            param.tensor_model_parallel = False
             flagged += 1
     return flagged

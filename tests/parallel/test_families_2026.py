@@ -55,8 +55,13 @@ LAYOUTS = {
     "TP2+SP x EP2": ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2),
     "CP2 x EP2": ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2),
 }
-NO_CP = ["TP2+SP", "EP2", "PP2", "TP2+SP x EP2"]
-ALLOWED = {"gpt_oss": list(LAYOUTS), "qwen3_next": NO_CP, "qwen3_5_moe": NO_CP}
+LAYOUTS_4 = {
+    # Products with pipeline stages: a 4-process world.
+    "TP2+SP x PP2": ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+    "EP2 x PP2": ParallelConfig(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+}
+NO_CP = ["TP2+SP", "EP2", "PP2", "TP2+SP x EP2", *LAYOUTS_4]
+ALLOWED = {"gpt_oss": [*LAYOUTS, *LAYOUTS_4], "qwen3_next": NO_CP, "qwen3_5_moe": NO_CP}
 PROMPTS = [p[:n] for p, n in zip(random_prompts(4, 12, VOCAB, seed=5), (12, 7, 10, 5))]
 TOLERANCES = ParityTolerances(logprob_max_abs=1e-4, topk_agreement_min=1.0, router_prob_max_abs=1e-5)
 SEQUENCES = random_sequences(4, VOCAB, min_len=6, max_len=14, seed=3)
@@ -179,8 +184,8 @@ def reference_worker(megatron_dirs: dict) -> dict:
     return out
 
 
-def layouts_worker(megatron_dirs: dict, hf_dirs: dict) -> dict:
-    """Every rank of a 2-process world: each layout in turn, each family it allows loaded resharded
+def layouts_worker(megatron_dirs: dict, hf_dirs: dict, layouts: dict) -> dict:
+    """Every rank of a world: each of ``layouts`` in turn, each family it allows loaded resharded
     (parity outputs, then the RL steps); in PP2 also the trainer's start from the HF directory."""
     import torch.distributed as dist
 
@@ -195,7 +200,7 @@ def layouts_worker(megatron_dirs: dict, hf_dirs: dict) -> dict:
 
     results = {}
     with cpu_platform():
-        for layout, parallel in LAYOUTS.items():
+        for layout, parallel in layouts.items():
             with model_parallel(parallel, seed=0) as groups:
                 for family, directory in megatron_dirs.items():
                     if layout not in ALLOWED[family]:
@@ -230,7 +235,10 @@ def reference(tp1):
 @pytest.fixture(scope="module")
 def layouts(tp1, hf_dirs):
     megatron_dirs = {f: tp1[f]["megatron"] for f in FAMILIES}
-    return run_world(layouts_worker, 2, megatron_dirs, {f: str(d) for f, d in hf_dirs.items()}, timeout_s=900)[0]
+    hf = {f: str(d) for f, d in hf_dirs.items()}
+    two = run_world(layouts_worker, 2, megatron_dirs, hf, LAYOUTS, timeout_s=900)[0]
+    four = run_world(layouts_worker, 4, megatron_dirs, hf, LAYOUTS_4, timeout_s=900)[0]
+    return {**two, **four}
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -247,10 +255,10 @@ def test_round_trip_is_bit_exact_kept_tensors_included(family, hf_dirs, tp1):
     assert (family == "gpt_oss") == (not kept)
 
 
-@pytest.mark.parametrize("layout", ["TP1", *LAYOUTS, "trainer init"])
+@pytest.mark.parametrize("layout", ["TP1", *LAYOUTS, *LAYOUTS_4, "trainer init"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_layout_matches_transformers(family, layout, layouts, reference, references):
-    if layout in LAYOUTS and layout not in ALLOWED[family]:
+    if layout in {**LAYOUTS, **LAYOUTS_4} and layout not in ALLOWED[family]:
         pytest.skip(f"{family} refuses {layout} before any process starts (tests/unit/test_family_rules_2026.py)")
     outputs = reference if layout == "TP1" else layouts
     report = compare(references[family], outputs[("parity", layout, family)])
