@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_async"))
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in <out>/results.json (same options) and make only the missing ones")
+    parser.add_argument("--report", action="store_true", help="with --resume: make no run, report the saved ones")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = parser.parse_args(argv)
     if args.steps < 4:
@@ -262,11 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    knobs = {key: value for key, value in vars(args).items() if key not in ("runs", "configs", "out", "resume")}
+    if args.report and not args.resume:
+        parser.error("--report: only with --resume")
+    knobs = {key: value for key, value in vars(args).items()
+             if key not in ("runs", "configs", "out", "resume", "report")}
     results = _earlier_runs(out / "results.json", knobs) if args.resume else []
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the finally clauses run
     todo = [(name, 1 + run) for run in range(args.runs) for name in configs
-            if not any(r["config"] == name and r["seed"] == 1 + run for r in results)]
+            if not args.report and not any(r["config"] == name and r["seed"] == 1 + run for r in results)]
     if todo:
         server, url = _start_server(args, out / "server.log")
         try:
