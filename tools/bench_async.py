@@ -65,7 +65,12 @@ def _start_server(args, log: Path) -> tuple[subprocess.Popen, str]:
                                 pass_fds=(sock.fileno(),),
                                 env={**os.environ, "PYTHONWARNINGS": "ignore", LISTEN_FD_ENV: str(sock.fileno())})
     url = f"http://127.0.0.1:{port}"
-    probe_servers([url], timeout_s=10, wait_s=600, poll_s=0.5)
+    try:
+        probe_servers([url], timeout_s=10, wait_s=600, poll_s=0.5)
+    except BaseException:  # stopped (SIGTERM) or never up: the server goes too
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
     return proc, url
 
 
@@ -283,9 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait()
-    results = [r for r in results if r["config"] in configs]
     summary = _summary(results, configs)
     (out / "results.json").write_text(json.dumps({"knobs": knobs, "summary": summary, "results": results}, indent=1))
+    results = [r for r in results if r["config"] in configs]
     report = _report(summary, results, args)
     (out / "results.md").write_text(report)
     _plot(results, summary, out)
