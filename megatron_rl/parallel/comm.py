@@ -48,6 +48,35 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.
     return tensor
 
 
+def group_rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    """This process's rank inside ``group`` and the group's size; ``None`` is a group of one."""
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+class _SumIdentityBackward(torch.autograd.Function):
+    """Forward: all-reduce SUM. Backward: the identity (see :func:`sum_identity_backward`)."""
+
+    @staticmethod
+    def forward(ctx, values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        return all_reduce(values.clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def sum_identity_backward(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``values`` summed over ``group`` (each rank holding its share, the others 0), with the
+    identity as backward: every rank computes the same objective from the sum, so each rank's
+    gradient at its own share is already the whole gradient there (Megatron's "reduce from the
+    model-parallel region"). ``None`` is a group of one."""
+    if group is None or dist.get_world_size(group) == 1:
+        return values
+    return _SumIdentityBackward.apply(values, group)
+
+
 def all_gather_cat(tensor: torch.Tensor, group: dist.ProcessGroup, dim: int = 0) -> torch.Tensor:
     """Every rank's ``tensor`` (same shape on all ranks), concatenated along ``dim``."""
     device = group_device(group)

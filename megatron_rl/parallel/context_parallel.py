@@ -29,29 +29,15 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.comm import all_gather_cat, all_reduce
+from megatron_rl.parallel.comm import all_gather_cat, all_reduce, sum_identity_backward
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 from megatron_rl.parallel.vocab_parallel import vocab_parallel_logprobs_entropy
-
-
-class _SumOverContextParallel(torch.autograd.Function):
-    """Forward: all-reduce SUM over the CP group. Backward: the identity (see the module)."""
-
-    @staticmethod
-    def forward(ctx, values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce(values.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
 
 
 def sum_over_context_parallel(values: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``values`` summed over the CP ranks; gradients pass back unchanged (one objective, computed
     identically on every CP rank)."""
-    if group is None:
-        return values
-    return _SumOverContextParallel.apply(values, group)
+    return sum_identity_backward(values, group)
 
 
 def whole_row(local_TX: torch.Tensor, mb: PackedMicroBatch, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -59,6 +59,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_rl.parallel.comm import group_rank_and_size
 from megatron_rl.parallel.vocab_parallel_checks import check_inputs, check_temperatures
 
 __all__ = ["VocabParallelLogProbMath", "vocab_parallel_logprobs_entropy"]
@@ -279,13 +280,6 @@ def _scratch(
     return [like_TV.new_empty((rows, like_TV.shape[1]), dtype=dtype) for _ in range(num_buffers)]
 
 
-def _group_rank_and_size(tp_group: dist.ProcessGroup | None) -> tuple[int, int]:
-    """This rank's index in ``tp_group`` and the group's size; ``None`` is a group of one."""
-    if tp_group is None:
-        return 0, 1
-    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
-
-
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     """Chunked forward with the all-reduces; collective-free backward from recomputed p."""
 
@@ -302,7 +296,7 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
         temperature_T: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         math = VocabParallelLogProbMath
-        tp_rank, tp_size = _group_rank_and_size(tp_group)
+        tp_rank, tp_size = group_rank_and_size(tp_group)
         num_tokens, v_local = logits_TV.shape
         vocab_start = tp_rank * v_local
         num_valid = math.valid_columns(vocab_start, v_local, vocab_size)
@@ -436,7 +430,7 @@ def vocab_parallel_logprobs_entropy(
             finite and positive (naming the token).
         TypeError: non-float logits or non-integer targets.
     """
-    _, tp_size = _group_rank_and_size(tp_group)
+    _, tp_size = group_rank_and_size(tp_group)
     vocab = check_inputs(logits_TV, targets_T, tp_size, chunk_tokens, vocab_size)
     check_temperatures(temperature_T, logits_TV.shape[0])
     logprobs_T, entropy_T = _VocabParallelLogProbEntropy.apply(

@@ -27,39 +27,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_rl.parallel.comm import all_gather_cat, all_reduce
+from megatron_rl.parallel.comm import all_gather_cat, group_rank_and_size, sum_identity_backward
 from megatron_rl.parallel.context_parallel import sum_over_context_parallel
 from megatron_rl.parallel.packing import PackedMicroBatch, response_targets
 
 
-def _rank_and_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if group is None:
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-class _SumOverTensorParallel(torch.autograd.Function):
-    """Forward: SUM over the TP group. Backward: the identity (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, values: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        return all_reduce(values.clone(), group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None
-
-
 def logits_at(logits_RV: torch.Tensor, ids_RK: torch.Tensor, tp_group: dist.ProcessGroup | None) -> torch.Tensor:
     """``[R, K]`` logits at global ids ``ids_RK`` (differentiable), summed over the TP shards."""
-    tp_rank, tp_size = _rank_and_size(tp_group)
+    tp_rank, tp_size = group_rank_and_size(tp_group)
     v_local = logits_RV.shape[1]
     local_RK = ids_RK - tp_rank * v_local
     held_RK = (local_RK >= 0) & (local_RK < v_local)
     values_RK = logits_RV.gather(1, local_RK.clamp(0, v_local - 1)).float() * held_RK
-    if tp_size == 1:
-        return values_RK
-    return _SumOverTensorParallel.apply(values_RK, tp_group)
+    return sum_identity_backward(values_RK, tp_group)
 
 
 def logprobs_at(logits_RV: torch.Tensor, ids_RK: torch.Tensor, targets_R: torch.Tensor, logprobs_R: torch.Tensor,
@@ -75,7 +55,7 @@ def topk_logprobs(logits_RV: torch.Tensor, targets_R: torch.Tensor, logprobs_R: 
                   tp_group: dist.ProcessGroup | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids_RK, logprobs_RK)``: each row's K most likely ids among the first ``vocab_size``
     (the rest is padding) and their log-probs (fp32), the same on every TP rank."""
-    tp_rank, tp_size = _rank_and_size(tp_group)
+    tp_rank, tp_size = group_rank_and_size(tp_group)
     v_local = logits_RV.shape[1]
     start = tp_rank * v_local
     valid = max(0, min(v_local, vocab_size - start))

@@ -231,6 +231,10 @@ class _Wandb:
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        # finish() returns once the service has the run's last record, not once its writer has
+        # flushed the offline file (wandb 0.29: seen 7 bytes, then whole, under load); the
+        # teardown waits for the service process to exit, so the file is whole when we return.
+        _import("wandb", "wandb").teardown()
 
 
 def mlflow_name(name: str) -> str:
