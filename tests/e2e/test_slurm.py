@@ -227,8 +227,8 @@ def _submit(env, *args):
     return done.stdout.strip().split(";")[0]
 
 
-def _wait(env, job, timeout=300.0):
-    """Final (JobState, ExitCode) of a job."""
+def _wait(env, job, timeout=600.0):
+    """Final (JobState, ExitCode) of a job (generous: a training job ran past 300 s under a load of ~100)."""
     deadline = time.monotonic() + timeout
     while True:
         line = subprocess.run([_bin("scontrol"), "show", "job", "-o", job], env=env, capture_output=True,
@@ -295,7 +295,7 @@ def test_sglang_sbatch_serves_rollouts_from_a_server_step(slurm, tmp_path):
            "MEGATRON_RL_SGLANG_PORT": "0", "MEGATRON_RL_SGLANG_ARGS": "--threads 1"}  # the wrapper binds one
     job = _submit(env, "--nodes=1", "-o", str(tmp_path / "job-%j.out"), "launch/slurm/train_sglang.sbatch",
                   str(CONFIG), *SMALL, f"train.run_dir={run_dir}")
-    state, exit_code = _wait(env, job, timeout=600)
+    state, exit_code = _wait(env, job, timeout=900)
     output = (tmp_path / f"job-{job}.out").read_text()
     assert (state, exit_code) == ("COMPLETED", "0:0"), output[-4000:]
     assert "(weight sync: tensor)" in output
