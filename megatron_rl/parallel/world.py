@@ -49,6 +49,7 @@ import psutil
 import torch
 
 from megatron_rl.parallel import comm
+from megatron_rl.parallel.host_memory import return_freed_memory
 from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
 from megatron_rl.parallel.world_end import adopt_orphans, end_forkserver_at_exit, end_groups, running
 
@@ -189,6 +190,8 @@ def joined_world() -> Iterator[torch.distributed.ProcessGroup]:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        return_freed_memory()
     torch.distributed.init_process_group(backend)
     try:
         yield torch.distributed.group.WORLD
@@ -270,6 +273,8 @@ def _rank_main(
     )
     # Each rank gets its share of the cores; oversubscription makes gloo worlds crawl.
     torch.set_num_threads(threads)
+    if backend == "gloo":  # a CPU rank: freed activations leave the resident set (host_memory.py)
+        return_freed_memory()
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)  # one GPU per rank, in rank order
