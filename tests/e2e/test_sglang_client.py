@@ -265,7 +265,12 @@ def test_server_killed_mid_batch_and_restarted(server):
     events = {}
 
     def crash_and_restart():
-        time.sleep(1.0)
+        # Killed once the whole batch is inside (each request held 2 s), not after a fixed sleep:
+        # under load the batch took longer than 1 s to arrive.
+        deadline = time.monotonic() + 120
+        while (request_json("GET", server.url + "/_test/stats")[1]["generate_requests"] - before["generate_requests"]
+               < len(prompts) and time.monotonic() < deadline):
+            time.sleep(0.05)
         events["at_kill"] = request_json("GET", server.url + "/_test/stats")[1]
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
@@ -324,7 +329,10 @@ def test_many_simultaneous_requests_keep_client_memory_bounded(tmp_path):
     cmd = [sys.executable, str(script), str(prompt_len), str(output_len), str(layers), str(topk)]
     with ManagedServer(cmd, "http://127.0.0.1:0", env=QUIET, listen="127.0.0.1") as fake:
         shape = RouteShape(num_layers=layers, topk=topk, num_experts=64)
-        cfg = SGLangClientConfig(urls=[fake.url], max_concurrency=concurrency, request_timeout_s=120.0)
+        # The fake has no /server_info: a reply slower than the hang check (15 s) under load was
+        # called hung; this test is about memory, so the check waits as long as a request may.
+        cfg = SGLangClientConfig(urls=[fake.url], max_concurrency=concurrency, request_timeout_s=120.0,
+                                 hang_check_after_s=120.0)
         prompts = [[5] * prompt_len for _ in range(count)]
         params = SamplingParams(max_new_tokens=output_len)
 

@@ -99,7 +99,11 @@ def test_server_restarted_mid_batch_gets_the_weights_again(server):
     in_flight = {}
 
     def crash_and_restart():
-        time.sleep(1.0)
+        # Killed once the whole batch is inside (each request held 2 s), not after a fixed sleep.
+        deadline = time.monotonic() + 120
+        while (request_json("GET", server.url + "/_test/stats")[1]["generate_requests"] - before < 10
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
         in_flight["requests"] = request_json("GET", server.url + "/_test/stats")[1]["generate_requests"] - before
         os.killpg(server.process.pid, signal.SIGKILL)
         server.process.wait()
