@@ -26,7 +26,9 @@ steps 1 .. N-1 (evaluation only runs at step 0, before the clock starts, and at 
 it stops). Held-out accuracy (``eval/accuracy``) is compared at step N, after the same number of
 samples in every configuration. Router drift per version lag (``drift/*/lag<d>``) is averaged
 over the steps of the deepest partial configuration that trained tokens of that lag. Load
-averages are recorded per run.
+averages are recorded per run, and the CPU seconds the server used over the timed steps (its
+compute, ``/proc/<pid>/stat``): with the modelled latency, what a synchronous step's generation
+is made of.
 Writes ``<out>/results.json``, ``<out>/results.md``, ``<out>/throughput.png`` and ``<out>/drift.png``.
 """
 
@@ -47,30 +49,42 @@ CONFIG = REPO / "configs" / "demo_cpu.yaml"
 DRIFT = ("flip_rate", "router_shift", "gamma", "train_rollout_abs_diff")
 
 
-def _free_port() -> int:
-    from megatron_rl.parallel.world import free_port
+def _start_server(args, log: Path) -> tuple[subprocess.Popen, str]:
+    """The stand-in on a port this process binds and hands it (nothing else can take it meanwhile); its url."""
+    from megatron_rl.rollout.sglang.control import probe_servers
+    from megatron_rl.rollout.sglang.sockets import LISTEN_FD_ENV, bound_socket
 
-    return free_port()
-
-
-def _start_server(port: int, args, log: Path) -> subprocess.Popen:
+    sock = bound_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "megatron_rl.sglang_standin.server", "--config", str(CONFIG), "--port", str(port),
            "--threads", "1", "--token-latency-s", str(args.token_latency_s), "--long-tail", str(args.long_tail)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    from megatron_rl.rollout.sglang.control import probe_servers
-
-    probe_servers([f"http://127.0.0.1:{port}"], timeout_s=10, wait_s=600, poll_s=0.5)
-    return proc
+    with sock:
+        proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+                                pass_fds=(sock.fileno(),),
+                                env={**os.environ, "PYTHONWARNINGS": "ignore", LISTEN_FD_ENV: str(sock.fileno())})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        probe_servers([url], timeout_s=10, wait_s=600, poll_s=0.5)
+    except BaseException:  # stopped (SIGTERM) or never up: the server goes too
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
+        raise
+    return proc, url
 
 
 def _parse_config(name: str) -> tuple[int, bool]:
     return int(name.rstrip("p")), name.endswith("p")
 
 
-def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _run(name: str, seed: int, server: int, url: str, args, out: Path) -> dict:
     k, partial = _parse_config(name)
     run_dir = out / "runs" / f"{name}_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -82,20 +96,27 @@ def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
     metrics = run_dir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     seen: dict[int, float] = {}
+    server_cpu: dict[int, float] = {}
     load_before, started = os.getloadavg(), time.monotonic()
     with (run_dir / "trainer.log").open("w") as log:
         trainer = subprocess.Popen([sys.executable, "-m", "megatron_rl.train.main", "--config", str(CONFIG),
                                     *overrides], stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        while trainer.poll() is None:
-            if metrics.exists():
-                for line in metrics.read_text().splitlines():
-                    try:
-                        step = json.loads(line)["step"]
-                    except (ValueError, KeyError):
-                        continue  # a line being written
-                    seen.setdefault(step, time.monotonic())
-            time.sleep(0.05)
+        try:
+            while trainer.poll() is None:
+                if metrics.exists():
+                    for line in metrics.read_text().splitlines():
+                        try:
+                            step = json.loads(line)["step"]
+                        except (ValueError, KeyError):
+                            continue  # a line being written
+                        if step not in seen:
+                            seen[step], server_cpu[step] = time.monotonic(), _cpu_s(server)
+                time.sleep(0.05)
+        finally:
+            if trainer.poll() is None:  # the bench was stopped: the trainer stops too (it ends every rank)
+                trainer.terminate()
+                trainer.wait()
     if trainer.returncode != 0:
         raise SystemExit(f"{name} seed {seed}: the trainer failed (exit {trainer.returncode}); see {run_dir}/trainer.log")
     rows = {r["step"]: r for r in map(json.loads, metrics.read_text().splitlines())}
@@ -109,12 +130,13 @@ def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
     return {
         "config": name, "max_staleness": k, "partial": partial, "seed": seed, "steps_timed": n - 1,
         "seconds": clock, "steps_per_hour": (n - 1) / clock * 3600, "total_wall_s": time.monotonic() - started,
+        "server_cpu_s_per_step": (server_cpu[n - 1] - server_cpu[0]) / (n - 1),
         "load_average": [load_before[0], os.getloadavg()[0]],
         "eval_start": {key: v for key, v in rows[0].items() if key.startswith("eval/")},
         "eval_end": {key: v for key, v in rows[n].items() if key.startswith("eval/")},
         "row_seconds": [seen[s] - seen[0] for s in range(1, n)],
-        "phase_means": {key: mean(key) for key in ("time/rollout", "time/rollout_join", "time/weight_sync",
-                                                    "time/old_logprobs", "time/update")},
+        "phase_means": {key: mean(key) for key in ("time/step", "time/rollout", "time/rollout_join", "time/weight_sync",
+                                                    "time/old_logprobs", "time/ref_logprobs", "time/update")},
         "rollout": {key: mean(key) for key in ("rollout/staleness_mean", "rollout/token_staleness_mean",
                                                 "rollout/mixed_version_frac", "rollout/response_length",
                                                 "sglang/continued", "mismatch/train_rollout_abs_diff",
@@ -125,20 +147,22 @@ def _run(name: str, seed: int, url: str, args, out: Path) -> dict:
 
 def drift_by_lag(rows: dict[int, dict], steps: range, k: int) -> dict:
     """``drift``: each ``drift/<m>/lag<d>`` averaged over the steps that trained tokens d
-    versions old (the trainer logs 0 for a lag without tokens; gamma, in (0, 1], is 0 only
-    there); ``drift_share``: the share of samples at each lag, averaged over all steps."""
+    versions old (the trainer logs a lag only where it had tokens; NaN where no step had);
+    ``drift_share``: the share of samples at each lag, averaged over all steps (none at k = 0:
+    the synchronous loop logs neither)."""
     drift = {}
+    if k == 0:
+        return {"drift": drift, "drift_share": {}}
     for d in range(k + 1):
-        present = [s for s in steps if rows[s].get(f"drift/gamma/lag{d}", 0.0) > 0] or [None]
         for m in DRIFT:
-            drift[f"{m}/lag{d}"] = statistics.fmean(rows[s][f"drift/{m}/lag{d}"] if s is not None else float("nan")
-                                                   for s in present)
+            logged = [rows[s][f"drift/{m}/lag{d}"] for s in steps if f"drift/{m}/lag{d}" in rows[s]]
+            drift[f"{m}/lag{d}"] = statistics.fmean(logged) if logged else float("nan")
     return {"drift": drift, "drift_share": {f"lag{d}": statistics.fmean(rows[s][f"rollout/staleness/lag{d}"]
                                                                          for s in steps) for d in range(k + 1)}}
 
 
 def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
-    by = {c: [r for r in results if r["config"] == c] for c in configs}
+    by = {c: runs for c in configs if (runs := [r for r in results if r["config"] == c])}
     base = statistics.median(r["steps_per_hour"] for r in by[configs[0]])
     out = {}
     for c, runs in by.items():
@@ -150,6 +174,7 @@ def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
                   "accuracy_start": statistics.fmean(r["eval_start"].get("eval/accuracy", float("nan")) for r in runs),
                   "phase_means": {k: statistics.fmean(r["phase_means"][k] for r in runs) for k in runs[0]["phase_means"]},
                   "rollout": {k: statistics.fmean(r["rollout"][k] for r in runs) for k in runs[0]["rollout"]},
+                  "server_cpu_s_per_step": statistics.fmean(r["server_cpu_s_per_step"] for r in runs),
                   "load_average": [min(r["load_average"][0] for r in runs), max(r["load_average"][1] for r in runs)]}
     return out
 
@@ -159,20 +184,24 @@ def _report(summary: dict[str, dict], results: list[dict], args) -> str:
     knobs = (f"--steps {args.steps} --runs {args.runs} --configs {args.configs} --token-latency-s {args.token_latency_s} --long-tail "
              f"{args.long_tail} --max-new-tokens {args.max_new_tokens} --server-nice {args.server_nice}")
     loads = [x for r in results for x in r["load_average"]]
-    lines = [f"Command: `python tools/bench_async.py {knobs}" + "".join(f" {o}" for o in args.overrides) + "`",
+    resumed = " (`--resume`: runs of earlier invocations of the same options kept)" if args.resume else ""
+    lines = [f"Command: `python tools/bench_async.py {knobs}" + "".join(f" {o}" for o in args.overrides) + "`" + resumed,
              f"Machine: {os.cpu_count()} CPU cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; 1-minute "
              f"load average {min(loads):.1f}-{max(loads):.1f} over the runs.", "",
              "| config | steps/hour, median (runs) | vs " + first + " | held-out accuracy at step N, mean (seeds) "
-             "| s/step: join / push / old log-probs / update | staleness mean (tokens) | mixed-version responses "
-             "| continued / step |", "|---|---|---|---|---|---|---|---|"]
+             "| s/step: step = rollout (join) + push + old/ref log-probs + update | server CPU s/step "
+             "| staleness mean (tokens) | mixed-version responses | continued / step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c, s in summary.items():
         p = s["phase_means"]
         ro = s["rollout"]
         lines.append(
             f"| {c} | {s['steps_per_hour_median']:.0f} ({', '.join(f'{v:.0f}' for v in s['steps_per_hour'])}) "
             f"| {s['speedup_vs_first']:.2f}x | {s['accuracy_mean']:.3f} ({', '.join(f'{v:.3f}' for v in s['accuracy_end'])}) "
-            f"| {p['time/rollout_join']:.2f} / {p['time/weight_sync']:.2f} / {p['time/old_logprobs']:.2f} / "
-            f"{p['time/update']:.2f} | {ro['rollout/staleness_mean']:.2f} ({ro['rollout/token_staleness_mean']:.2f}) "
+            f"| {p['time/step']:.1f} = {p['time/rollout']:.1f} ({p['time/rollout_join']:.1f}) + "
+            f"{p['time/weight_sync']:.1f} + {p['time/old_logprobs'] + p['time/ref_logprobs']:.1f} + "
+            f"{p['time/update']:.1f} | {s['server_cpu_s_per_step']:.1f} "
+            f"| {ro['rollout/staleness_mean']:.2f} ({ro['rollout/token_staleness_mean']:.2f}) "
             f"| {ro['rollout/mixed_version_frac']:.3f} | {ro['sglang/continued']:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -209,6 +238,16 @@ def _plot(results: list[dict], summary: dict[str, dict], out: Path) -> None:
     fig.savefig(out / "drift.png", dpi=110)
 
 
+def _earlier_runs(path: Path, knobs: dict) -> list[dict]:
+    """The runs a bench with the same options (``knobs``) saved in ``path`` (none if there is no such file)."""
+    if not path.exists():
+        return []
+    saved = json.loads(path.read_text())
+    if saved.get("knobs", knobs) != knobs:
+        raise SystemExit(f"--resume: {path} holds runs made with {saved['knobs']}, not {knobs}")
+    return saved["results"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=16, help="RL steps per run (>= 4)")
@@ -219,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the length cap (rollout.max_new_tokens)")
     parser.add_argument("--server-nice", type=int, default=19, help="the server's niceness")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_async"))
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the runs already in <out>/results.json (same options) and make only the missing ones")
+    parser.add_argument("--report", action="store_true", help="with --resume: make no run, report the saved ones")
     parser.add_argument("overrides", nargs="*", help="extra config overrides for every run")
     args = parser.parse_args(argv)
     if args.steps < 4:
@@ -226,22 +268,29 @@ def main(argv: list[str] | None = None) -> int:
     configs = args.configs.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    port = _free_port()
-    server = _start_server(port, args, out / "server.log")
-    results = []
-    try:
-        for run in range(args.runs):
-            for name in configs:
-                results.append(_run(name, 1 + run, f"http://127.0.0.1:{port}", args, out))
-                print(f"{name} seed {1 + run}: {results[-1]['steps_per_hour']:.0f} steps/hour, accuracy "
+    if args.report and not args.resume:
+        parser.error("--report: only with --resume")
+    knobs = {key: value for key, value in vars(args).items()
+             if key not in ("runs", "configs", "out", "resume", "report")}
+    results = _earlier_runs(out / "results.json", knobs) if args.resume else []
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the finally clauses run
+    todo = [(name, 1 + run) for run in range(args.runs) for name in configs
+            if not args.report and not any(r["config"] == name and r["seed"] == 1 + run for r in results)]
+    if todo:
+        server, url = _start_server(args, out / "server.log")
+        try:
+            for name, seed in todo:
+                results.append(_run(name, seed, server.pid, url, args, out))
+                print(f"{name} seed {seed}: {results[-1]['steps_per_hour']:.0f} steps/hour, accuracy "
                       f"{results[-1]['eval_end'].get('eval/accuracy', float('nan')):.3f}, load "
                       f"{results[-1]['load_average']}", flush=True)
-                (out / "results.json").write_text(json.dumps({"results": results}, indent=1))
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait()
+                (out / "results.json").write_text(json.dumps({"knobs": knobs, "results": results}, indent=1))
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait()
     summary = _summary(results, configs)
-    (out / "results.json").write_text(json.dumps({"summary": summary, "results": results}, indent=1))
+    (out / "results.json").write_text(json.dumps({"knobs": knobs, "summary": summary, "results": results}, indent=1))
+    results = [r for r in results if r["config"] in configs]
     report = _report(summary, results, args)
     (out / "results.md").write_text(report)
     _plot(results, summary, out)

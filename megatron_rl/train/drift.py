@@ -21,6 +21,8 @@ Per lag d = 0 .. k (:class:`LagMeans`, over the tokens the loss sees, every data
   and the behaviour experts of ``|log r_cur - log r_prox|`` and its weight, over the updates;
 * ``drift/train_rollout_abs_diff/lag<d>``: ``|log pi_prox - log pi_behaviour|`` per token.
 
+A lag no token of the step has is not logged (its mean is undefined, not 0).
+
 Owns the record and the reductions; not the passes (``parallel.logprobs``, ``parallel.train_step``).
 """
 
@@ -79,7 +81,9 @@ class LagMeans:
         self.counts[name] = self.counts.get(name, 0) + counts
 
     def reduce(self, groups: ParallelGroups) -> dict[str, torch.Tensor]:
-        """Collective over the data-parallel group: ``drift/<name>/lag<d>`` (0 where no token has lag d)."""
+        """Collective over the data-parallel group: ``drift/<name>/lag<d>`` for each lag d that
+        some token of ``name`` has on some rank; a lag without tokens logs nothing (a 0 there
+        would read as a measured mean)."""
         names = sorted(self.sums)
         if not names:
             return {}
@@ -89,6 +93,7 @@ class LagMeans:
         out = {}
         width = self.max_lag + 1
         for row, name in zip(stacked, names):
-            means = row[:width] / row[width:].clamp_min(1.0)
-            out.update({f"drift/{name}/lag{d}": means[d].float() for d in range(width)})
+            counts = row[width:]
+            means = row[:width] / counts.clamp_min(1.0)
+            out.update({f"drift/{name}/lag{d}": means[d].float() for d in range(width) if counts[d] > 0})
         return out

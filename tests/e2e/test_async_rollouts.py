@@ -263,7 +263,7 @@ def test_staleness_two_partial_rollouts_per_token_versions_and_exactly_once_acro
     print(f"world D: {time.monotonic() - started:.1f}s")
     # Each killed run logged the steps before its kill; the final history has every step once.
     assert [sorted(rows[w]) for w in "ABCD"] == [[0, 1], [0, 1, 2], [0, 1, 2, 3], list(range(STEPS + 1))]
-    mixed = 0
+    mixed, next_diffs = 0, []
     for rank in final:
         checks = rank["checks"]
         assert sorted(checks) == ["A1", "A2", "B2", "B3", "C3", "C4", "D4", "D5"]
@@ -277,7 +277,7 @@ def test_staleness_two_partial_rollouts_per_token_versions_and_exactly_once_acro
                 assert v - K <= min(versions) and max(versions) <= v, (name, versions)
                 assert versions == sorted(versions), (name, versions)  # versions only grow along a response
                 mixed += len(set(versions)) > 1
-        assert any(c["behaviour_diff_next"] is not None and c["behaviour_diff_next"] > 1e-3 for c in checks.values())
+        next_diffs += [c["behaviour_diff_next"] for c in checks.values() if c["behaviour_diff_next"] is not None]
         # The lineage that survived trains each prompt of the training order once.
         trained = [i for name in ("A1", "B2", "C3", "D4", "D5") for i in checks[name]["ids"]]
         assert len(trained) == len(set(trained)) and sorted(trained) == sorted(rank["order"])
@@ -289,10 +289,16 @@ def test_staleness_two_partial_rollouts_per_token_versions_and_exactly_once_acro
         for first, again in (("A2", "B2"), ("B3", "C3")):
             assert checks[first]["update"] == checks[again]["update"], (first, again)
     assert mixed > 0, "no push landed inside a response"
+    # The next version computes other log-probs for some token (of either rank: which rank's responses a
+    # push cuts is timing; one rank's alone had none once, at load 40).
+    assert any(d > 1e-3 for d in next_diffs), next_diffs
     history = rows["D"]
     staleness = [history[s]["rollout/staleness_max"] for s in range(1, STEPS + 1)]
     print(f"staleness_max per step {staleness}; responses continued after a pause "
           f"{[history[s]['sglang/continued'] for s in range(1, STEPS + 1)]}; mixed-version responses {mixed}")
     assert max(staleness) == K
+    # The drift is logged for the version lags step 5's tokens have, and only those (no 0 for a lag without tokens).
+    last = [rank["checks"][f"D{STEPS}"] for rank in final]
+    lags = {c["trainer_version"] - v for c in last for versions in c["versions"] for v in versions}
     assert {f"drift/{m}/lag{d}" for m in ("flip_rate", "router_shift", "gamma", "train_rollout_abs_diff")
-            for d in range(K + 1)} <= set(history[STEPS])
+            for d in lags} == {k for k in history[STEPS] if k.startswith("drift/")}

@@ -249,13 +249,44 @@ ASYNCHRONOUS_METRICS = ("rollout/staleness_mean", "rollout/staleness_max", "roll
                         "time/rollout_join")
 """What the asynchronous path (``rollout.max_staleness`` 1) logs every step, and the synchronous loop never."""
 
+ASYNCHRONOUS_MACHINERY = ("megatron_rl.train.async_rollouts:AsyncRollouts.__init__",
+                          "megatron_rl.train.rollouts:RolloutSource.start_generate",
+                          "megatron_rl.train.rollouts:Background.start",
+                          "megatron_rl.rollout.local.hf_engine:HFEngine.start_generate",
+                          "megatron_rl.rollout.sglang.engine:SGLangEngine.start_generate")
+"""The asynchronous path's buffer (``AsyncRollouts``) and every producer that starts a background
+generation thread (the trainer's rollout source, the multi-turn one, the hf and SGLang engines')."""
 
-def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(ep2_run, tmp_path):
-    """``rollout.max_staleness: 0`` (the default) is the synchronous loop: nothing is
-    generated ahead (none of the asynchronous path's metrics), every step pushes its own
-    weights, and a run that sets the key explicitly is the default run bit for bit: steps
-    0-2's metrics and the exported step-2 weights. Both runs are made here, on this machine:
-    floats recorded on another CPU differ in the last bits (other SIMD kernels)."""
+
+def _synchronous_rank(cfg_dict: dict) -> list[dict]:
+    """A rank of ``megatron-rl-train`` in which building the buffer of batches generated ahead,
+    or starting any background generation, fails the run."""
+    import importlib
+
+    from megatron_rl.train.main import run_rank
+
+    for target in ASYNCHRONOUS_MACHINERY:
+        module, name = target.split(":")
+        owner, attribute = name.split(".")
+
+        def refuse(*args, _target=target, **kwargs):
+            raise AssertionError(f"{_target} ran with rollout.max_staleness=0")
+
+        setattr(getattr(importlib.import_module(module), owner), attribute, refuse)
+    return run_rank(cfg_dict)
+
+
+def test_staleness_zero_is_the_synchronous_loop_bit_for_bit(ep2_run, tmp_path, monkeypatch):
+    """``rollout.max_staleness: 0`` (the default) is the synchronous loop: a run that sets the
+    key explicitly builds none of the asynchronous machinery (no buffer of batches ahead, no
+    background generation thread: each fails the run if called, ``_synchronous_rank``), logs
+    none of its metrics, pushes every step's own weights, and is the default run bit for bit:
+    steps 0-2's metrics and the exported step-2 weights. Both runs are made here, on this
+    machine: floats recorded on another CPU differ in the last bits (other SIMD kernels)."""
+    import megatron_rl.train.main as train_main
+
+    world = train_main.run_world
+    monkeypatch.setattr(train_main, "run_world", lambda fn, *args, **kw: world(_synchronous_rank, *args, **kw))
     run_dir, rows = ep2_run
     explicit_dir = tmp_path / "staleness0"
     explicit = _run(explicit_dir, "rollout.max_staleness=0", "train.steps=2")
