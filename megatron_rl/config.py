@@ -236,12 +236,12 @@ def check_micro_batch_tokens(cfg: RunConfig) -> None:
     require(budget % multiple == 0, "train.micro_batch_tokens", f"{budget}{per_rank} is not a multiple of {rule}")
 
 
-def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
-    """Validate a whole run config; returns it for chaining."""
+def validate(cfg: RunConfig, world_size: int | None = None, *, this_machine: bool = True) -> RunConfig:
+    """Validate a whole run config; returns it for chaining (``this_machine``: :func:`load_config`)."""
     validate_model(cfg.model)
     validate_layout(cfg.model, cfg.parallel, world_size)
     validate_optim(cfg.optim)
-    check_fp8(cfg.fp8)
+    check_fp8(cfg.fp8, this_machine=this_machine)
     validate_run(cfg, world_size)
     world = cfg.parallel.world_size or world_size
     if world is not None:
@@ -334,7 +334,7 @@ def read_preset(path: str | Path) -> dict[str, Any]:
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), world_size: int | None = None,
-                *, check_pushes: bool = True) -> RunConfig:
+                *, check_pushes: bool = True, this_machine: bool = True) -> RunConfig:
     """The one way a run's config is read (train, launch, smoke, plan, the stand-in, tests): a
     YAML preset, dotted overrides on top, the ``model`` section from ``init_checkpoint`` when one
     is named (:func:`megatron_rl.checkpoint.init_source.checkpoint_model_section`: headers and
@@ -347,6 +347,11 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), w
         check_pushes: apply :func:`check_served_architecture`, the trainer's rule on what it
             pushes into SGLang servers. The stand-in, a server that serves its starting
             checkpoint's own architecture, reads the run's config without it.
+        this_machine: False reads a config meant for another machine (``megatron-rl-plan``):
+            every rule holds except those on this machine's files and packages. A starting
+            checkpoint or teacher that is not here leaves the preset's ``model`` section (one
+            that is here is read and checked as usual), and FP8 is not checked against this
+            machine's Transformer Engine or GPU.
 
     Raises:
         ConfigError: naming the key (for a contradiction with the checkpoint, both values).
@@ -356,13 +361,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), w
     from megatron_rl.checkpoint.init_source import checkpoint_model_section, teacher_model_sections
 
     data = merge(read_preset(path) if path is not None else {}, parse_overrides(overrides))
-    if data.get("init_checkpoint") is not None:
-        data["model"] = checkpoint_model_section(data["init_checkpoint"], data.get("model"))
-    teacher_model_sections(data)
-    cfg = validate(from_dict(RunConfig, data), world_size)
+    init = data.get("init_checkpoint")
+    if init is not None and (this_machine or not _planned_elsewhere(init, data.get("model"))):
+        data["model"] = checkpoint_model_section(init, data.get("model"))
+    teacher_model_sections(data, absent_ok=not this_machine)
+    cfg = validate(from_dict(RunConfig, data), world_size, this_machine=this_machine)
     if check_pushes:
         check_served_architecture(cfg)
     return cfg
+
+
+def _planned_elsewhere(path: Any, model: Any) -> bool:
+    """A checkpoint that lives on another machine (not here) under a config whose own ``model``
+    section describes it: a plan for that machine reads the section instead."""
+    return isinstance(path, str) and not Path(path).exists() and isinstance(model, dict) and bool(model)
 
 
 def check_served_architecture(cfg: RunConfig) -> None:

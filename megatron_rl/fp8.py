@@ -209,8 +209,14 @@ def detect_fp8_environment(device: int | None = None) -> Fp8Environment:
     )
 
 
-def check_fp8(cfg: FP8Config, env: Fp8Environment | None = None) -> None:
-    """:func:`validate_fp8` against this machine; probes it only when FP8 is enabled."""
+def check_fp8(cfg: FP8Config, env: Fp8Environment | None = None, *, this_machine: bool = True) -> None:
+    """:func:`validate_fp8` against this machine; probes it only when FP8 is enabled.
+
+    ``this_machine=False`` (a config planned for another machine: ``megatron-rl-plan``) checks
+    only the section's own rules, none of this machine's TE, CUDA or GPU."""
+    if not this_machine:
+        _check_fields(cfg)
+        return
     if env is None and cfg.enabled:
         env = detect_fp8_environment()
     validate_fp8(cfg, env or Fp8Environment(te_version=None, cuda_available=False, compute_capability=None))

@@ -23,11 +23,14 @@ Each job is a tuple; each answer ``("ok", value)`` or ``("error", "Type: message
 * ``("contract", body)``: the ``/generate`` JSON contract gate (``srt/entrypoints/api_contract.py``):
   None or its error text.
 * ``("allowed_globals",)``: ``SafeUnpickler.ALLOWED_GLOBALS``.
+* ``("triton_names",)``: the names SGLang's imported modules set on and read from the ``triton``
+  placeholder (ask it last: it reports what every earlier job touched).
 
 Only SGLang's pure modules are imported, from the package installed by ``pip install --no-deps
 -r tests/requirements-sglang.txt``: its ``__init__`` (transformers patches, the frontend) is
 skipped by registering a bare package; ``triton``, imported at the top of ``srt/utils/common.py``
-but only used inside functions (``:91``), is a placeholder unless installed; ``io_struct``'s one
+but only used inside functions (``:91``), is an empty placeholder unless installed, refusing every
+name read from it (``("triton_names",)``: what the imported modules set and read); ``io_struct``'s one
 heavy import, ``schedule_batch`` (which reaches the GPU runtime), is replaced by the five names
 ``io_struct.py:58-64`` takes from it, the two used in request fields copied exactly
 (``schedule_batch.py:179-180``). Its own process, because SGLang's torch patches and these
@@ -54,21 +57,28 @@ def bootstrap() -> None:
     package.__spec__ = spec
     sys.modules["sglang"] = package
     if importlib.util.find_spec("triton") is None:
-        class Placeholder(types.ModuleType):
-            def __getattr__(self, name):
-                if name.startswith("__"):
-                    raise AttributeError(name)
-                value = Placeholder(f"{self.__name__}.{name}")
-                setattr(self, name, value)
-                return value
-
-            def __call__(self, *args, **kwargs):  # @triton.jit, @triton.autotune(...)
-                return args[0] if len(args) == 1 and callable(args[0]) and not kwargs else self
-
-        triton = Placeholder("triton")
+        # An empty module: the modules we import only set ``triton.next_power_of_2``
+        # (``srt/utils/common.py:3701``); any name they read is refused and recorded (``triton_names``).
+        triton = types.ModuleType("triton")
         triton.__spec__ = importlib.machinery.ModuleSpec("triton", None)
-        triton.__path__ = []
+
+        def refuse(name):
+            if not name.startswith("__"):
+                TRITON_READS.append(name)
+            raise AttributeError(f"the triton placeholder has no {name!r}")
+
+        triton.__getattr__ = refuse
         sys.modules["triton"] = triton
+
+
+TRITON_READS: list[str] = []
+"""Names SGLang's modules read from the triton placeholder and did not find (should stay empty)."""
+
+
+def triton_names():
+    """What SGLang's imported modules did with the placeholder: the names they set, the names they read."""
+    triton = sys.modules["triton"]
+    return {"set": sorted(n for n in vars(triton) if not n.startswith("__")), "read": sorted(set(TRITON_READS))}
 
 
 def io_struct():
@@ -191,7 +201,7 @@ def main() -> int:
     handlers = {"decode": decode, "decode_cuda_handle": decode_cuda_handle,
                 "decode_flattened": decode_flattened, "receive_layout": receive_layout,
                 "validate": validate, "contract": contract, "allowed_globals": allowed_globals,
-                "sampling_params": sampling_params}
+                "sampling_params": sampling_params, "triton_names": triton_names}
     answers = []
     for kind, *args in jobs:
         try:

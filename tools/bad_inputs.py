@@ -6,7 +6,9 @@ from the shipped tiny checkpoint (``megatron_rl/assets/tiny_qwen3_moe``), the ar
 prompt files and ``configs/demo_cpu.yaml``. The convention each should meet: exit code 2,
 within 10 s, one line on stderr ``<tool>: error: <message>`` that names the culprit (the
 case's ``expect`` text). The table gives, per case, the exit code, the seconds to fail,
-the stderr line count (argparse's usage lines not counted) and the first line of the message
+the CPU seconds its processes used (user + system: what it costs whatever the machine's load;
+on a quiet machine the seconds to fail come close to it), the stderr line count (argparse's
+usage lines not counted) and the first line of the message
 (the ``error:`` line when there is one); the verdict column says which part of the convention a case misses. A case that
 runs past ``--timeout`` is killed with its process group.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -302,6 +305,8 @@ def cases(root: Path, p: dict[str, Path]) -> list[Case]:
                                                         "data.metadata_keys=[source]", f"data.train_files=[{root}/sourced.jsonl]",
                                                         f"data.eval_files=[{root}/sourced.jsonl]", _teacher(ASSET, "[math]")],
              "has source 'chat', which no teacher takes"),
+        Case("train: distill with a sampling temperature", [*distill, "rollout.temperature=0.7"],
+             "train.policy_temperature: distillation compares the untempered distributions"),
         Case("launch: missing YAML file", ["megatron-rl-launch", "--config", f"{root}/none.yaml"], "none.yaml"),
         Case("launch: bad YAML file", ["megatron-rl-launch", "--config", f"{root}/bad.yaml"], "bad.yaml"),
         Case("launch: nproc does not match world", [*launch, "--nproc-per-node", "3"], "parallel.world_size"),
@@ -353,7 +358,7 @@ def run_case(case: Case, run_dir: Path, timeout_s: float) -> dict:
     env.pop("MEGATRON_RL_TRACEBACK", None)
     if case.import_from is not None:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (case.import_from, env.get("PYTHONPATH")) if p)
-    start = time.monotonic()
+    start, used = time.monotonic(), _children_cpu_s()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env=env, cwd=REPO)
     try:
@@ -363,12 +368,18 @@ def run_case(case: Case, run_dir: Path, timeout_s: float) -> dict:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
         code = "timeout"
-    seconds = time.monotonic() - start
+    seconds, cpu_s = time.monotonic() - start, _children_cpu_s() - used
     # argparse's usage lines ("usage: ..." and its indented continuation) come before its one error line.
     lines = [line for line in stderr.splitlines() if line.strip() and not line.startswith(("usage:", " "))]
     errors = [line for line in lines if "error:" in line]
     first = (errors or lines or [line for line in stdout.splitlines() if line.strip()] or [""])[0]
-    return {"code": code, "seconds": seconds, "lines": len(lines), "first": first.strip()}
+    return {"code": code, "seconds": seconds, "cpu_s": cpu_s, "lines": len(lines), "first": first.strip()}
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of this process's ended children: a case's cost whatever the load."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def verdict(case: Case, result: dict) -> str:
@@ -397,8 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bad-inputs-"))
     try:
         paths = build_inputs(root)
-        rows = ["| case | exit | seconds | stderr lines | verdict | first line of the message |",
-                "|---|---|---|---|---|---|"]
+        rows = ["| case | exit | seconds | CPU s | stderr lines | verdict | first line of the message |",
+                "|---|---|---|---|---|---|---|"]
         failed = 0
         selected = [c for c in cases(root, paths) if args.only in c.name]
         for i, case in enumerate(selected):
@@ -406,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
             judged = verdict(case, result)
             failed += judged != "ok"
             first = result["first"].replace(str(root), "$TMP").replace("|", "\\|")
-            rows.append(f"| {case.name} | {result['code']} | {result['seconds']:.1f} | {result['lines']} | "
+            rows.append(f"| {case.name} | {result['code']} | {result['seconds']:.1f} | {result['cpu_s']:.1f} | "
+                        f"{result['lines']} | "
                         f"{judged} | {first[:220]} |")
             print(rows[-1] if i else "\n".join(rows), flush=True)
         summary = f"\n{len(selected) - failed} of {len(selected)} cases meet the convention"

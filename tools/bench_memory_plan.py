@@ -17,6 +17,10 @@ starts before the model is built, so it is absolute (:func:`peak_held` says how 
 profiler misses are handled). Not counted: memory that no tensor holds (the interpreter,
 Megatron's modules, gloo's own buffers).
 
+Resident: the peak resident set (``VmHWM``, restarted at the second step) above the process's
+resident size before the model was built: what the machine must hold, which the allocator's
+bytes understate by whatever the C allocator keeps of freed memory.
+
 Predicted: the ``train`` phase of ``megatron_rl.plan.make_plan`` on a CPU machine (no runtime
 reserve), worst pipeline stage. The table goes to docs/memory.md.
 """
@@ -63,6 +67,7 @@ class Case:
 
 CASES = (
     Case("tp1-1k", 1, ("train.micro_batch_tokens=1024",)),
+    Case("tp1-1k-bf16", 1, ("train.micro_batch_tokens=1024", "model.params_dtype=bfloat16")),
     Case("tp1-4k", 1, ("train.micro_batch_tokens=4096",)),
     Case("tp1-4k-full", 1, ("train.micro_batch_tokens=4096", "train.recompute=full")),
     Case("tp2", 2, ("parallel.tensor_model_parallel_size=2", "train.micro_batch_tokens=2048")),
@@ -166,6 +171,7 @@ def measure_rank(cfg: RunConfig, seed: int) -> dict:
             old_logprobs_T=torch.full((samples * response,), -6.0),
             advantages_T=torch.randn(samples * response, generator=gen),
         )
+        before = resident_bytes("VmRSS")
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
         prof.start()
         model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
@@ -174,14 +180,30 @@ def measure_rank(cfg: RunConfig, seed: int) -> dict:
         optimizer = build_optimizer(ddp, cfg.optim)
         start = time.perf_counter()
         for step in range(2):
+            if step == 1:
+                reset_resident_peak()
             with torch.profiler.record_function(f"STEP{step}"):
                 forward_backward(ddp, groups, batch, get_preset("dr_grpo"), RoutingPlan(mode="none", diagnostics=False),
                                  micro_batch_tokens=cfg.train.micro_batch_tokens)
                 optimizer_step(optimizer)
         seconds = time.perf_counter() - start
+        resident = resident_bytes("VmHWM") - before
         prof.stop()
     events, spans = _allocations(prof)
-    return {"peak": peak_held(events, *spans["STEP1"]), "step_s": seconds / 2}
+    return {"peak": peak_held(events, *spans["STEP1"]), "resident": resident, "step_s": seconds / 2}
+
+
+def resident_bytes(field: str) -> int:
+    """``VmRSS`` (resident now) or ``VmHWM`` (its peak) of this process, from /proc (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_resident_peak() -> None:
+    """Start ``VmHWM`` again from the resident size now (``clear_refs`` 5, Linux >= 4.0)."""
+    Path("/proc/self/clear_refs").write_text("5")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,19 +211,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="case names to run")
     args = parser.parse_args(argv)
     cases = [c for c in CASES if not args.only or c.name in args.only]
-    print("| case | layout | tokens | recompute | predicted MiB | measured MiB | error |")
-    print("|---|---|---|---|---|---|---|")
+    print("| case | layout | tokens | recompute | predicted MiB | measured MiB | error | resident MiB | error |")
+    print("|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for case in cases:
         cfg = case_config(case)
         predicted = predicted_peak(cfg, case.world)
         results = run_world(measure_rank, case.world, cfg, 1234, timeout_s=1800)
         measured = max(r["peak"] for r in results)
+        resident = max(r["resident"] for r in results)
         error = (predicted - measured) / measured
         worst = max(worst, abs(error))
         layout = make_plan(cfg, Machine(gpus=case.world, gpu_memory=GIB, cpu=True)).layout.describe().split(" on ")[0]
         print(f"| {case.name} | {layout} | {cfg.train.micro_batch_tokens} | {cfg.train.recompute} | "
-              f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} | {100 * error:+.1f}% |", flush=True)
+              f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} | {100 * error:+.1f}% | {resident / 2**20:.1f} | "
+              f"{100 * (predicted - resident) / resident:+.1f}% |", flush=True)
     print(f"\nworst error {100 * worst:.1f}% over {len(cases)} cases")
     return 0
 

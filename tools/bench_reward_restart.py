@@ -3,7 +3,7 @@ in a process that looks like a trainer rank.
 
 A trainer rank's main module is the entry point, which imports torch and Megatron; spawned
 and forkserver workers re-run their parent's main module unless the pool prevents it
-(``megatron_rl/rewards/pool.py``, ``_parent_main_hidden``). This script is such a main
+(``megatron_rl/parallel/main_module.py``, ``parent_main_hidden``). This script is such a main
 module: it imports the entry point at the top, then times a pool's start and ``--repeats``
 replacements (the path a worker that died or hung takes), each until every worker has
 imported the reward and reported ready.

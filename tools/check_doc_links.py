@@ -3,8 +3,9 @@
     python tools/check_doc_links.py
 
 Every link that is not a URL must name an existing file, and its ``#anchor`` (if any) a
-heading of that file, slugged as GitHub slugs headings. Prints each broken link and exits 1
-if there is one. Links inside fenced code blocks are ignored.
+heading of that file, slugged as GitHub slugs headings. Links inside fenced code blocks are
+ignored. Every path under ``tests/`` a page cites (a test, a fixture; in code too) must exist
+in the checkout. Prints each broken link or citation and exits 1 if there is one.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"!?\[(?:[^\]`]|`[^`]*`)*\]\(([^)\s]+)\)")
 FENCED = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+CITED = re.compile(r"(?<![\w/.])tests/[\w./-]*[\w/]")
+"""A path under the repository's tests/ (a fixture, a test file), wherever a page names it."""
 
 
 def heading_slugs(md: Path) -> set[str]:
@@ -43,6 +46,9 @@ def broken_links(md: Path) -> list[str]:
             broken.append(f"{md.relative_to(ROOT)}: no file {target}")
         elif anchor and dest.suffix == ".md" and anchor not in heading_slugs(dest):
             broken.append(f"{md.relative_to(ROOT)}: no heading for {target}")
+    for cited in dict.fromkeys(CITED.findall(md.read_text())):
+        if not (ROOT / cited).exists():
+            broken.append(f"{md.relative_to(ROOT)}: cites {cited}, which does not exist")
     return broken
 
 

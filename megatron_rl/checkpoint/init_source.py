@@ -108,10 +108,11 @@ def model_section(source: InitSource, requested: dict[str, Any] | None, prefix: 
     return section
 
 
-def teacher_model_sections(data: dict[str, Any]) -> None:
+def teacher_model_sections(data: dict[str, Any], *, absent_ok: bool = False) -> None:
     """Each distillation teacher's ``model`` section, read from its checkpoint (``distill.teachers[i].path``),
     set in ``data`` (the config as read from the YAML and the overrides), as :func:`checkpoint_model_section`
-    does for the policy."""
+    does for the policy. ``absent_ok`` (a plan for another machine): a teacher whose checkpoint is not
+    here keeps the ``model`` section the config gives it."""
     teachers = (data.get("distill") or {}).get("teachers") if isinstance(data.get("distill"), dict) else None
     for i, teacher in enumerate(teachers if isinstance(teachers, list) else []):
         path = teacher.get("path") if isinstance(teacher, dict) else None
@@ -121,6 +122,8 @@ def teacher_model_sections(data: dict[str, Any]) -> None:
         requested = teacher.get("model")
         if requested is not None and not isinstance(requested, dict):
             raise ConfigError(f"{key}.model: expected a mapping")
+        if absent_ok and requested and not Path(path).exists():
+            continue
         teacher["model"] = model_section(inspect_init_checkpoint(path, key=f"{key}.path"), requested,
                                          prefix=f"{key}.model")
 

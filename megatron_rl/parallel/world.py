@@ -49,6 +49,7 @@ import psutil
 import torch
 
 from megatron_rl.parallel import comm
+from megatron_rl.parallel.main_module import parent_main_hidden
 from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
 from megatron_rl.parallel.world_end import adopt_orphans, end_forkserver_at_exit, end_groups, running
 
@@ -294,7 +295,8 @@ def _rank_context() -> Any:
     and kept for the next) that imported torch and Megatron-Core's heavy modules
     (``mcore_compat.RANK_IMPORTS``) once, so a rank starts in a tenth of a second instead of
     importing them (seconds per rank, every world). Like spawn, a rank inherits no
-    threads, locks or CUDA state of the caller, and re-imports its ``__main__``. Where the
+    threads, locks or CUDA state of the caller; unlike spawn, it does not re-run the
+    caller's ``__main__`` unless its function lives there (:func:`run_world`). Where the
     caller started the forkserver already (a reward pool, with its own preload) the ranks
     import what the preload lacks themselves. Spawn where there is no forkserver."""
     if "forkserver" not in mp.get_all_start_methods():
@@ -355,8 +357,11 @@ def run_world(
     wait_s = 0.0
     adopt_orphans(True)
     try:
-        for proc in procs:
-            proc.start()
+        # A rank re-runs the caller's main module only when ``fn`` lives there: otherwise it
+        # would import the entry point again (or pytest), and so would every process it spawns.
+        with parent_main_hidden() if getattr(fn, "__module__", None) != "__main__" else contextlib.nullcontext():
+            for proc in procs:
+                proc.start()
         late = f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in {timeout_s:.0f}s"
         outcomes = _collect_outcomes(procs, results, time.monotonic() + timeout_s, late)
         wait_s = 10.0

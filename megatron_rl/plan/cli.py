@@ -10,8 +10,10 @@ that fit, best first (``megatron_rl.plan.search``). Exit status: 0 fits, 1 does 
 2 a bad config or argument.
 
 The config is read as ``megatron-rl-train`` reads it (``init_checkpoint``'s config.json
-supplies the model). An entry point: the planner itself (:mod:`megatron_rl.plan`) is
-arithmetic below the config layer.
+supplies the model), except for the checks of this machine's files and packages: the plan is
+for the target machine, so a checkpoint that is not here leaves the preset's ``model``
+section, and FP8 plans without Transformer Engine installed here. An entry point: the
+planner itself (:mod:`megatron_rl.plan`) is arithmetic below the config layer.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from megatron_rl.plan.search import format_search, search
 
 
 def load_plan_config(path: str | None, overrides: Sequence[str]) -> RunConfig:
-    """The run config as the trainer reads it."""
-    return load_config(path, list(overrides))
+    """The run config as the trainer reads it, for the target machine (not this one's files and packages)."""
+    return load_config(path, list(overrides), this_machine=False)
 
 
 def _parser() -> argparse.ArgumentParser:

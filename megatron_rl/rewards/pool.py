@@ -30,27 +30,27 @@ longer than ``timeout_s`` is still scored as an error afterwards, so both modes 
 Workers are started with "forkserver" (else "spawn"), never "fork": the scorer lives in
 torch.distributed rank processes whose gloo threads a fork would copy mid-flight. Workers
 resolve ``reward.function`` by its string, with the parent's ``sys.path``, and import
-nothing else of the parent's: not its main module (:func:`_parent_main_hidden`), which in
-a trainer rank is the entry point with torch and Megatron behind it, seconds per worker
-and per replacement pool. The forkserver preloads this module and the reward's, so a
+nothing else of the parent's: not its main module
+(:func:`~megatron_rl.parallel.main_module.parent_main_hidden`), which in a trainer rank is
+the entry point with torch and Megatron behind it, seconds per worker and per replacement
+pool. The forkserver preloads this module and the reward's, so a
 worker is a fork that has them already.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
 import sys
 import threading
 import time
-import types
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from megatron_rl.parallel.main_module import parent_main_hidden
 from megatron_rl.rewards.core import (
     RewardConfig,
     RewardError,
@@ -109,26 +109,6 @@ def _prepare_in_worker(ground_truth: str) -> Any:
 
 def _start_method() -> str:
     return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-
-
-@contextlib.contextmanager
-def _parent_main_hidden() -> Iterator[None]:
-    """Processes started within do not re-run this process's ``__main__``.
-
-    A spawned or forkserver child first re-runs its parent's main module (a script, or a
-    ``-m`` module) unless that has neither a file nor a module name. The forkserver's own
-    preload of ``__main__``, which would pay that once, never runs on Python 3.11:
-    ``forkserver.ensure_running`` asks the preparation data for ``main_path``, which it
-    stores as ``init_main_from_path`` (``multiprocessing/forkserver.py``, ``spawn.py``).
-    Nothing a worker runs lives in ``__main__``: its functions are this module's and the
-    reward is resolved by its import path. The swap lasts while the pool starts its workers.
-    """
-    parent_main = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        sys.modules["__main__"] = parent_main
 
 
 class RewardScorer:
@@ -235,7 +215,7 @@ class RewardScorer:
         # The executor starts a worker per submit while none is idle, so these tasks start
         # all of them (and no later submit starts one); each blocks on the barrier until
         # every worker holds one.
-        with _parent_main_hidden():
+        with parent_main_hidden():
             futures = [self._executor.submit(_report_ready, STARTUP_TIMEOUT_S) for _ in range(workers)]
         try:
             self._pids = {future.result(timeout=STARTUP_TIMEOUT_S + 5) for future in futures}

@@ -23,14 +23,17 @@ from typing import Any, Sequence
 
 from megatron_rl.algos.config import ObjectiveConfig
 from megatron_rl.algos.section import FROM_PRESET, ObjectiveSection
-from megatron_rl.config import RunConfig, load_config, map_paths, preset_chain, resolve_objective
+from megatron_rl.checkpoint.init_source import RUN_CHOICES
+from megatron_rl.config import RunConfig, load_config, map_paths, preset_chain, read_preset, resolve_objective
 from megatron_rl.config_loading import (
+    ConfigError,
     attribute_docs,
     flatten,
     parse_overrides,
     to_dict,
     yaml_with_comments,
 )
+from megatron_rl.plan.params import model_params
 
 
 def value_sources(path: str | Path | None, overrides: Sequence[str], cfg: RunConfig) -> dict[str, str]:
@@ -69,6 +72,49 @@ def resolved_config_yaml(path: str | Path | None, overrides: Sequence[str] = (),
         header.append(f"# overrides: {' '.join(overrides)}")
     header.append("# each value's source follows it: default, a preset file, override or init_checkpoint")
     return "\n".join(header) + "\n" + yaml_with_comments(data, comments) + "\n"
+
+
+LARGE_MODEL_PARAMS = 1_000_000_000
+"""A starting checkpoint this large (total parameters) is no demo: the demo's sizes do not suit it."""
+DEMO_SIZED = ("rollout.max_new_tokens", "rollout.engine", "train.steps", "parallel.world_size")
+"""Keys whose defaults size the tiny CPU demo (8-token answers, the hf engine, 30 steps, one process)."""
+PRESETS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def matching_presets(cfg: RunConfig, presets: Path = PRESETS) -> list[Path]:
+    """The presets in ``presets`` whose ``model`` section ``cfg.model`` agrees with (every key they set)."""
+    model = to_dict(cfg)["model"]
+    found = []
+    for path in sorted(presets.glob("*.yaml")) if presets.is_dir() else []:
+        try:
+            section = read_preset(path).get("model") or {}
+        except ConfigError:
+            continue
+        if section and all(model.get(k) == v or k in RUN_CHOICES for k, v in section.items()):
+            found.append(path)
+    return found
+
+
+def demo_sized_warning(path: str | Path | None, overrides: Sequence[str], cfg: RunConfig,
+                       launched: bool) -> str | None:
+    """One line when a large starting checkpoint runs with the demo's sizes left at their defaults
+    (a key no preset file or override set; one process only counts when not launched), naming the
+    preset(s) to start from with ``base:``; None otherwise."""
+    if cfg.init_checkpoint is None:
+        return None
+    params = model_params(cfg.model).total
+    if params < LARGE_MODEL_PARAMS:
+        return None
+    sources = value_sources(path, overrides, cfg)
+    left = [k for k in DEMO_SIZED if sources.get(k) == "default" and not (launched and k == "parallel.world_size")]
+    if not left:
+        return None
+    values = ", ".join(f"{k}={flatten(to_dict(cfg))[k] or 1}" for k in left)
+    presets = matching_presets(cfg)
+    start = (" or ".join(os.path.relpath(p) for p in presets) if presets
+             else f"the preset in {os.path.relpath(PRESETS)}/ nearest your model and machines")
+    return (f"megatron-rl-train: warning: {cfg.init_checkpoint} has {params / 1e9:.1f}B parameters but keeps the "
+            f"tiny demo's defaults {values}; start your file from {start} (base: <preset>)")
 
 
 def _docs(cls: type) -> dict[str, str]:

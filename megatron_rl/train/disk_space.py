@@ -19,8 +19,6 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from torch.distributed.checkpoint.api import CheckpointException
-
 FULL_BELOW_BYTES = 1 << 20
 """Free space under which a failed write is blamed on the full file system (a write that
 fails for another reason leaves more than this free on any disk worth running on)."""
@@ -89,6 +87,11 @@ def reporting_a_full_disk(path: str | Path, what: str) -> Iterator[None]:
     """Within the block, a failure on a full file system is raised as :class:`NoSpaceLeft`
     (``what``, e.g. ``"saving checkpoint step_000003"``, and ``path`` named; the original
     error chained); anything else passes through."""
+    # Here, not at the top: the entry point's process imports this module (latest_checkpoint)
+    # and would pay torch's distributed checkpoint and tensor stack (seconds of CPU, sympy)
+    # for nothing; the ranks that write have it loaded by Megatron-Core already.
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     # torch's distributed checkpoint reports a failed write as a BaseException, on every rank.

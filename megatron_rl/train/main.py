@@ -42,6 +42,7 @@ from megatron_rl.parallel.world import (  # noqa: E402
     run_world,
 )
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
+from megatron_rl.train.config_report import demo_sized_warning  # noqa: E402
 from megatron_rl.train.prepare import check_inputs  # noqa: E402
 from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
 
@@ -145,6 +146,8 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
     lock, busy = None, None
     try:
         cfg = load_config(args.config, args.overrides, world_size=world_size)
+        if rank0 and (warning := demo_sized_warning(args.config, args.overrides, cfg, launched)):
+            print(warning, file=sys.stderr, flush=True)
         # A busy directory is refused before the input checks (minutes for a large dataset);
         # one that does not exist yet is created only once they pass.
         if rank0 and Path(cfg.train.run_dir).is_dir():

@@ -213,7 +213,8 @@ def test_weight_sync_in_every_layout_serves_the_trainers_model(servers, tmp_path
                                                        "rollout.sglang.hf_architecture=deepseek_v3"])
     layouts = [  # (model, layout, transport)
         ("qwen", {"tensor_model_parallel_size": 2}, "tensor"),
-        ("qwen", {"expert_model_parallel_size": 2}, "distributed"),
+        # TP2 (SP) x EP2 over a broadcast group: each TP shard and expert reaches the server whole (issue 34).
+        ("qwen", {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, "distributed"),
         ("qwen", {"pipeline_model_parallel_size": 2}, "tensor"),
         ("deepseek", {"expert_model_parallel_size": 2}, "tensor"),
     ]

@@ -217,12 +217,12 @@ def test_every_program_reads_the_starting_checkpoint_through_the_one_loader():
     nothing while the runs' loader refused it, and gave the demo a model section of its own
     while the runs took the checkpoint's. Every reader is ``load_config`` now."""
     from megatron_rl.checkpoint.init_source import checkpoint_model_section
-    from megatron_rl.plan.cli import load_plan_config
     from megatron_rl.smoke import smoke_config
     from megatron_rl.train.config_report import resolved_config_yaml
 
     missing = ["init_checkpoint=/nonexistent/ckpt"]
-    for read in (load_config, smoke_config, load_plan_config, resolved_config_yaml):
+    # The planner reads it too, but plans for another machine: test_memory_plan.py.
+    for read in (load_config, smoke_config, resolved_config_yaml):
         with pytest.raises(ConfigError, match=r"^init_checkpoint: /nonexistent/ckpt does not exist$"):
             read(PRESET, missing)
     demo = load_config(DEMO, world_size=2)

@@ -125,3 +125,42 @@ def test_help_lists_every_section_and_key_with_its_doc(capsys):
     assert f"    objective.eps_low (default 'preset'): {eps_low}" in lines
     assert "      logging.wandb.mode (default 'disabled'): " in listing
     assert "config keys (override any with key=value" in out and "train.steps (default 30)" in out
+
+
+def test_a_large_checkpoint_with_the_demos_sizes_is_warned_once_naming_its_preset(tmp_path, capsys, monkeypatch):
+    """Issue 34: unset keys fall back to the tiny demo's sizes (8-token answers, the hf engine,
+    30 steps, one process), which a 30B checkpoint cannot use. One warning line names them and
+    the matching preset; a file that sets them (or a small checkpoint) gets none."""
+    import megatron_rl.train.config_report as report
+    import megatron_rl.train.main as train_main
+    from megatron_rl.train.config_report import demo_sized_warning, matching_presets
+
+    monkeypatch.chdir(ROOT)  # the presets are named relative to the cwd
+    qwen = load_run_config(ROOT / "configs" / "qwen3_30b_a3b.yaml", ["init_checkpoint=null", "fp8.enabled=false"])
+    bare = dataclasses.replace(RunConfig(), init_checkpoint="/ckpt/Qwen3-30B-A3B", model=qwen.model)
+    assert [p.name for p in matching_presets(bare)] == [
+        "qwen3_30b_a3b.yaml", "qwen3_30b_a3b_1node.yaml", "qwen3_30b_a3b_long.yaml"]
+    line = demo_sized_warning(None, ["train.steps=30"], bare, launched=False)
+    assert line == (
+        "megatron-rl-train: warning: /ckpt/Qwen3-30B-A3B has 30.5B parameters but keeps the tiny demo's defaults "
+        "rollout.max_new_tokens=8, rollout.engine=hf, parallel.world_size=1; start your file from "
+        "configs/qwen3_30b_a3b.yaml or configs/qwen3_30b_a3b_1node.yaml or configs/qwen3_30b_a3b_long.yaml "
+        "(base: <preset>)")
+    assert "parallel.world_size" not in demo_sized_warning(None, [], bare, launched=True)
+    assert demo_sized_warning(ROOT / "configs" / "qwen3_30b_a3b.yaml", [], dataclasses.replace(
+        qwen, init_checkpoint="/ckpt/Qwen3-30B-A3B"), launched=False) is None
+    assert demo_sized_warning(None, [], dataclasses.replace(bare, init_checkpoint=None), launched=False) is None
+
+    # The entry point prints it once, before the input checks (a tiny checkpoint counted as large).
+    monkeypatch.setattr(report, "LARGE_MODEL_PARAMS", 0)
+    monkeypatch.setattr(train_main, "check_inputs", lambda cfg: (_ for _ in ()).throw(ConfigError("stop here")))
+    mine = tmp_path / "my_run.yaml"
+    mine.write_text(yaml.safe_dump({"init_checkpoint": str(ROOT / "megatron_rl" / "assets" / "tiny_qwen3_moe"),
+                                    "data": {"source": "files", "train_files": ["p.jsonl"]}}))
+    assert main(["--config", str(mine), f"train.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[0].startswith("megatron-rl-train: warning: ")
+    assert err[0].endswith("start your file from the preset in configs/ nearest your model and machines (base: <preset>)")
+    assert err[1] == "megatron-rl-train: error: stop here"
+    assert main(["--config", str(DEMO), "rollout.engine=hf", f"train.run_dir={tmp_path / 'run'}"]) == 2
+    assert capsys.readouterr().err.splitlines() == ["megatron-rl-train: error: stop here"]  # every size set

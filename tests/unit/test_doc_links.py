@@ -21,3 +21,16 @@ def test_a_broken_file_or_anchor_is_found(tmp_path, monkeypatch):
     page.write_text("[fine](other.md#a-heading) [gone](missing.md) [bad](other.md#nope)\n"
                     "```\n[in code](ignored.md)\n```\n")
     assert check_doc_links.broken_links(page) == ["page.md: no file missing.md", "page.md: no heading for other.md#nope"]
+
+
+def test_a_cited_test_or_fixture_that_is_gone_is_found(tmp_path, monkeypatch):
+    """Issue 34: docs/async.md cited ``tests/fixtures/sync_loop_924ca5a.json`` after the file was deleted."""
+    monkeypatch.setattr(check_doc_links, "ROOT", tmp_path)
+    (tmp_path / "tests" / "fixtures").mkdir(parents=True)
+    (tmp_path / "tests" / "fixtures" / "kept.json").write_text("{}")
+    page = tmp_path / "page.md"
+    page.write_text("(`tests/fixtures/sync_loop_924ca5a.json`), `tests/fixtures/kept.json`.\n"
+                    "```bash\npytest -q tests/unit/test_gone.py -k x\n```\n")
+    assert check_doc_links.broken_links(page) == [
+        "page.md: cites tests/fixtures/sync_loop_924ca5a.json, which does not exist",
+        "page.md: cites tests/unit/test_gone.py, which does not exist"]

@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megatron_rl import launcher
 from megatron_rl.checkpoint.hf_config import model_config_from_hf
@@ -145,6 +146,40 @@ def test_command_line_exit_status_and_verdict(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
     assert main([*demo, "--gpu-memory", "lots"]) == 2
     assert "--gpu-memory: 'lots' is not a memory size" in capsys.readouterr().err
+
+
+def test_a_preset_plans_for_its_machine_without_the_checkpoint_or_transformer_engine_here(tmp_path, capsys):
+    """Issue 34: the README's plan command exited 2 here (``init_checkpoint: /data/models/Qwen3-30B-A3B
+    does not exist``, then FP8 without Transformer Engine). The planner reads the config as the trainer
+    does except for this machine's files and packages; every other rule still holds."""
+    preset = CONFIGS / "qwen3_30b_a3b_1node.yaml"
+    with pytest.raises(ConfigError, match=r"^init_checkpoint: /data/models/Qwen3-30B-A3B does not exist$"):
+        load_config(preset)  # the trainer still checks its machine
+    cfg = load_plan_config(str(preset), [])
+    assert cfg.fp8.enabled and cfg.init_checkpoint == "/data/models/Qwen3-30B-A3B"
+    assert cfg.model == load_config(preset, ON_CPU).model  # the preset's model section
+    assert main(["--config", str(preset), "--gpu-memory", "80GiB", "--host-memory", "2TiB"]) == 0
+    assert "FITS: margin" in capsys.readouterr().out
+    for bad, key in (["fp8.amax_history_len=0"], "fp8.amax_history_len"), (["model.num_layers=0"], "model.num_layers"):
+        with pytest.raises(ConfigError, match=rf"^{key}: "):
+            load_plan_config(str(preset), bad)
+    # A checkpoint that is here is read and checked as the trainer does.
+    demo = CONFIGS / "demo_cpu.yaml"
+    with pytest.raises(ConfigError, match=r"^model.num_experts: the config sets 4 but the checkpoint"):
+        load_plan_config(str(demo), ["model.num_experts=4"])
+    # A teacher that is not here keeps the model section the config gives it; without one it is refused.
+    teacher = load_config(CONFIGS / "demo_distill.yaml").distill.teachers[0]
+    entry = {"name": "far", "path": "/nonexistent/teacher", "model": dataclasses.asdict(teacher.model)}
+    (tmp_path / "far.yaml").write_text(yaml.safe_dump({"base": str(CONFIGS / "demo_distill.yaml"),
+                                                      "distill": {"teachers": [entry]}}))
+    assert load_plan_config(str(tmp_path / "far.yaml"), []).distill.teachers[0].model == teacher.model
+    with pytest.raises(ConfigError, match=r"^distill.teachers\[0\].path: /nonexistent/teacher does not exist$"):
+        load_config(tmp_path / "far.yaml")
+    del entry["model"]
+    (tmp_path / "far.yaml").write_text(yaml.safe_dump({"base": str(CONFIGS / "demo_distill.yaml"),
+                                                      "distill": {"teachers": [entry]}}))
+    with pytest.raises(ConfigError, match=r"^distill.teachers\[0\].path: /nonexistent/teacher does not exist$"):
+        load_plan_config(str(tmp_path / "far.yaml"), [])
 
 
 def test_launcher_refuses_a_layout_that_cannot_fit_before_any_worker(monkeypatch, capsys):

@@ -8,12 +8,19 @@ experts capturer and its base64 encoding, the weight-version spans, a retraction
 by ``/pause_generation``), with the values a reader must decode from them. Shown: the client's decoder reads them to those values (routes compared with the
 decoding SGLang itself documents: ``np.frombuffer(b64decode(s), np.int32)``); and the
 stand-in's encoder writes a body with the same keys, in the same order, with the same
-JSON types at every level, and the decoder reads what it writes.
+JSON types at every level, and the decoder reads what it writes. Their ``meta_info`` is also
+checked against SGLang's own code, run where it can be and read where it cannot.
 """
 
+import ast
 import base64
+import functools
+import importlib.util
 import json
+import os
+import types
 from pathlib import Path
+from typing import Any, Dict, List, Union
 
 import numpy as np
 import pytest
@@ -100,3 +107,63 @@ def test_stand_in_writes_the_golden_schema(path):
         assert meta.get(key) == gold.get(key), key
     back = _decode(doc, json.loads(json.dumps(ours)))
     assert back.output_ids == want["output_ids"] and back.token_versions == want["token_versions"]
+
+
+def _sglang_srt() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        if os.environ.get("CI"):
+            raise RuntimeError("sglang is not installed: the README's test command installs tests/requirements-sglang.txt")
+        pytest.skip("sglang is not installed (pip install --no-deps -r tests/requirements-sglang.txt)")
+    return Path(spec.submodule_search_locations[0]) / "srt"
+
+
+@functools.cache
+def _parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _sglang_code(srt: Path, relative: str, names: tuple[str, ...], namespace: dict) -> dict[str, int]:
+    """Run SGLang's own top-level definitions ``names`` of ``srt/relative`` in ``namespace`` (their modules
+    do not import on CPU: schedule_batch reaches the GPU runtime); returns each one's first line."""
+    tree = _parsed(srt / relative)
+    found = {node.name: node for node in tree.body if getattr(node, "name", None) in names}
+    assert sorted(found) == sorted(names), relative
+    for name in names:  # in the order given: a base class first
+        exec(compile(ast.Module([found[name]], []), f"{relative}:{found[name].lineno}", "exec"), namespace)
+    return {name: node.lineno for name, node in found.items()}
+
+
+@pytest.mark.parametrize("path", FIXTURES, ids=[p.stem for p in FIXTURES])
+def test_the_fixtures_meta_info_is_what_sglangs_own_code_builds(path):
+    """Issue 34: the fixtures were written by hand from SGLang's source. Their ``meta_info`` is checked
+    here against SGLang 0.5.23's own code, run where it can be (the finish reasons' ``to_json``,
+    ``add_weight_versions_to_meta_info``) and read at test time where it cannot (the first keys
+    ``TokenizerManager._handle_batch_output`` writes, in order)."""
+    srt = _sglang_srt()
+    doc = _load(path)
+    meta, want = doc["response"]["meta_info"], doc["decoded"]
+    ns: dict = {"Union": Union, "List": List, "Dict": Dict, "Any": Any, "WeightVersionSpans": list}
+    lines = _sglang_code(srt, "managers/schedule_batch.py",
+                         ("BaseFinishReason", "FINISH_MATCHED_TOKEN", "FINISH_LENGTH", "FINISH_ABORT"), ns)
+    lines.update(_sglang_code(srt, "utils/weight_versions.py", ("add_weight_versions_to_meta_info",), ns))
+    finish = {"stop": lambda: ns["FINISH_MATCHED_TOKEN"](meta["finish_reason"]["matched"]),
+              "length": lambda: ns["FINISH_LENGTH"](len(want["output_ids"])),
+              "abort": lambda: ns["FINISH_ABORT"]()}[meta["finish_reason"]["type"]]()
+    assert list(meta["finish_reason"].items()) == list(finish.to_json().items()), lines  # in SGLang's key order
+    if meta["finish_reason"]["type"] == "stop":
+        assert meta["finish_reason"]["matched"] == want["output_ids"][-1]
+    built = {"weight_version": "launch"}
+    spans = [types.SimpleNamespace(**span) for span in meta["weight_versions"]]
+    ns["add_weight_versions_to_meta_info"](built, spans, len(want["output_ids"]))
+    assert built == {"weight_version": meta["weight_version"], "weight_versions": meta["weight_versions"]}, lines
+    assert [list(span) for span in built["weight_versions"]] == [list(span) for span in meta["weight_versions"]]
+    # tokenizer_manager.py builds meta_info from a dict literal first (0.5.23: line 2507).
+    handler = next(node for node in ast.walk(_parsed(srt / "managers" / "tokenizer_manager.py"))
+                   if isinstance(node, ast.AsyncFunctionDef) and node.name == "_handle_batch_output")
+    literal = next(node for node in ast.walk(handler) if isinstance(node, ast.Assign)
+                   and ast.unparse(node.targets[0]) == "meta_info" and isinstance(node.value, ast.Dict))
+    keys = [key.value for key in literal.value.keys]
+    assert keys == ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions"], literal.lineno
+    assert list(meta)[:len(keys)] == keys
+    assert meta["id"] == doc["request"]["rid"] and meta["prompt_tokens"] == len(doc["request"]["input_ids"])

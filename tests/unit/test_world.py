@@ -29,7 +29,10 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 def _all_reduce_rank(scale):
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
-    return {"rank": dist.get_rank(), "sum": value * scale}
+    # The caller's main module (pytest's script here; the entry point in a run), had the
+    # rank re-run it: every process a rank spawns would re-run it too (seconds each).
+    main_file = getattr(sys.modules["__main__"], "__file__", None)
+    return {"rank": dist.get_rank(), "sum": value * scale, "main_file": main_file}
 
 
 def _fail_on_rank_one():
@@ -54,6 +57,7 @@ def test_results_come_back_in_rank_order(monkeypatch):
         results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(float(r["sum"]) == 30.0 for r in results)
+    assert [r["main_file"] for r in results] == [None, None]
 
 
 def test_failure_on_one_rank_carries_its_traceback():
