@@ -34,7 +34,7 @@ SMALL = [
     "train.steps=4", "train.save_every=2", "train.eval_every=2", "train.save_hf_every=2",
     "train.progress=false", "train.mini_batches=1", "optim.clip_grad=0",
     "rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=12",
-    "eval.max_prompts=8", "eval.num_samples=2", "eval.pass_k=[1,2]", "reward.num_workers=1",
+    "eval.max_prompts=4", "eval.num_samples=2", "eval.pass_k=[1,2]", "reward.num_workers=1",
 ]
 PHASE_KEYS = ["time/rollout", "time/old_logprobs", "time/update", "reward/mean", "rollout/accuracy",
               "reward/errors", "reward/timeouts", "reward/has_answer",
@@ -131,22 +131,59 @@ def test_sampled_policy_run_breaks_its_gap_down_and_the_tool_reads_its_rollouts(
     assert (run_dir / "plots" / "mismatch_layers.png").exists()
 
 
-def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, tmp_path):
-    _, uninterrupted = ep2_run
-    run_dir = tmp_path / "crashed"
+def _cut_back_to_step_2(run_dir: Path, to: Path) -> Path:
+    """A copy of the EP2 run's directory as the run left it after step 2 (checkpoint and export 2
+    published, rows 0-2 logged): what a run crashed during step 3 resumes from."""
+    cut = Path(shutil.copytree(run_dir, to))
+    shutil.rmtree(cut / "checkpoints" / "step_000004")
+    shutil.rmtree(cut / "hf" / "step_000004")
+    (cut / "checkpoints" / "latest").write_text("step_000002")
+    rows = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("".join(row + "\n" for row in rows if json.loads(row)["step"] <= 2))
+    return cut
+
+
+@pytest.fixture(scope="module")
+def crashed_then_resumed(ep2_run, tmp_path_factory):
+    """The EP2 run cut back to step 2, run again to crash after step 3 (every rank fails), and the
+    same command resumed. Before the resume, step 2's HF export is taken away and only a stopped
+    export's staging directory, marked incomplete, is left in its place (what a run from before
+    exports preceded publishing left after SIGTERM): the resume owes that export.
+    (Starting from the EP2 run's checkpoint 2 rather than from scratch: the same config, so the
+    same checkpoint, without training steps 0-2 again.)"""
+    run_dir, _ = ep2_run
+    tmp = tmp_path_factory.mktemp("crashed")
+    crashed_dir = _cut_back_to_step_2(run_dir, tmp / "crashed")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as errors:
+    with open(tmp / "out", "w") as out, open(tmp / "err", "w") as errors:
         crashed = subprocess.Popen([sys.executable, str(FAIL_AFTER_STEP), "3", "--config", str(CONFIG), *SMALL,
-                                    f"train.run_dir={run_dir}"], stdout=out, stderr=errors, env=env, cwd=ROOT)
+                                    f"train.run_dir={crashed_dir}"], stdout=out, stderr=errors, env=env, cwd=ROOT)
     tree = ProcessTree(crashed.pid)
-    assert crashed.wait(900) == 1, (tmp_path / "err").read_text()
+    code = crashed.wait(900)
+    crash = {"code": code, "err": (tmp / "err").read_text(), "left": tree.left(), "seen": len(tree.seen),
+             "latest": (crashed_dir / "checkpoints" / "latest").read_text().strip(),
+             "logged": [row["step"] for row in read_metrics(crashed_dir / "metrics.jsonl")]}
+    if code != 1:  # a resume after no crash proves nothing
+        return crashed_dir, crash, None, None
+    final = crashed_dir / "hf" / "step_000002"
+    shutil.rmtree(final)
+    staging = staging_dir(final)
+    staging.mkdir()
+    (staging / INCOMPLETE_MARKER).write_text("killed\n")
+    (staging / "model.safetensors").write_bytes(b"half a shard")
+    return crashed_dir, crash, staging, _run(crashed_dir)
+
+
+def test_resume_after_a_crash_reproduces_the_uninterrupted_run(ep2_run, crashed_then_resumed):
+    _, uninterrupted = ep2_run
+    _, crash, _, resumed = crashed_then_resumed
+    assert crash["code"] == 1, crash["err"]
     # When the command returns, nothing of the run is left (its forkserver used to outlive it).
-    assert tree.left() == [] and len(tree.seen) >= 3
+    assert crash["left"] == [] and crash["seen"] >= 3
     # Both ranks fail; the report is one line from the first, no traceback.
-    err = [line for line in (tmp_path / "err").read_text().splitlines() if "error" in line]
+    err = [line for line in crash["err"].splitlines() if "error" in line]
     assert len(err) == 1 and "injected failure after step 3" in err[0] and "Traceback" not in err[0], err
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    resumed = _run(run_dir)
+    assert crash["latest"] == "step_000002" and crash["logged"] == [0, 1, 2, 3]
     assert sorted(resumed) == [0, 1, 2, 3, 4]  # step 3 of the crashed run was replaced
     for step in (3, 4):
         for key, value in uninterrupted[step].items():
@@ -172,24 +209,18 @@ def test_a_run_resumed_at_step_0_holds_step_0_once(ep2_run, tmp_path):
     assert (failed / "checkpoints" / "latest").read_text().strip() == "step_000001"
 
 
-def test_a_resumed_run_writes_the_hf_export_its_step_owes(ep2_run, tmp_path):
-    """A run directory whose last checkpoint step has no HF export, only a stopped export's
-    staging directory marked incomplete (what a run from before exports preceded publishing
-    left after SIGTERM). The same command resumes at that step, removes the staging
-    directory and writes the export, the uninterrupted run's bytes."""
+def test_a_resumed_run_writes_the_hf_export_its_step_owes(ep2_run, crashed_then_resumed):
+    """A run directory whose last checkpoint step (2) has no HF export, only a stopped export's
+    staging directory marked incomplete. The same command resumes at that step, removes the
+    staging directory and writes the export, the uninterrupted run's bytes."""
     run_dir, _ = ep2_run
-    stopped = Path(shutil.copytree(run_dir, tmp_path / "stopped"))
-    final = stopped / "hf" / "step_000004"
-    shutil.rmtree(final)
-    staging = staging_dir(final)
-    staging.mkdir()
-    (staging / INCOMPLETE_MARKER).write_text("killed\n")
-    (staging / "model.safetensors").write_bytes(b"half a shard")
-    resumed = _run(stopped)
+    resumed_dir, crash, staging, resumed = crashed_then_resumed
+    assert crash["code"] == 1, crash["err"]
     assert sorted(resumed) == [0, 1, 2, 3, 4]
     assert not staging.exists()
-    weights = "hf/step_000004/model.safetensors"
-    assert (stopped / weights).read_bytes() == (run_dir / weights).read_bytes()
+    for step in (2, 4):
+        weights = f"hf/step_{step:06d}/model.safetensors"
+        assert (resumed_dir / weights).read_bytes() == (run_dir / weights).read_bytes(), step
 
 
 def test_resume_at_a_layout_the_optimizer_state_cannot_take_is_refused_up_front(ep2_run, capsys, monkeypatch):

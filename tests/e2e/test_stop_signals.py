@@ -43,7 +43,7 @@ def _latest_step(run_dir: Path) -> int | None:
     return int(pointer.read_text().strip().split("_")[-1]) if pointer.exists() else None
 
 
-def _wait_for(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 300.0, poll_s: float = 0.2):
+def _wait_for(condition, proc: subprocess.Popen, log: Path, timeout_s: float = 900.0, poll_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while not condition():
         assert proc.poll() is None, f"run exited with {proc.returncode} early:\n" + "\n".join(_output(log))
@@ -83,16 +83,6 @@ def _assert_all_gone(procs: list[psutil.Process], run_dir: Path, within_s: float
     assert not mentions, mentions
 
 
-def _resume(run_dir: Path, tmp_path: Path) -> None:
-    latest = _latest_step(run_dir)
-    assert (run_dir / "checkpoints" / f"step_{latest:06d}" / "trainer_state.json").exists()
-    log = tmp_path / "resume"
-    proc = _start(run_dir, log, latest + 1)
-    assert proc.wait(300) == 0, "\n".join(_output(log))
-    assert f"(step {latest})" in _output(log)[0]
-    assert _latest_step(run_dir) == latest + 1
-
-
 def _stop(proc: subprocess.Popen, sig: int, run_dir: Path, log: Path) -> None:
     """Send ``sig``; the run exits with 128 + sig, one line and no traceback, leaving nothing behind."""
     kids = _descendants(proc)
@@ -107,51 +97,54 @@ def _stop(proc: subprocess.Popen, sig: int, run_dir: Path, log: Path) -> None:
     _assert_all_gone(kids, run_dir)
 
 
-def test_sigterm_and_sigint_stop_every_rank_and_a_second_run_into_the_dir_is_refused(tmp_path):
-    """SIGTERM stops a run (a second run into its directory refused while it lives); the
-    directory resumes from its last checkpoint, and SIGINT (Ctrl-C) stops the resumed run alike."""
+def _saving(run_dir: Path) -> bool:
+    """A step directory newer than ``latest``: a checkpoint is being written."""
+    latest = _latest_step(run_dir)
+    steps = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*")]
+    return max(steps) > latest
+
+
+def _resumed(run_dir: Path, log: Path, *extra: str) -> tuple[subprocess.Popen, int]:
+    """The same command into a stopped run's directory (the stopped owner left no lock behind):
+    it resumes from the last complete checkpoint and saves a later one."""
+    latest = _latest_step(run_dir)
+    assert (run_dir / "checkpoints" / f"step_{latest:06d}" / "trainer_state.json").exists()
+    proc = _start(run_dir, log, 50, *extra)
+    _wait_for(lambda: _latest_step(run_dir) > latest, proc, log)
+    assert f"(step {latest})" in _output(log)[0]
+    return proc, latest
+
+
+def test_sigterm_sigkill_mid_save_and_sigint_each_stop_every_rank_and_the_dir_resumes(tmp_path):
+    """One run directory stopped three ways, each stop resumed by the next run (so that each
+    world start serves two checks): SIGTERM stops a run (a second run into its directory
+    refused while it lives); the resumed run (with a reward worker) is SIGKILLed mid-save, its
+    main process only, and takes its ranks along; that resumed run is stopped by SIGINT (Ctrl-C)."""
     run_dir = tmp_path / "run"
     first = _start(run_dir, tmp_path / "first", 50, "reward.num_workers=1")
     try:
         _wait_for(lambda: _latest_step(run_dir) is not None, first, tmp_path / "first")
         second = _start(run_dir, tmp_path / "second", 50)
-        assert second.wait(120) == 2
+        assert second.wait(600) == 2
         out, err = _output(tmp_path / "second")
         assert err.strip().count("\n") == 0 and f"{run_dir} is in use by another run (pid {first.pid} on " in err
         assert first.poll() is None  # the owner trains on
         _stop(first, signal.SIGTERM, run_dir, tmp_path / "first")
     finally:
         first.kill()
-    latest = _latest_step(run_dir)
-    assert (run_dir / "checkpoints" / f"step_{latest:06d}" / "trainer_state.json").exists()
-    log = tmp_path / "resumed"
-    resumed = _start(run_dir, log, 50)
-    try:
-        _wait_for(lambda: _latest_step(run_dir) > latest, resumed, log)
-        assert f"(step {latest})" in _output(log)[0]
-        _stop(resumed, signal.SIGINT, run_dir, log)
-    finally:
-        resumed.kill()
-
-
-def test_sigkill_of_the_main_process_mid_save_takes_the_ranks_along_and_the_dir_resumes(tmp_path):
-    run_dir = tmp_path / "run"
     log = tmp_path / "killed"
-    proc = _start(run_dir, log, 50, "reward.num_workers=1")
+    killed, _ = _resumed(run_dir, log, "reward.num_workers=1")
     try:
-        _wait_for(lambda: _latest_step(run_dir) is not None, proc, log)
-        kids = _descendants(proc)
-
-        def saving() -> bool:
-            # A step directory newer than ``latest``: a checkpoint is being written.
-            latest = _latest_step(run_dir)
-            steps = [int(p.name.split("_")[-1]) for p in (run_dir / "checkpoints").glob("step_*")]
-            return max(steps) > latest
-
-        _wait_for(saving, proc, log, poll_s=0.01)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        kids = _descendants(killed)
+        _wait_for(lambda: _saving(run_dir), killed, log, poll_s=0.01)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(10)
         _assert_all_gone(kids, run_dir)
     finally:
-        proc.kill()
-    _resume(run_dir, tmp_path)  # also: the killed owner left no lock behind
+        killed.kill()
+    log = tmp_path / "interrupted"
+    interrupted, _ = _resumed(run_dir, log)
+    try:
+        _stop(interrupted, signal.SIGINT, run_dir, log)
+    finally:
+        interrupted.kill()
