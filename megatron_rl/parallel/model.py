@@ -304,6 +304,11 @@ def build_model(
         raise ValueError("fp8.enabled: FP8 training needs the Transformer Engine layer spec (TE + CUDA)")
     with mc.mla_without_transformer_engine():
         gpt = _build_gpt(model, parallel, config, use_te)
+    if torch.cuda.is_available():
+        # Megatron creates its linear layers on the GPU, but the torch norms the local spec falls
+        # back to without TE or apex are made on the CPU; Megatron-LM's get_model moves the whole
+        # module the same way (parameters keep their identity and Megatron's attributes).
+        gpt.cuda(torch.cuda.current_device())
     gpt.true_vocab_size = model.vocab_size
     if model.add_bias_linear and not use_te:
         mcore_layers.expert_biases_trainable(gpt)

@@ -13,9 +13,9 @@ up, three are timed (median). The limit: ``torch`` copying the trainer's paramet
 preallocated buffers on the GPU (median of 5), the same bytes counted once.
 
 Pass: the push reaches >= 50% of the copy's GB/s, and every push left no served tensor unwritten
-(the stand-in's session report). The stand-in's port is picked free; if another process takes it
-first (the stand-in then dies, or something else answers), a new one is picked (3 tries), and the
-server is known by a launch weight version made for this run (``/server_info``).
+(the stand-in's session report). The stand-in serves on a socket bound here and handed to it (no
+other process can take its port first), and is known by a launch weight version made for this run
+(``/server_info``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from gpu_check_steps.common import (
 
 LAYERS, BUCKET_MB, PUSHES, TARGET = 2, 512, 3, 0.5
 BASE = REPO / "configs" / "demo_task.yaml"
-TRIES = 3
 
 
 def model_overrides(ctx: Context) -> list[str]:
@@ -60,31 +59,27 @@ def standin_command(ctx: Context, port: int, version: str, overrides: list[str])
 
 
 def start_standin(ctx: Context, overrides: list[str], log: Path):
-    """A healthy stand-in that is ours; returns the ``ManagedServer``.
+    """A healthy stand-in serving on a socket bound here (no other process can take its port first);
+    returns the ``ManagedServer``.
 
     Raises:
-        RuntimeError: no try of :data:`TRIES` gave one (each failure named).
+        RuntimeError: it did not become healthy, or what answers is not the server started here.
     """
-    from megatron_rl.parallel.world import free_port
     from megatron_rl.rollout.sglang.control import request_json
-    from megatron_rl.rollout.sglang.server import SERVER_ENV, ManagedServer, ServerStartError
+    from megatron_rl.rollout.sglang.server import SERVER_ENV, ManagedServer
 
     version = f"gpu-check-{os.getpid()}-{secrets.token_hex(4)}"
-    failures = []
-    for _ in range(TRIES):
-        port = free_port()
-        server = ManagedServer(standin_command(ctx, port, version, overrides), f"http://127.0.0.1:{port}",
-                               env=SERVER_ENV, log_path=log)
-        try:
-            server.start().wait_healthy(timeout_s=300)
-            status, info = request_json("GET", server.url + "/server_info", timeout_s=10)
-            if status == 200 and isinstance(info, dict) and info.get("weight_version") == version:
-                return server
-            failures.append(f"port {port}: another server answers there")
-        except ServerStartError as err:
-            failures.append(f"port {port}: {str(err).splitlines()[0]}")
+    server = ManagedServer(standin_command(ctx, 0, version, overrides), "http://127.0.0.1:0",
+                           env=SERVER_ENV, log_path=log, listen="127.0.0.1")
+    try:
+        server.start().wait_healthy(timeout_s=300)
+        status, info = request_json("GET", server.url + "/server_info", timeout_s=10)
+        if status == 200 and isinstance(info, dict) and info.get("weight_version") == version:
+            return server
+        raise RuntimeError(f"the stand-in did not start: {server.url} answers as another server")
+    except BaseException:
         server.stop()
-    raise RuntimeError("the stand-in did not start: " + "; ".join(failures))
+        raise
 
 
 def unwritten_reports(log: Path) -> list[str]:

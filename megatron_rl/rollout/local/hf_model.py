@@ -132,7 +132,10 @@ def build_hf_model(
     config_dict.pop("architectures")
     config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
     torch_dtype = getattr(torch, dtype or model.params_dtype)
-    hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=layout.attention)
+    # Made where it runs: initialising billions of (soon overwritten) weights on the host first
+    # costs tens of seconds of CPU before a GPU engine can start.
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=layout.attention)
     return hf.to(device).eval().requires_grad_(False)
 
 
