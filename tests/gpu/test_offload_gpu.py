@@ -20,7 +20,7 @@ MODEL = ModelConfig(vocab_size=256, hidden_size=256, ffn_hidden_size=512, moe_ff
 def _loss_fn(mb, logits_1TV):
     from megatron_rl.parallel.packing import next_token_targets
 
-    targets_T, mask_T = next_token_targets(mb)
+    targets_T, mask_T = (t.to(logits_1TV.device) for t in next_token_targets(mb))
     loss_T = torch.nn.functional.cross_entropy(logits_1TV[0].float(), targets_T, reduction="none")
     return (loss_T * mask_T).sum(), mask_T.sum().to(torch.int), {}
 
