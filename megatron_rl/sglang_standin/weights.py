@@ -70,6 +70,8 @@ ALLOWED_GLOBALS = frozenset({
     ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor_v3"),
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"), ("torch", "Tensor"),
     ("torch._tensor", "_rebuild_from_type_v2"), ("torch.storage", "UntypedStorage"),
+    # A CUDA IPC handle names the storage's class: torch's reduce_tensor pickles a TypedStorage.
+    ("torch.storage", "TypedStorage"), ("torch.storage", "_UntypedStorage"), ("torch", "UntypedStorage"),
     ("collections", "OrderedDict"), ("builtins", "list"), ("builtins", "tuple"), ("builtins", "dict"),
     ("types", "SimpleNamespace"), *_TORCH_TYPES,
 })

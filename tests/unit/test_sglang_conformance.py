@@ -185,9 +185,23 @@ def test_by_reference_needs_cuda_buffers():
         TensorTransport(["http://x"], 1, True, LIMITS).entries(flatten([("w", torch.zeros(3))]))
 
 
+def _cuda_storage_class() -> type:
+    """The storage class torch's ``reduce_tensor`` pickles for a CUDA tensor, read from its source:
+    ``type(storage)`` of ``tensor._typed_storage()``, a ``TypedStorage`` (torch 2.11's was the class
+    the stand-in's unpickler refused, so no CUDA IPC push ever reached it: the GPU check found it)."""
+    import inspect
+
+    from torch.multiprocessing import reductions
+
+    source = inspect.getsource(reductions.reduce_tensor)
+    cuda = source[source.index('device.type == "cuda"'):source.index('device.type == "meta"')]
+    assert "storage = tensor._typed_storage()" in source and "type(storage)," in cuda, "torch changed reduce_tensor"
+    return type(torch.empty(0)._typed_storage())
+
+
 class _CudaHandle:
-    """Pickles as ``serialize_by_reference`` pickles a CUDA bucket (torch's ``reduce_tensor``
-    arguments, here made up, with the GPU named by its UUID): no GPU is needed to write it."""
+    """Pickles as ``serialize_by_reference`` pickles a CUDA bucket: torch's ``reduce_tensor``
+    arguments with the GPU named by its UUID and the handles made up (no GPU is needed to write it)."""
 
     def __init__(self, uuid: str) -> None:
         self.uuid = uuid
@@ -195,7 +209,7 @@ class _CudaHandle:
     def __reduce__(self):
         from torch.multiprocessing import reductions
 
-        return reductions.rebuild_cuda_tensor, (torch.Tensor, (16,), (1,), 0, torch.UntypedStorage, torch.uint8,
+        return reductions.rebuild_cuda_tensor, (torch.Tensor, (16,), (1,), 0, _cuda_storage_class(), torch.uint8,
                                                 self.uuid, b"ipc-handle", 16, 0, False, b"/torch_ref", 0, b"ev", True)
 
 
