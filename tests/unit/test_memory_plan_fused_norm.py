@@ -21,7 +21,7 @@ import torch
 import torchgen
 import yaml
 
-from megatron_rl.parallel.world import run_world
+from megatron_rl.parallel.world import world_of_one
 from megatron_rl.plan.activations import layer_bytes
 from megatron_rl.plan.machine import GIB, Machine
 from megatron_rl.plan.phases import rank_shape
@@ -116,16 +116,13 @@ def _saved_per_layer(model_cfg, groups) -> dict[int, int]:
     return per_layer
 
 
-def _world():
+def test_gpu_layer_bytes_equal_what_the_fused_norm_layers_save():
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
 
-    with cpu_platform(), model_parallel(ParallelConfig(), seed=1) as groups, _fused_rms_norm_on_cpu():
-        return {name: _saved_per_layer(model_cfg, groups) for name, model_cfg in MODELS.items()}
-
-
-def test_gpu_layer_bytes_equal_what_the_fused_norm_layers_save():
-    (saved,) = run_world(_world, 1, timeout_s=600)
+    # A world of this process alone (a spawned one costs ten times the counting), torn down on exit.
+    with world_of_one(), cpu_platform(), model_parallel(ParallelConfig(), seed=1) as groups, _fused_rms_norm_on_cpu():
+        saved = {name: _saved_per_layer(model_cfg, groups) for name, model_cfg in MODELS.items()}
     for name, model_cfg in MODELS.items():
         shape = rank_shape(model_cfg, ParallelConfig(), GPU, TOKENS)
         assert saved[name] == {i: layer_bytes(model_cfg, shape, i) for i in range(model_cfg.num_layers)}, name
