@@ -49,7 +49,7 @@ import torch
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import split
-from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, serve
+from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, exit_without_teardown, serve
 
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
                "stop_on_update", "hang_scheduler")
@@ -207,4 +207,4 @@ class FaultInjectingServer(ProtocolServer):
 
 
 if __name__ == "__main__":
-    sys.exit(serve(argument_parser().parse_args(), FaultInjectingServer))
+    exit_without_teardown(serve(argument_parser().parse_args(), FaultInjectingServer))

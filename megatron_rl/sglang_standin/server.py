@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import os
 import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -494,5 +496,17 @@ def main(argv: list[str] | None = None) -> int:
     return serve(argument_parser().parse_args(argv))
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the server process with ``code`` once its atexit handlers ran, skipping the
+    interpreter's teardown: its final garbage collection over torch's, transformers' and the
+    model's objects took 2.3 s of a 2.3 s stop on an idle machine (the stop itself 0.04 s), and a
+    stop past its grace under load is a SIGKILL. SGLang's own server ends by killing its process
+    tree, no teardown either."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())
