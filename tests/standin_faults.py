@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import json
 import os
@@ -49,7 +50,7 @@ import torch
 from aiohttp import web
 
 from megatron_rl.checkpoint.mapping import split
-from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, exit_without_teardown, serve
+from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, serve
 
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
                "stop_on_update", "hang_scheduler")
@@ -207,4 +208,6 @@ class FaultInjectingServer(ProtocolServer):
 
 
 if __name__ == "__main__":
-    exit_without_teardown(serve(argument_parser().parse_args(), FaultInjectingServer))
+    code = serve(argument_parser().parse_args(), FaultInjectingServer)
+    gc.freeze()  # as the stand-in's cli(): no final garbage collections at exit
+    sys.exit(code)
