@@ -47,6 +47,9 @@ from megatron_rl.train.prepare import check_inputs  # noqa: E402
 from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
+RANK_PRELOAD = ("megatron_rl.train.trainer", "transformers.models.auto.tokenization_auto", "datasets")
+"""What every rank of a run imports besides torch and Megatron-Core (the trainer, the HF
+tokenizer, the prompt files' reader: seconds per rank), imported once by the ranks' forkserver."""
 
 
 def run_rank(cfg_dict: dict) -> list[dict]:
@@ -176,7 +179,7 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         nproc = cfg.parallel.world_size or 1
         validate(cfg, world_size=nproc)
         try:
-            run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600)
+            run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600, preload=RANK_PRELOAD)
         except WorldError as err:
             if os.environ.get("MEGATRON_RL_TRACEBACK"):
                 raise
