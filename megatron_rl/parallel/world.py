@@ -294,8 +294,8 @@ def _rank_context(*preload: str) -> Any:
     """Ranks are forks of a forkserver (Python's, one per process, started by the first world
     and kept for the next) that imported torch and Megatron-Core's heavy modules
     (``mcore_compat.RANK_IMPORTS``) and ``preload`` (the first world's) once, so a rank starts
-    in a tenth of a second instead of importing them (seconds per rank, every world). Like spawn, a rank inherits no
-    threads, locks or CUDA state of the caller; unlike spawn, it does not re-run the
+    in a tenth of a second instead of importing them (seconds per rank, every world). Like
+    spawn, a rank inherits no threads, locks or CUDA state of the caller; unlike spawn, it does not re-run the
     caller's ``__main__`` unless its function lives there (:func:`run_world`). Where the
     caller started the forkserver already (a reward pool, with its own preload) the ranks
     import what the preload lacks themselves. Spawn where there is no forkserver."""
