@@ -295,10 +295,11 @@ def _rank_context(*preload: str) -> Any:
     and kept for the next) that imported torch and Megatron-Core's heavy modules
     (``mcore_compat.RANK_IMPORTS``) and ``preload`` (the first world's) once, so a rank starts
     in a tenth of a second instead of importing them (seconds per rank, every world). Like
-    spawn, a rank inherits no threads, locks or CUDA state of the caller; unlike spawn, it does not re-run the
-    caller's ``__main__`` unless its function lives there (:func:`run_world`). Where the
-    caller started the forkserver already (a reward pool, with its own preload) the ranks
-    import what the preload lacks themselves. Spawn where there is no forkserver."""
+    spawn, a rank inherits no threads, locks or CUDA state of the caller; unlike spawn, it
+    does not re-run the caller's ``__main__`` unless its function lives there
+    (:func:`run_world`). Where the caller started the forkserver already (a reward pool, with
+    its own preload) the ranks import what the preload lacks themselves. Spawn where there
+    is no forkserver."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
