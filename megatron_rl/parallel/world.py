@@ -43,7 +43,7 @@ import socket
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import psutil
 import torch
@@ -290,20 +290,21 @@ FORKSERVER_EXIT = "megatron_rl.parallel.forkserver_exit"
 """The module the forkserver imports last, to exit at once (its caller dead or done)."""
 
 
-def _rank_context() -> Any:
+def _rank_context(*preload: str) -> Any:
     """Ranks are forks of a forkserver (Python's, one per process, started by the first world
     and kept for the next) that imported torch and Megatron-Core's heavy modules
-    (``mcore_compat.RANK_IMPORTS``) once, so a rank starts in a tenth of a second instead of
-    importing them (seconds per rank, every world). Like spawn, a rank inherits no
-    threads, locks or CUDA state of the caller; unlike spawn, it does not re-run the
-    caller's ``__main__`` unless its function lives there (:func:`run_world`). Where the
-    caller started the forkserver already (a reward pool, with its own preload) the ranks
-    import what the preload lacks themselves. Spawn where there is no forkserver."""
+    (``mcore_compat.RANK_IMPORTS``) and ``preload`` (the first world's) once, so a rank starts
+    in a tenth of a second instead of importing them (seconds per rank, every world). Like
+    spawn, a rank inherits no threads, locks or CUDA state of the caller; unlike spawn, it
+    does not re-run the caller's ``__main__`` unless its function lives there
+    (:func:`run_world`). Where the caller started the forkserver already (a reward pool, with
+    its own preload) the ranks import what the preload lacks themselves. Spawn where there
+    is no forkserver."""
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     # Last: its exit handler then runs first, and the forkserver exits without a teardown.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS, FORKSERVER_EXIT])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS, *preload, FORKSERVER_EXIT])
     if not _ENDS_AT_EXIT:
         # The last of multiprocessing's own exit finalizers: after those that still talk to
         # the resource tracker (a queue's semaphores), which is stopped too.
@@ -344,6 +345,7 @@ def run_world(
     timeout_s: float = 600.0,
     threads_per_rank: int | None = None,
     backend: str = "gloo",
+    preload: Sequence[str] = (),
 ) -> list[Any]:
     """Call ``fn(*args)`` on each rank of a new gloo world; return results by rank.
 
@@ -354,6 +356,8 @@ def run_world(
         timeout_s: wall-clock limit for the whole world.
         threads_per_rank: torch intra-op threads per rank; defaults to cores / world size.
         backend: ``"nccl"`` for a world of GPUs (rank r on GPU r); results must be host tensors.
+        preload: modules every rank imports besides torch and Megatron-Core, imported once by
+            the forkserver when this world starts it (a later world's are imported by its ranks).
 
     Raises:
         WorldError: a rank raised (message lists each failing rank's traceback).
@@ -361,7 +365,7 @@ def run_world(
     """
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
-    ctx = _rank_context()
+    ctx = _rank_context(*preload)
     results: mp.Queue = ctx.Queue()
     # The caller hosts the ranks' store on a port it holds from the start (:func:`rendezvous_store`).
     store = rendezvous_store(world_size)

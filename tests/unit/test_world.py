@@ -1,5 +1,6 @@
 """The gloo world harness: per-rank results, per-rank tracebacks, and hang timeouts."""
 
+import importlib.util
 import os
 import signal
 import socket
@@ -177,3 +178,26 @@ def test_the_forkserver_exits_without_its_teardown(tmp_path):
     out, child = done.stdout, done.stdout.split()[2]
     assert out == f"flushed child {child} exited 3"
     assert ran.read_text() == f"{child}\n"  # the child's handler ran; the forkserver's own did not
+
+
+def test_a_worlds_preload_is_imported_by_the_forkserver_before_its_exit_module():
+    """``run_world(preload=...)``: the modules every rank of a run imports (the entry point's
+    ``_rank_preload``) are imported once by the forkserver, not again by each rank."""
+    world._rank_context("colorsys")
+    assert mp_forkserver._forkserver._preload_modules[-2:] == ["colorsys", world.FORKSERVER_EXIT]
+    world._rank_context()
+    assert "colorsys" not in mp_forkserver._forkserver._preload_modules
+
+
+def test_a_runs_preload_names_what_its_ranks_import():
+    from megatron_rl.config import load_config
+    from megatron_rl.train.main import _rank_preload
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    files = _rank_preload(load_config(root / "demo_cpu.yaml", []))
+    task = _rank_preload(load_config(root / "demo_task.yaml", ["rollout.engine=megatron"]))
+    assert {"datasets", "transformers.models.auto.tokenization_auto",
+            "transformers.models.auto.modeling_auto"} <= set(files)
+    assert task == ("megatron_rl.train.trainer",)  # no prompt files, no transformers replica
+    for name in files:
+        assert importlib.util.find_spec(name) is not None, name
