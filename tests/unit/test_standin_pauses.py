@@ -39,7 +39,7 @@ class _Host:
         self.engine = SimpleNamespace(generate=self._generate)
         self.weights = SimpleNamespace(begin=lambda: (True, "begun"))
 
-    def _generate(self, prompts, params, *, return_routed_experts, seed, kv=None):
+    def _generate(self, prompts, params, *, return_routed_experts, seed, kv=None, control=None):
         v = int(self.server.engine_version)
         out = []
         for prompt in prompts:
