@@ -196,7 +196,8 @@ def test_a_request_kept_by_a_pause_continues_under_the_new_weights(mode):
 async def _paused_inside_the_call(client, server, host, mode: str):
     """A long request sent, paused in ``mode`` while its engine call runs (step 3 or later); returns
     the request, the engine's step count when the server took the pause, and the pause's status."""
-    request = asyncio.ensure_future(client.post("/generate", json={**BODY, "sampling_params": {"max_new_tokens": LONG}}))
+    long_body = {**BODY, "sampling_params": {"max_new_tokens": LONG}}
+    request = asyncio.ensure_future(client.post("/generate", json=long_body))
     for _ in range(4000):
         if host.steps >= 3:
             break
@@ -235,8 +236,10 @@ def test_a_call_a_pause_stopped_is_continued_from_its_tokens_under_the_new_weigh
         server, host = _server(latency=0.0, host=_SteppingHost())
         async with TestClient(TestServer(server.app())) as client:
             request, taken, status = await _paused_inside_the_call(client, server, host, mode)
-            while server.batcher.running_requests + len(server.batcher.parked) == 0:
-                await asyncio.sleep(0.005)  # the call came back cut
+            for _ in range(12000):  # until the call came back (cut), at most a minute
+                if server.batcher.parked or request.done():
+                    break
+                await asyncio.sleep(0.005)
             stopped = host.steps
             host.step_s = 0.0
             await client.post("/update_weight_version", json={"new_version": "2"})
