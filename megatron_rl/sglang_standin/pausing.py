@@ -22,7 +22,7 @@ Every rule is SGLang's (paths under ``sglang/srt/``); what a pause does to each 
   next decode step (the hf engine; :mod:`~megatron_rl.sglang_standin.batching` says what its
   requests keep): a pause in mode ``abort`` waits for that step, not for the whole call (the
   megatron engine's calls still run to their end). SGLang checks the lock every 1.0 s
-  (``tokenizer_manager.py:2273-2279``), the stand-in every 0.05 s: SGLang's abort pause with
+  (``tokenizer_manager.py:2273-2280``), the stand-in every 0.05 s: SGLang's abort pause with
   requests running takes at least a second.
 * **flush_cache** (``scheduler.py:5518-5548``) succeeds only when no request runs (queued ones
   ignored while paused), else ``/flush_cache`` answers 400 (``http_server.py:1027-1040``) and
