@@ -60,7 +60,7 @@ setup(
     },
     entry_points={
         "console_scripts": [
-            "megatron-rl-train = megatron_rl.train.main:main",
+            "megatron-rl-train = megatron_rl.train.main:cli",
             "megatron-rl-launch = megatron_rl.launcher:main",
             "megatron-rl-convert-hf-to-megatron = megatron_rl.checkpoint.cli:hf_to_megatron_main",
             "megatron-rl-convert-megatron-to-hf = megatron_rl.checkpoint.cli:megatron_to_hf_main",

@@ -5,8 +5,16 @@ change included. An accepted warning is named by the start of its message (a reg
 category and the module that issues it, with the reason it is expected here.
 """
 
-import pytest
-import torch
+import os
+
+# Before torch loads libgomp, which reads it once: OpenMP threads sleep as soon as they wait
+# rather than spin. Two xdist workers share the 2 cores with the worlds and servers they start
+# (all of which inherit this), and spinning threads there only took CPU from one another (see
+# megatron_rl.parallel.world.OPENMP_WAIT, which does the same for every world's ranks).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 ACCEPTED_WARNINGS = (
     # (message regex, category, issuing module regex, reason)

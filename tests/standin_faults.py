@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
 import json
 import os
@@ -207,4 +208,6 @@ class FaultInjectingServer(ProtocolServer):
 
 
 if __name__ == "__main__":
-    sys.exit(serve(argument_parser().parse_args(), FaultInjectingServer))
+    code = serve(argument_parser().parse_args(), FaultInjectingServer)
+    gc.freeze()  # as the stand-in's cli(): no final garbage collections at exit
+    sys.exit(code)

@@ -311,6 +311,28 @@ def _rank_context() -> Any:
     return ctx
 
 
+OPENMP_WAIT = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""The ranks' OpenMP threads sleep as soon as they wait, unless the caller's environment says
+otherwise. By default libgomp spins a while after each parallel region, and on a busy machine
+the threads of a team spin on one another: in a world of one with two threads on the 2-core
+test machine the second thread used as much CPU as the main one (14.6 and 15.4 CPU-s) while
+the model's tiny ops gained nothing from it. libgomp reads this once, as torch loads it: in
+the forkserver (which imports torch as it starts) or a spawned rank."""
+
+
+@contextlib.contextmanager
+def _environment_default(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` where it has none of them, while processes start (the
+    forkserver and spawned ranks take the caller's environment of then); restored after."""
+    added = {key: value for key, value in values.items() if key not in os.environ}
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for key in added:
+            os.environ.pop(key, None)
+
+
 _ENDS_AT_EXIT: list = []
 """The exit finalizer that stops this process's forkserver, once registered."""
 
@@ -346,8 +368,8 @@ def run_world(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), dict(os.environ), fn, args, results,
-                  backend),
+            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), {**OPENMP_WAIT, **os.environ}, fn,
+                  args, results, backend),
             name=f"rank{rank}",
         )
         for rank in range(world_size)
@@ -359,7 +381,8 @@ def run_world(
     try:
         # A rank re-runs the caller's main module only when ``fn`` lives there: otherwise it
         # would import the entry point again (or pytest), and so would every process it spawns.
-        with parent_main_hidden() if getattr(fn, "__module__", None) != "__main__" else contextlib.nullcontext():
+        with parent_main_hidden() if getattr(fn, "__module__", None) != "__main__" else contextlib.nullcontext(), \
+                _environment_default(OPENMP_WAIT):
             for proc in procs:
                 proc.start()
         late = f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in {timeout_s:.0f}s"

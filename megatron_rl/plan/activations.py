@@ -7,9 +7,15 @@ Megatron-Core 0.16.1's *local* layer spec (what the CPU runs and what
 decoder layer saves are compared with them exactly in ``tests/parallel/test_memory_plan_model.py``
 (``torch.autograd.graph.saved_tensors_hooks``):
 
-- RMSNorm (``torch.nn.RMSNorm``, composite): an fp32 copy of its input (the input itself when
-  it is fp32), the fp32 normalized input and an fp32 ``rstd`` per row: ``8 D + 4`` bytes per
-  row of width D, whatever the parameter dtype.
+- RMSNorm (``torch.nn.RMSNorm``) on CPU, where torch runs it composite: an fp32 copy of its
+  input (the input itself when it is fp32), the fp32 normalized input and an fp32 ``rstd`` per
+  row: ``8 D + 4`` bytes per row of width D, whatever the parameter dtype. On a GPU target
+  (``RankShape.fused_norm``) torch runs its fused kernel instead (``_fused_rms_norm``: a CUDA
+  kernel in ``native_functions.yaml``, so autograd's own node, whose backward reads ``input``,
+  ``result1`` = rstd and ``weight`` in ``derivatives.yaml``), as Transformer Engine's RMSNorm
+  does: the input itself (the whole tensor it is a view of) and the fp32 ``rstd``, ``B D + 4``
+  bytes per row. Zero-centred norms (``norm_zero_centered``) compute in fp32 around an
+  un-weighted call and keep ``8 D + 4`` on both.
 - A linear layer: its input (under sequence parallelism the local shard; the all-gather is
   redone in backward).
 - Attention (:class:`~megatron_rl.parallel.packed_attention.PackedCoreAttention`): the
@@ -65,6 +71,9 @@ class RankShape:
     """Expert tensor-parallel size."""
     dtype_bytes: int
     """Bytes per element of the parameters and activations."""
+    fused_norm: bool = False
+    """Norms keep only their input and rstd (torch's fused RMSNorm on CUDA, or Transformer
+    Engine's: a GPU target); False: torch's composite RMSNorm (a CPU target)."""
 
     @property
     def shard_tokens(self) -> int:
@@ -72,9 +81,14 @@ class RankShape:
         return self.tokens // self.tp if self.sequence_parallel else self.tokens
 
 
-def _norm(rows: int, width: int) -> int:
-    """An RMSNorm's saved bytes (fp32 input copy + fp32 normalized input + fp32 rstd)."""
-    return rows * (8 * width + 4)
+def _norm(m: ModelConfig, s: RankShape, rows: int, width: int, kept: int | None = None) -> int:
+    """An RMSNorm's saved bytes over ``rows`` rows of ``width``: composite, an fp32 input copy
+    (the input itself in fp32: ``kept`` elements per row when it is a view of a wider tensor),
+    the fp32 normalized input and the fp32 rstd; fused, its input (``kept`` per row) and the rstd."""
+    kept = width if kept is None else kept
+    if s.fused_norm and not m.norm_zero_centered:
+        return rows * (s.dtype_bytes * kept + 4)
+    return rows * (4 * (kept if s.dtype_bytes == 4 else width) + 4 * width + 4)
 
 
 def _swiglu(rows: int, width: int, b: int, weighted: bool) -> int:
@@ -86,17 +100,15 @@ def attention_bytes(m: ModelConfig, s: RankShape) -> int:
     """One layer's attention block (input norm included) for one micro-batch."""
     t, ts, b, h = s.tokens, s.shard_tokens, s.dtype_bytes, m.hidden_size
     heads = m.num_attention_heads // s.tp
-    saved = _norm(ts, h)
+    saved = _norm(m, s, ts, h)
     if m.multi_latent_attention:
         return saved + _mla_bytes(m, s, heads)
     groups, hd = m.num_query_groups // s.tp, m.head_dim
-    qkv_out = t * (heads + 2 * groups) * hd
     saved += b * ts * h  # linear_qkv's input
     if m.qk_layernorm:
-        # q is a copy; k a view of the fused qkv output, which fp32 norms keep whole.
-        saved += 8 * t * heads * hd + 4 * t * heads
-        k_input = 4 * qkv_out if b == 4 else 4 * t * groups * hd
-        saved += k_input + 4 * t * groups * hd + 4 * t * groups
+        # q is a copy; k a view of the fused qkv output, which an fp32 or fused norm keeps whole.
+        qkv_per_group = (heads // groups + 2) * hd
+        saved += _norm(m, s, t * heads, hd) + _norm(m, s, t * groups, hd, kept=qkv_per_group)
     saved += 4 * b * t * int(hd * m.rotary_percent)  # cos and sin for q and k, in the activation dtype
     return saved + core_attention_bytes(m, s) + b * t * heads * hd  # + linear_proj's input
 
@@ -117,9 +129,9 @@ def _mla_bytes(m: ModelConfig, s: RankShape, heads: int) -> int:
     t, ts, b, h = s.tokens, s.shard_tokens, s.dtype_bytes, m.hidden_size
     saved = b * ts * h  # the down projections' input
     if m.q_lora_rank is not None:
-        saved += _norm(t, m.q_lora_rank) + b * t * m.q_lora_rank
-    kv_input = 4 * t * (m.kv_lora_rank + m.qk_rope_head_dim) if b == 4 else 4 * t * m.kv_lora_rank
-    saved += kv_input + 4 * t * m.kv_lora_rank + 4 * t + b * t * m.kv_lora_rank
+        saved += _norm(m, s, t, m.q_lora_rank) + b * t * m.q_lora_rank
+    # The latent is a view of the down projection's output, which an fp32 or fused norm keeps whole.
+    saved += _norm(m, s, t, m.kv_lora_rank, kept=m.kv_lora_rank + m.qk_rope_head_dim) + b * t * m.kv_lora_rank
     saved += 4 * b * t * m.qk_rope_head_dim
     return saved + core_attention_bytes(m, s) + b * t * heads * m.v_head_dim
 
@@ -127,7 +139,7 @@ def _mla_bytes(m: ModelConfig, s: RankShape, heads: int) -> int:
 def dense_mlp_bytes(m: ModelConfig, s: RankShape) -> int:
     """One dense layer's MLP block (pre-MLP norm included)."""
     ts, b = s.shard_tokens, s.dtype_bytes
-    return _norm(ts, m.hidden_size) + b * ts * m.hidden_size + _swiglu(s.tokens, m.ffn_hidden_size // s.tp, b, False)
+    return _norm(m, s, ts, m.hidden_size) + b * ts * m.hidden_size + _swiglu(s.tokens, m.ffn_hidden_size // s.tp, b, False)
 
 
 def expert_rows(m: ModelConfig, s: RankShape) -> int:
@@ -139,7 +151,7 @@ def expert_rows(m: ModelConfig, s: RankShape) -> int:
 def moe_bytes(m: ModelConfig, s: RankShape, recompute_moe: bool = False) -> int:
     """One MoE layer's block (pre-MLP norm included)."""
     ts, b, h = s.shard_tokens, s.dtype_bytes, m.hidden_size
-    saved = _norm(ts, h) + b * ts * h  # the norm, and its output (the router's and experts' input)
+    saved = _norm(m, s, ts, h) + b * ts * h  # the norm, and its output (the router's and experts' input)
     if recompute_moe:
         return saved
     return saved + moe_block_bytes(m, s)
@@ -180,7 +192,7 @@ def recompute_transient_bytes(m: ModelConfig, s: RankShape, layers: range, recom
 
 def head_bytes(m: ModelConfig, s: RankShape) -> int:
     """The last stage's final norm and output layer input."""
-    return _norm(s.shard_tokens, m.hidden_size) + s.dtype_bytes * s.shard_tokens * m.hidden_size
+    return _norm(m, s, s.shard_tokens, m.hidden_size) + s.dtype_bytes * s.shard_tokens * m.hidden_size
 
 
 def logits_bytes(m: ModelConfig, s: RankShape, response_tokens: int) -> int:

@@ -44,6 +44,7 @@ from megatron_rl.plan.teachers import (
     trainer_teachers,
 )
 from megatron_rl.rollout.sglang.config import SGLangConfig
+from megatron_rl.sections import ModelConfig, ParallelConfig
 from moe_routing.types import compact_id_dtype
 
 SGLANG_RELEASED = 1 * GIB
@@ -135,12 +136,12 @@ def step_shape(cfg: RunConfig, layout: Layout) -> StepShape:
                      micro_batches=max(1, -(-step_tokens // t.mini_batches // tokens)), samples=samples)
 
 
-def rank_shape(cfg: RunConfig, layout: Layout, tokens: int) -> act.RankShape:
-    """The activation formulas' view of one rank."""
-    p = layout.parallel
-    return act.RankShape(tokens=tokens, tp=p.tensor_model_parallel_size,
-                         sequence_parallel=p.sequence_parallel_enabled(), etp=p.expert_tensor_parallel_size,
-                         dtype_bytes=act.DTYPE_BYTES[cfg.model.params_dtype])
+def rank_shape(model: ModelConfig, parallel: ParallelConfig, machine: Machine, tokens: int) -> act.RankShape:
+    """The activation formulas' view of one rank of ``machine`` (a GPU's norms are fused)."""
+    return act.RankShape(tokens=tokens, tp=parallel.tensor_model_parallel_size,
+                         sequence_parallel=parallel.sequence_parallel_enabled(),
+                         etp=parallel.expert_tensor_parallel_size, dtype_bytes=act.DTYPE_BYTES[model.params_dtype],
+                         fused_norm=not machine.cpu)
 
 
 def state_terms(cfg: RunConfig, layout: Layout, stage: int, distributed: bool) -> list[Term]:
@@ -171,7 +172,7 @@ def train_phase(cfg: RunConfig, layout: Layout, machine: Machine, stage: int, di
     """The policy update on one rank of pipeline stage ``stage``."""
     m, pp = cfg.model, layout.parallel.pipeline_model_parallel_size
     shape = step_shape(cfg, layout)
-    s = rank_shape(cfg, layout, shape.micro_batch_tokens)
+    s = rank_shape(cfg.model, layout.parallel, machine, shape.micro_batch_tokens)
     layers = stage_layers(m, pp, stage)
     in_flight = min(pp - stage, shape.micro_batches)
     per_micro_batch = sum(act.layer_bytes(m, s, i, layout.recompute) for i in layers)
@@ -197,7 +198,7 @@ def logprob_phase(cfg: RunConfig, layout: Layout, machine: Machine, stage: int, 
     """A forward-only pass over the step's samples (old policy, reference; the embedded engine's decoding)."""
     m, pp = cfg.model, layout.parallel.pipeline_model_parallel_size
     shape = step_shape(cfg, layout)
-    s = rank_shape(cfg, layout, shape.micro_batch_tokens)
+    s = rank_shape(cfg.model, layout.parallel, machine, shape.micro_batch_tokens)
     layers = stage_layers(m, pp, stage)
     terms = state_terms(cfg, layout, stage, distributed) + _runtime(machine)
     if name == "log-prob pass":
@@ -326,9 +327,7 @@ def teacher_phases(cfg: RunConfig, layout: Layout, machine: Machine, distributed
     for i, t in trainer_teachers(cfg):
         mine = Layout(parallel=t.parallel, world=layout.world)
         shape = step_shape(cfg, mine)
-        s = act.RankShape(tokens=shape.micro_batch_tokens, tp=t.parallel.tensor_model_parallel_size,
-                          sequence_parallel=t.parallel.sequence_parallel_enabled(),
-                          etp=t.parallel.expert_tensor_parallel_size, dtype_bytes=act.DTYPE_BYTES[t.model.params_dtype])
+        s = rank_shape(t.model, t.parallel, machine, shape.micro_batch_tokens)
         pp, name = t.parallel.pipeline_model_parallel_size, t.label(i)
         for stage in range(pp):
             layers = stage_layers(t.model, pp, stage)

