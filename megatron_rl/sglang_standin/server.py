@@ -163,8 +163,7 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
     async def _engine_generate(self, prompts: list[list[int]], params: SamplingParams, want_routes: bool,
                                seed: int, kv, control) -> tuple[str, list]:
         def run() -> tuple[str, list]:  # on the engine thread, where the served version changes
-            # The hf engine keeps KV and stops between decode steps; the megatron engine does neither.
-            extra = {} if kv is None else {"kv": kv, "control": control}
+            extra = {} if kv is None else {"kv": kv, "control": control}  # hf: keeps KV, stops between steps
             return self.engine_version, self.host.engine.generate(prompts, params, return_routed_experts=want_routes,
                                                                   seed=seed, **extra)
 
