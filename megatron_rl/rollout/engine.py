@@ -52,8 +52,9 @@ class RolloutSample:
     output_logprobs: torch.Tensor
     """``[len(output_ids)]`` fp32 log-probs of the generated tokens under the engine's policy
     at ``temperature`` (NaN at tokens an environment wrote: the policy never sampled them)."""
-    finish_reason: Literal["stop", "length"]
-    """Why generation ended ("length": cut at a length limit, for the overlong filter)."""
+    finish_reason: Literal["stop", "length", "abort"]
+    """Why generation ended ("length": cut at a length limit, for the overlong filter; "abort": a
+    local engine's decoding stopped early, the CPU SGLang stand-in's pauses, never trained)."""
     weight_version: int
     """Version of the weights that generated it: the oldest version among its tokens (with
     partial rollouts a response may continue under newer weights; ``token_versions``)."""

@@ -32,6 +32,12 @@ retraction), ``in_place`` continues from the KV the first pass left (engines tha
 the hf engine's cache of a row, :mod:`~megatron_rl.rollout.local.hf_prefix_cache`): the old
 positions keep their routes and the new tokens come from the new weights over the old KV.
 Every token carries the version of the weights that produced it (``weight_versions`` spans).
+A pause also stops an engine call in progress at its next decode step (engines that can: the
+hf engine's :class:`~megatron_rl.rollout.local.hf_generate.DecodeControl`), as SGLang's
+scheduler stops decoding at its next step in every mode (``scheduler.py:2031-2036``, an abort at
+``:5800-5812``): the call's responses come back cut, and with no clock they count as produced up
+to the cut (with one, the clock had not started: nothing was). So a pause in mode ``abort``
+returns within a decode step rather than after the whole call.
 
 Owns the queue, the batch window and size, the modelled decode clock and the pause cuts.
 Does not own HTTP, request parsing or the pause endpoints
@@ -51,14 +57,16 @@ from typing import AsyncIterator, Awaitable, Callable
 import torch
 
 from megatron_rl.rollout.engine import RolloutSample, SamplingParams
+from megatron_rl.rollout.local.hf_generate import DecodeControl
 from megatron_rl.rollout.local.hf_prefix_cache import CachedPrefix, PrefixCache
 from megatron_rl.rollout.sglang.partial import piece_seed
 
-GenerateFn = Callable[[list[list[int]], SamplingParams, bool, int, PrefixCache | None],
+GenerateFn = Callable[[list[list[int]], SamplingParams, bool, int, PrefixCache | None, DecodeControl],
                       Awaitable[tuple[str, list[RolloutSample]]]]
-"""``(prompts, params, return_routed_experts, seed, kv) -> (weights version, one sample per prompt)``,
-run off the event loop; ``kv`` (engines that keep KV): serves a prompt that extends an entry
-from it and keeps every computed row's KV in it."""
+"""``(prompts, params, return_routed_experts, seed, kv, control) -> (weights version, one sample per
+prompt)``, run off the event loop; ``kv`` (engines that keep KV): serves a prompt that extends an
+entry from it and keeps every computed row's KV in it; ``control`` (engines that can stop between
+decode steps): stopped by a pause, a sample it cut has ``finish_reason`` abort."""
 
 
 @dataclass
@@ -160,6 +168,8 @@ class ContinuousBatcher:
         """The mode generation is paused in (None: running)."""
         self.parked: list[_Request] = []
         """Requests a retract or in-place pause cut, continued after the pause."""
+        self._call: tuple[DecodeControl, str | None] | None = None
+        """The engine call in progress: its control, and the mode of the pause that stopped it."""
         self._waiting: asyncio.Queue | None = None
         self._resumed: asyncio.Event | None = None
 
@@ -215,22 +225,36 @@ class ContinuousBatcher:
                 await self._run(members)
 
     async def _run(self, members: list[_Request]) -> None:
+        if self.paused is not None:  # a pause came while an earlier group ran: none of these started
+            for m in members:
+                if self.paused == "abort":
+                    self._resolve(m, "abort")
+                else:
+                    self._waiting.put_nowait(m)
+            return
         pieces = [m.piece for m in members]
         kv = PrefixCache() if self.keeps_kv else None
         for m in members:
             if m.kv is not None:
                 kv.store(m.kv)
         self.batches += 1
+        control = DecodeControl(None)
+        self._call = (control, None)
         try:
             version, samples = await self.generate([p[0] for p in pieces], pieces[0][1], members[0].want_routes,
-                                                   pieces[0][2], kv)
+                                                   pieces[0][2], kv, control)
         except Exception as err:  # noqa: BLE001 - each waiting request gets the error
             self.last_answer = time.monotonic()
             for m in members:
                 if not m.future.done():
                     m.future.set_exception(err)
             return
+        finally:
+            stopped_in, self._call = self._call[1], None
         now = time.monotonic()
+        # Computed after the pause began (nothing was produced yet), or stopped by a pause that has
+        # ended since (its requests were cut all the same, and the kept ones go on at once).
+        mode = self.paused or stopped_in
         for m, (prompt, _, _), sample in zip(members, pieces, samples):
             m.kv = None
             entry = None if kv is None else kv.take((*prompt, *sample.output_ids[:-1]))
@@ -238,8 +262,10 @@ class ContinuousBatcher:
             task = asyncio.get_running_loop().call_later(delay, self._finish, m)
             m.decoding = (sample, version, now, entry, task)
             self.decoding.add(m)
-            if self.paused is not None:  # computed after the pause began: nothing was produced yet
-                self._cut(m, now)
+            if mode is not None:
+                self._cut(m, now, mode)
+        if self.paused is None and self.parked:
+            self.resume()
 
     def _finish(self, request: _Request) -> None:
         sample, version, _, _, _ = request.decoding
@@ -260,14 +286,17 @@ class ContinuousBatcher:
         module docstring); ``abort`` answers them, and the queued ones, with what they have."""
         self.paused = mode
         self._resumed.clear()
+        if self._call is not None:
+            self._call[0].stop()
+            self._call = (self._call[0], self._call[1] or mode)
         now = time.monotonic()
         for request in list(self.decoding):
-            self._cut(request, now)
+            self._cut(request, now, mode)
         if mode == "abort":
             while not self._waiting.empty():
                 self._resolve(self._waiting.get_nowait(), "abort")
 
-    def _cut(self, request: _Request, now: float) -> None:
+    def _cut(self, request: _Request, now: float, mode: str) -> None:
         sample, version, t0, entry, task = request.decoding
         task.cancel()
         self.decoding.discard(request)
@@ -277,12 +306,12 @@ class ContinuousBatcher:
                                                                   math.floor((now - t0) / latency + 1e-9))
         prompt_len = len(request.prompt) + len(request.output_ids)
         request.keep(sample, version, produced)
-        if produced == len(sample.output_ids):
+        if produced == len(sample.output_ids) and sample.finish_reason != "abort":  # it had ended
             self._resolve(request, sample.finish_reason)
-        elif self.paused == "abort":
+        elif mode == "abort":
             self._resolve(request, "abort")
         else:
-            if self.paused == "retract":
+            if mode == "retract":
                 request.retractions += 1
             elif entry is not None:  # in place: the KV of every position before the cut stays
                 keep = prompt_len + produced - 1

@@ -13,7 +13,17 @@ Every rule is SGLang's (paths under ``sglang/srt/``); what a pause does to each 
   ``tokenizer_manager.py:2267-2280``; ``io_struct.py:1927-1946``): new requests wait until
   ``/continue_generation``; ``abort`` answers every request with what it has and returns once
   none holds the lock; ``retract`` and ``in_place`` return at once, their requests kept
-  (``scheduler.py:5817-5932``). A mode outside the three is refused (FastAPI, 422).
+  (``scheduler.py:5817-5932``). A mode outside the three is refused (FastAPI, 422). In every
+  mode decoding stops at the scheduler's next step: paused, its event loop runs no batch
+  (``scheduler.py:2031-2036``); an aborted running request runs one more decode step, whose
+  token it keeps, and is answered with every token it has, ``finish_reason`` abort
+  (``scheduler.py:5800-5812``; ``scheduler_components/batch_result_processor.py:1045-1049``;
+  ``schedule_batch.py:2011-2013``). So the stand-in's engine call in progress is stopped at its
+  next decode step (the hf engine; :mod:`~megatron_rl.sglang_standin.batching` says what its
+  requests keep): a pause in mode ``abort`` waits for that step, not for the whole call (the
+  megatron engine's calls still run to their end). SGLang checks the lock every 1.0 s
+  (``tokenizer_manager.py:2273-2280``), the stand-in every 0.05 s: SGLang's abort pause with
+  requests running takes at least a second.
 * **flush_cache** (``scheduler.py:5518-5548``) succeeds only when no request runs (queued ones
   ignored while paused), else ``/flush_cache`` answers 400 (``http_server.py:1027-1040``) and
   a weight update that asked for it fails, its weights loaded (``scheduler_components/

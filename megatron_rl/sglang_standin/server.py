@@ -161,9 +161,9 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
     # ------------------------------------------------------------------ generation
 
     async def _engine_generate(self, prompts: list[list[int]], params: SamplingParams, want_routes: bool,
-                               seed: int, kv) -> tuple[str, list]:
+                               seed: int, kv, control) -> tuple[str, list]:
         def run() -> tuple[str, list]:  # on the engine thread, where the served version changes
-            extra = {} if kv is None else {"kv": kv}
+            extra = {} if kv is None else {"kv": kv, "control": control}  # hf: keeps KV, stops between steps
             return self.engine_version, self.host.engine.generate(prompts, params, return_routed_experts=want_routes,
                                                                   seed=seed, **extra)
 

@@ -10,6 +10,9 @@ some rows hit the cache and one does not. Routes come back from ``routes_from`` 
 ``[N1 - 1, N2 - 1)`` stitch into ``[N2 - 1, L, K]``, which must equal the top-K of a full
 forward over the whole trajectory. A misaligned stitch (a row off by one, cached rows
 missing) would show up as a length error or as wholesale route disagreement.
+
+A decoding stopped between steps (``DecodeControl.stop``, the CPU SGLang stand-in's pauses)
+keeps each live row's KV in the cache the same way, so a continuation in place starts from it.
 """
 
 from pathlib import Path
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.engine import SamplingParams
-from megatron_rl.rollout.local.hf_generate import generate
+from megatron_rl.rollout.local.hf_generate import DecodeControl, generate
 from megatron_rl.rollout.local.hf_prefix_cache import PrefixCache
 
 ASSET = Path(__file__).resolve().parents[2] / "megatron_rl" / "assets" / "tiny_qwen3_moe"
@@ -80,6 +83,44 @@ def test_cached_positions_keep_the_routes_of_the_pass_that_computed_them(model):
     assert again.routes_NLK.shape[0] == len(entry_ids) + 1 + len(again.output_ids) - 1 - 2
     assert bool((again.routes_NLK[:cached_rows] == 7).all())
     assert not bool((again.routes_NLK[cached_rows:] == 7).all())
+
+
+def test_a_stopped_decode_ends_at_the_next_step_with_every_live_row_as_it_is_and_its_kv_kept(model):
+    """A stop asked while the third forward runs (the prefill and two decode steps) ends the
+    decoding right after it: every row has 3 tokens, equal to an unstopped decode's first 3
+    (same generator), with their log-probs and the routes of every position it forwarded; each
+    is marked cut, and its KV is kept: a continuation from the cache computes what a full
+    forward computes."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23, 24]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=24)  # no stop token: every row would run 24 steps
+    whole = generate(model, prompts, params, generator=torch.Generator().manual_seed(0), return_routes=True,
+                     max_length=128)
+    control, forwards, cache = DecodeControl(None), [], PrefixCache()
+
+    def count(*_):
+        forwards.append(1)
+        if len(forwards) == 3:
+            control.stop()
+
+    handle = model.register_forward_hook(count)
+    try:
+        cut = generate(model, prompts, params, generator=torch.Generator().manual_seed(0), return_routes=True,
+                       max_length=128, prefix_cache=cache, control=control)
+    finally:
+        handle.remove()
+    assert len(forwards) == 3 and len(cache) == 3
+    for prompt, w, c in zip(prompts, whole, cut):
+        assert c.cut and not w.cut and not c.stopped and c.versions is None
+        assert c.output_ids == w.output_ids[:3] and torch.equal(c.logprobs, w.logprobs[:3])
+        assert torch.equal(c.routes_NLK, w.routes_NLK[:len(prompt) + 2])
+    again = [p + c.output_ids for p, c in zip(prompts, cut)]
+    more = generate(model, again, SamplingParams(temperature=1.0, max_new_tokens=1),
+                    generator=torch.Generator().manual_seed(1), return_routes=False, max_length=128,
+                    prefix_cache=cache)
+    assert cache.hits == 3
+    for ids, g in zip(again, more):
+        logp, _ = _full_forward(model, ids + g.output_ids)
+        assert abs(float(g.logprobs[0] - logp[len(ids) - 1, g.output_ids[0]])) <= 1e-5
 
 
 def test_routes_from_outside_the_prompt_names_the_sample(model):

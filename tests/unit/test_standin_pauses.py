@@ -7,10 +7,14 @@ token at output position i is ``10 * v + i`` with log-prob ``-v - i / 100``, and
 position a pass forwards is routed to experts ``(v, v + 1)``. With a modelled decode clock
 (a response's tokens come one per ``LATENCY``), a pause lands inside a response; the weights
 change (``/update_weight_version``) while paused, and the answer shows, token by token and
-position by position, which pass produced what.
+position by position, which pass produced what. A slower fake decodes one token per step in
+a thread, checking its control between steps as the hf engine does, so a pause lands inside
+an engine call.
 """
 
 import asyncio
+import dataclasses
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -39,7 +43,7 @@ class _Host:
         self.engine = SimpleNamespace(generate=self._generate)
         self.weights = SimpleNamespace(begin=lambda: (True, "begun"))
 
-    def _generate(self, prompts, params, *, return_routed_experts, seed, kv=None):
+    def _generate(self, prompts, params, *, return_routed_experts, seed, kv=None, control=None):
         v = int(self.server.engine_version)
         out = []
         for prompt in prompts:
@@ -61,9 +65,48 @@ class _Host:
         return fn(*args)
 
 
-def _server(kind: str = "hf") -> tuple[ProtocolServer, _Host]:
-    host = _Host(kind)
-    server = ProtocolServer(host, weight_version="1", token_latency_s=LATENCY)
+class _SteppingHost(_Host):
+    """Computes each response one token per ``step_s`` on a thread of its own, checking the call's
+    control between steps as the hf engine does (a stopped call returns every response cut after
+    the step it was in)."""
+
+    def __init__(self):
+        super().__init__()
+        self.model_cfg = SimpleNamespace(vocab_size=1000, max_position_embeddings=512, num_dense_layers=0)
+        self.engine = SimpleNamespace(generate=self._decode)
+        self.step_s, self.steps = STEP_S, 0
+
+    def _decode(self, prompts, params, *, return_routed_experts, seed, kv=None, control=None):
+        whole = self._generate(prompts, params, return_routed_experts=return_routed_experts, seed=seed, kv=kv)
+        for n in range(1, params.max_new_tokens):
+            time.sleep(self.step_s)
+            self.steps += 1
+            if control is not None and control.stopping:
+                return [self._cut(sample, n, kv) for sample in whole]
+        return whole
+
+    @staticmethod
+    def _cut(sample, n, kv):
+        forwarded = (*sample.prompt_ids, *sample.output_ids[:n - 1])
+        routes = sample.routed_experts[:len(forwarded)]
+        if kv is not None:
+            kv.store(CachedPrefix(forwarded, [torch.zeros(1, len(forwarded), 1)], [torch.zeros(1, len(forwarded), 1)],
+                                  routes))
+        return dataclasses.replace(sample, output_ids=sample.output_ids[:n], output_logprobs=sample.output_logprobs[:n],
+                                   routed_experts=routes, finish_reason="abort")
+
+    async def call(self, fn, *args):
+        return await asyncio.to_thread(fn, *args)
+
+
+STEP_S = 0.05
+"""The stepping fake's decode step: its call of ``LONG`` tokens takes 20 s unless stopped."""
+LONG = 400
+
+
+def _server(kind: str = "hf", latency: float = LATENCY, host=None) -> tuple[ProtocolServer, _Host]:
+    host = host or _Host(kind)
+    server = ProtocolServer(host, weight_version="1", token_latency_s=latency)
     host.server = server
     return server, host
 
@@ -148,6 +191,70 @@ def test_a_request_kept_by_a_pause_continues_under_the_new_weights(mode):
     else:  # in place: the old KV stays, and with it the old positions' routes; flushing is refused
         assert positions == [1] * cut + [2] * (len(positions) - cut)
         assert flush_status == 400 and updated == (False, FLUSH_REFUSED)
+
+
+async def _paused_inside_the_call(client, server, host, mode: str):
+    """A long request sent, paused in ``mode`` while its engine call runs (step 3 or later); returns
+    the request, the engine's step count when the server took the pause, and the pause's status."""
+    long_body = {**BODY, "sampling_params": {"max_new_tokens": LONG}}
+    request = asyncio.ensure_future(client.post("/generate", json=long_body))
+    for _ in range(4000):
+        if host.steps >= 3:
+            break
+        await asyncio.sleep(0.005)
+    taken = []
+    pause = server.batcher.pause
+    server.batcher.pause = lambda m: (taken.append(host.steps), pause(m))
+    resp = await asyncio.wait_for(client.post("/pause_generation", json={"mode": mode}), 60)
+    return request, taken[0], resp.status
+
+
+@pytest.mark.parametrize("latency", [LATENCY, 0.0])
+def test_an_abort_pause_stops_the_engine_call_at_its_next_step(latency):
+    """Before, the pause waited for the whole call (here 20 s). With the modelled clock nothing of the
+    call was produced yet, so the request is answered with no token; without it, with the tokens computed."""
+    async def scenario():
+        server, host = _server(latency=latency, host=_SteppingHost())
+        async with TestClient(TestServer(server.app())) as client:
+            request, taken, status = await _paused_inside_the_call(client, server, host, "abort")
+            stopped = host.steps
+            payload = await (await asyncio.wait_for(request, 60)).json()
+            return taken, stopped, status, payload
+
+    taken, stopped, status, payload = _run(scenario)
+    assert status == 200 and stopped - taken <= 1 and stopped < LONG  # the step it was in, then no more
+    assert payload["meta_info"]["finish_reason"]["type"] == "abort"
+    got = _decode(payload, abort=True)
+    assert got.output_ids == ([] if latency else [10 + i for i in range(stopped)])
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_a_call_a_pause_stopped_is_continued_from_its_tokens_under_the_new_weights(mode):
+    """Without the clock the tokens computed before the stop count as produced: kept, and the rest
+    computed after the continue under the new weights, by the rules of each mode."""
+    async def scenario():
+        server, host = _server(latency=0.0, host=_SteppingHost())
+        async with TestClient(TestServer(server.app())) as client:
+            request, taken, status = await _paused_inside_the_call(client, server, host, mode)
+            for _ in range(12000):  # until the call came back (cut), at most a minute
+                if server.batcher.parked or request.done():
+                    break
+                await asyncio.sleep(0.005)
+            stopped = host.steps
+            host.step_s = 0.0
+            await client.post("/update_weight_version", json={"new_version": "2"})
+            await client.post("/continue_generation", json={})
+            return taken, stopped, status, await (await asyncio.wait_for(request, 60)).json()
+
+    taken, stopped, status, payload = _run(scenario)
+    got = _decode(payload)
+    n = got.token_versions.count("1")
+    assert status == 200 and stopped - taken <= 1 and n == stopped
+    assert got.token_versions == ["1"] * n + ["2"] * (LONG - n)
+    assert got.output_ids == [10 + i for i in range(n)] + [20 + n + i for i in range(LONG - n)]
+    positions = got.routed_experts[:, 0, 0].tolist()
+    cut = len(PROMPT) + n - 1
+    assert positions == ([2] * len(positions) if mode == "retract" else [1] * cut + [2] * (len(positions) - cut))
 
 
 def test_an_unpaused_weight_update_waits_for_the_running_requests():

@@ -208,13 +208,15 @@ class HFEngine:
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *,
                  return_routed_experts: bool = True, seed: int = 0,
-                 routes_from: Sequence[int] | None = None, kv: PrefixCache | None = None) -> list[RolloutSample]:
+                 routes_from: Sequence[int] | None = None, kv: PrefixCache | None = None,
+                 control: DecodeControl | None = None) -> list[RolloutSample]:
         """``RolloutEngine.generate`` for this DP rank (collective over the model-parallel group);
         ``kv``: a cache to use instead of the engine's own (prompts that extend an entry are
         served from it, every computed row's KV is kept in it: the CPU SGLang stand-in's
-        pauses in place)."""
+        pauses in place); ``control``: stops the decoding between steps (the stand-in's pauses;
+        a sample it cut has ``finish_reason`` abort)."""
         mine = self._share(prompts, params, return_routed_experts=return_routed_experts, seed=seed,
-                           routes_from=routes_from, kv=kv)
+                           routes_from=routes_from, kv=kv, control=control)
         return self._samples(prompts, self._gathered(mine), params.temperature)
 
     def _share(self, prompts: Sequence[Sequence[int]], params: SamplingParams, *, return_routed_experts: bool,
@@ -258,7 +260,7 @@ class HFEngine:
             mixed = versions is not None and len(set(g.versions)) > 1
             out.append(RolloutSample(
                 prompt_ids=list(prompt), output_ids=g.output_ids, output_logprobs=g.logprobs,
-                finish_reason="stop" if g.stopped else "length", routed_experts=g.routes_NLK,
+                finish_reason="abort" if g.cut else "stop" if g.stopped else "length", routed_experts=g.routes_NLK,
                 weight_version=self.weight_version if versions is None else int(versions.min()),
                 token_versions=versions if mixed else None, temperature=temperature, routed_gates=g.gates_NLK,
                 routed_probs=g.probs_NLK, truncation_logratio=g.truncation_logratio,

@@ -34,7 +34,10 @@ token and the next forward the decoding thread can park while the weights change
 goes on, each token tagged with the version of the pass that computed its logits. With
 ``recompute`` (SGLang's ``retract``) every live row's KV is computed again under the new
 weights (the prompt and the tokens so far); otherwise (``in_place``) the old KV stays. Routes
-of positions forwarded before the pause keep the pass that computed them.
+of positions forwarded before the pause keep the pass that computed them. Or it can be
+stopped there (the CPU SGLang stand-in's pauses, which SGLang's scheduler applies at its next
+decode step): every live row is returned with the tokens it has (``Generation.cut``), its KV
+kept in the prefix cache for a continuation in place.
 
 Does not own the model or its weights (``hf_model``), data-parallel splitting or
 versions (``hf_engine``).
@@ -87,19 +90,22 @@ class Generation:
     """``[len(output_ids)]`` fp32 ``-log(mass kept)`` by top-k / top-p at each token (None: no truncation)."""
     versions: list[int] | None = None
     """The weights version that computed each token's logits (with a :class:`DecodeControl`)."""
+    cut: bool = False
+    """Decoding was stopped before the response ended (:meth:`DecodeControl.stop`)."""
 
 
 class DecodeControl:
     """Pauses a decoding thread between steps while the weights change (see the module docstring).
 
     Args:
-        version: the version of the weights the model holds when decoding starts.
+        version: the version of the weights the model holds when decoding starts (None: tokens
+            are not tagged; a control that only stops).
     """
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int | None) -> None:
         self.version = version
         self.recompute = False
-        self._pause, self._parked, self._resumed, self._done = (threading.Event() for _ in range(4))
+        self._pause, self._parked, self._resumed, self._done, self._stop = (threading.Event() for _ in range(5))
 
     def pause(self) -> None:
         """Ask the decoding thread to park at its next step; returns once it has (or has finished)."""
@@ -114,6 +120,15 @@ class DecodeControl:
         self._pause.clear()
         self._parked.clear()
         self._resumed.set()
+
+    def stop(self) -> None:
+        """Ask the decoding thread to end at its next step, every live row as it is (returns at once)."""
+        self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """:meth:`stop` was asked."""
+        return self._stop.is_set()
 
     def finished(self) -> None:
         """The decoding ended (a pause asked later returns at once)."""
@@ -263,6 +278,11 @@ def generate(
                 select_rows(cache, index)
                 rows, tokens_B, mask_BP = rows[index], tokens_B[index], mask_BP[index]
                 next_pos_B = next_pos_B[index]
+            if control is not None and control.stopping:  # the live rows' KV kept for a continuation in place
+                if prefix_cache is not None:
+                    _keep_finished(prefix_cache, cache, rows, [], mask_BP, prompts, responses)
+                responses.cut(rows.tolist())
+                break
             if control is not None and control.at_step():
                 # The weights changed: every live row's KV again, its last token forwarded with it.
                 out_version = control.version
@@ -379,6 +399,7 @@ class _Responses:
         self.routes: list[list[torch.Tensor]] = [[] for _ in range(num_samples)]
         self.versions: list[list[int]] = [[] for _ in range(num_samples)]
         self.stopped = [False] * num_samples
+        self.cut_rows: set[int] = set()
 
     def append(self, samples: list[int], tokens_B: torch.Tensor, token_lp_B2: torch.Tensor,
                stops: set[int], last_step: bool, version: int | None = None) -> list[int]:
@@ -394,13 +415,17 @@ class _Responses:
                 keep.append(r)
         return keep
 
+    def cut(self, samples: list[int]) -> None:
+        """These samples were stopped before their response ended."""
+        self.cut_rows.update(samples)
+
     def generations(self, id_dtype: torch.dtype, *, with_routes: bool, routes_from: list[int],
                     truncated: bool) -> list[Generation]:
         """One :class:`Generation` per sample; routes (when collected) from ``routes_from`` on, as
         ``id_dtype`` ids, gates and probabilities; the truncation log-ratios when top-k / top-p cut."""
         out = []
-        for ids, values, routes, stopped, start, versions in zip(self.output_ids, self.logprobs, self.routes,
-                                                                 self.stopped, routes_from, self.versions):
+        for i, (ids, values, routes, stopped, start, versions) in enumerate(zip(
+                self.output_ids, self.logprobs, self.routes, self.stopped, routes_from, self.versions)):
             values_O2 = torch.stack(values).float().cpu()
             triples = torch.cat(routes)[start:].cpu() if with_routes else None
             out.append(Generation(
@@ -409,7 +434,7 @@ class _Responses:
                 gates_NLK=None if triples is None else triples[..., 1].contiguous(),
                 probs_NLK=None if triples is None else triples[..., 2].contiguous(),
                 truncation_logratio=values_O2[:, 1].contiguous() if truncated else None,
-                versions=None if None in versions else versions,
+                versions=None if None in versions else versions, cut=i in self.cut_rows,
             ))
         return out
 
