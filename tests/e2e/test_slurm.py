@@ -100,7 +100,7 @@ def _stop(pid):
             return
 
 
-def _read_pid(path, timeout=10.0):
+def _read_pid(path, timeout=60.0):  # a daemon start took seconds under a load of ~100
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if path.exists() and path.read_text().strip().isdigit():
@@ -200,7 +200,18 @@ def _start_daemons(root, node, ports, started) -> dict:
     for daemon, pid_file in (("slurmctld", "slurmctld.pid"), ("slurmd", "slurmd.pid")):
         (root / pid_file).unlink(missing_ok=True)
         subprocess.run([_bin(daemon), "-f", str(conf)], env=env, check=True, capture_output=True)
-        ours.append(_read_pid(root / pid_file))
+        try:
+            ours.append(_read_pid(root / pid_file))
+        except RuntimeError:
+            # Seen under load with a port grabber running: slurmd found its port taken and exited
+            # before it wrote its pid file.
+            logs = "\n".join((root / "log" / f).read_text()[-1500:] for f in ("slurmctld.log", "slurmd.log")
+                             if (root / "log" / f).exists())
+            for pid in reversed(ours):
+                _stop(pid)
+            if was_taken(logs):
+                raise PortTaken(f"ports {ports}: {logs}") from None
+            raise RuntimeError(f"{daemon} wrote no pid file:\n{logs}") from None
     started.extend(ours)
     deadline = time.monotonic() + 30
     while (state := _sinfo_state(env, node)) != "idle":
