@@ -18,6 +18,7 @@ import dataclasses
 
 import pytest
 import torch
+from saved_bytes import saved_per_layer
 
 from megatron_rl.parallel.world import run_world
 from megatron_rl.plan.activations import DTYPE_BYTES, RankShape, layer_bytes
@@ -109,31 +110,9 @@ def _saved_per_layer(model_cfg, parallel, groups):
 
     model = build_model(model_cfg, parallel)
     ddp = wrap_for_training(model)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside: list[int] = []
-
-    def enter(layer, *_):
-        inside.append(layer.layer_number - 1)
-
-    def leave(*_):
-        inside.pop()
-
-    for layer in model.decoder.layers:
-        layer.register_forward_pre_hook(enter)
-        layer.register_forward_hook(leave)
-    seen, per_layer = set(), {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if inside and storage.data_ptr() not in parameters and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            per_layer[inside[-1]] = per_layer.get(inside[-1], 0) + storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_backward(ddp, groups, _batch(model_cfg, groups.dp_rank), get_preset("dr_grpo"),
-                         RoutingPlan(mode="none", diagnostics=False), micro_batch_tokens=TOKENS)
-    return per_layer
+    return saved_per_layer(model, lambda: forward_backward(
+        ddp, groups, _batch(model_cfg, groups.dp_rank), get_preset("dr_grpo"),
+        RoutingPlan(mode="none", diagnostics=False), micro_batch_tokens=TOKENS))
 
 
 def _grads_per_recompute(model_cfg, groups):

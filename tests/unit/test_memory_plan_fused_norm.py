@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torchgen
 import yaml
+from saved_bytes import saved_per_layer
 
 from megatron_rl.parallel.world import world_of_one
 from megatron_rl.plan.activations import layer_bytes
@@ -75,7 +76,7 @@ def _fused_rms_norm_on_cpu():
 
 def _saved_per_layer(model_cfg, groups) -> dict[int, int]:
     """Bytes saved for backward inside each decoder layer in one update (unique storages,
-    parameters excluded), as ``tests/parallel/test_memory_plan_model.py`` counts them."""
+    parameters excluded), with ``tests/saved_bytes.py``."""
     from megatron_rl.algos.presets import get_preset
     from megatron_rl.parallel.model import build_model
     from megatron_rl.parallel.schedule import wrap_for_training
@@ -83,26 +84,6 @@ def _saved_per_layer(model_cfg, groups) -> dict[int, int]:
 
     model = build_model(model_cfg, ParallelConfig())
     ddp = wrap_for_training(model)
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    inside: list[int] = []
-
-    def enter(layer, *_):
-        inside.append(layer.layer_number - 1)
-
-    def leave(*_):
-        inside.pop()
-
-    for layer in model.decoder.layers:
-        layer.register_forward_pre_hook(enter)
-        layer.register_forward_hook(leave)
-    seen, per_layer = set(), {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if inside and storage.data_ptr() not in parameters and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            per_layer[inside[-1]] = per_layer.get(inside[-1], 0) + storage.nbytes()
-        return tensor
 
     gen = torch.Generator().manual_seed(0)
     responses = 4 * (TOKENS // 4 - 16)
@@ -110,10 +91,9 @@ def _saved_per_layer(model_cfg, groups) -> dict[int, int]:
                                   for _ in range(4)],
                        prompt_lengths=[16] * 4, old_logprobs_T=torch.full((responses,), -5.0),
                        advantages_T=torch.randn(responses, generator=gen))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_backward(ddp, groups, batch, get_preset("dr_grpo"), RoutingPlan(mode="none", diagnostics=False),
-                         micro_batch_tokens=TOKENS)
-    return per_layer
+    return saved_per_layer(model, lambda: forward_backward(
+        ddp, groups, batch, get_preset("dr_grpo"), RoutingPlan(mode="none", diagnostics=False),
+        micro_batch_tokens=TOKENS))
 
 
 def test_gpu_layer_bytes_equal_what_the_fused_norm_layers_save():
