@@ -24,7 +24,7 @@ import torch
 
 from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoint
 from megatron_rl.config import resolve_objective, validate_batch_split
-from megatron_rl.data.prompts import PromptSet, load_prompts
+from megatron_rl.data.prompts import PromptSet
 from megatron_rl.fp8 import transformer_config_fields
 from megatron_rl.parallel.comm import rank
 from megatron_rl.parallel.model import build_model, recompute_fields
@@ -43,7 +43,7 @@ from megatron_rl.train.hf_export import RunExports
 from megatron_rl.train.init_weights import load_initial_weights
 from megatron_rl.train.lifecycle import CheckpointLifecycle
 from megatron_rl.train.mismatch import StepMismatch
-from megatron_rl.train.prepare import prompt_limit, run_tokenizer
+from megatron_rl.train.prepare import RunPrompts, load_run_prompts
 from megatron_rl.train.rollouts import RolloutSource
 from megatron_rl.train.run_log import RunLog
 from megatron_rl.train.sft import WarmStart
@@ -101,13 +101,14 @@ class RunParts:
     """The sampled policy's temperatures, the saved rollouts and the gap's breakdown."""
 
 
-def build_run(cfg: RunConfig, groups: ParallelGroups) -> RunParts:
-    """Collective: every part of the run, on every rank of the world together."""
+def build_run(cfg: RunConfig, groups: ParallelGroups, prompts: RunPrompts | None = None) -> RunParts:
+    """Collective: every part of the run, on every rank of the world together. ``prompts``:
+    the tokenizer and prompts the input check loaded (``train.prepare.check_inputs``); None
+    loads them here."""
     objective = resolve_objective(cfg)
-    tokenizer = run_tokenizer(cfg)
-    limit, set_by = prompt_limit(cfg)
-    train_set = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
-    eval_set = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
+    if prompts is None:
+        prompts = load_run_prompts(cfg)
+    tokenizer, train_set, eval_set = prompts.tokenizer, prompts.train, prompts.eval
     init = inspect_init_checkpoint(cfg.init_checkpoint) if cfg.init_checkpoint else None
     validate_batch_split(cfg, groups.dp_size)  # the entry points checked it from the config already
     # Before the model exists: a run whose rollout servers are missing fails in seconds.

@@ -44,15 +44,16 @@ from megatron_rl.parallel.world import (  # noqa: E402
 )
 from megatron_rl.train.checkpoint import latest_checkpoint  # noqa: E402
 from megatron_rl.train.config_report import demo_sized_warning  # noqa: E402
-from megatron_rl.train.prepare import check_inputs  # noqa: E402
+from megatron_rl.train.prepare import RunPrompts, check_inputs  # noqa: E402
 from megatron_rl.train.run_lock import RunDirBusy, RunDirLock  # noqa: E402
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_cpu.yaml"
 
 
-def run_rank(cfg_dict: dict) -> list[dict]:
+def run_rank(cfg_dict: dict, prompts: RunPrompts | None = None) -> list[dict]:
     """Body of one rank: build groups, train, write plots and the summary on rank 0, which
-    also feeds the run's W&B and MLflow runs (``logging``)."""
+    also feeds the run's W&B and MLflow runs (``logging``). ``prompts``: the tokenizer and
+    prompts the input check loaded; None reads them again."""
     from megatron_rl.parallel.cpu_platform import cpu_platform
     from megatron_rl.parallel.groups import model_parallel
     from megatron_rl.train.sinks import Trackers
@@ -64,7 +65,7 @@ def run_rank(cfg_dict: dict) -> list[dict]:
     rank0 = comm.rank(world) == 0
     with cpu_platform(enable=cfg.parallel.use_cpu_platform is not False):
         with model_parallel(cfg.parallel, cfg.seed) as groups:
-            trainer = Trainer(cfg, groups)
+            trainer = Trainer(cfg, groups, prompts)
             with Trackers(cfg, enabled=rank0, resumed=trainer.checkpoints.resumed_step is not None) as trackers:
                 history = trainer.run(trackers)
                 if rank0:
@@ -172,12 +173,14 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
         if rank0 and busy is None:
             print(summary.describe(), flush=True)
         if launched:
-            return _run_launched(cfg, busy)
+            return _run_launched(cfg, busy, summary.prompts if busy is None else None)
         os.environ.setdefault("PYTHONWARNINGS", "ignore::UserWarning,ignore::FutureWarning")
         nproc = cfg.parallel.world_size or 1
         validate(cfg, world_size=nproc)
         try:
-            run_world(run_rank, nproc, to_dict(cfg), timeout_s=24 * 3600, preload=_rank_preload(cfg))
+            # The ranks take the checked prompts along (pickled): one read and tokenization per run.
+            run_world(run_rank, nproc, to_dict(cfg), summary.prompts, timeout_s=24 * 3600,
+                      preload=_rank_preload(cfg))
         except WorldError as err:
             if os.environ.get("MEGATRON_RL_TRACEBACK"):
                 raise
@@ -195,14 +198,15 @@ def _main(args: argparse.Namespace, launched: bool) -> int:
 
 def _rank_preload(cfg: RunConfig) -> tuple[str, ...]:
     """What every rank of this run imports besides torch and Megatron-Core (about a second
-    each: the trainer; with prompt files, the HF tokenizer and ``datasets``; with the hf
-    engine, transformers' model classes), for the ranks' forkserver to import once."""
-    files = ("transformers.models.auto.tokenization_auto", "datasets") if cfg.data.source == "files" else ()
+    each: the trainer; with prompt files, the HF tokenizer (``datasets`` not: the ranks get the
+    prompts read); with the hf engine, transformers' model classes), for the ranks' forkserver
+    to import once."""
+    files = ("transformers.models.auto.tokenization_auto",) if cfg.data.source == "files" else ()
     hf_engine = ("transformers.models.auto.modeling_auto",) if cfg.rollout.engine == "hf" else ()
     return ("megatron_rl.train.trainer", *files, *hf_engine)
 
 
-def _run_launched(cfg: RunConfig, busy: RunDirBusy | None) -> int:
+def _run_launched(cfg: RunConfig, busy: RunDirBusy | None, prompts: RunPrompts | None) -> int:
     """One torchrun worker; global rank 0 holds the run directory and tells the others
     whether it got it, so that a refused run exits 2 on every rank."""
     # Workers lead their own sessions under torchrun: if the agent dies, nothing else
@@ -218,7 +222,7 @@ def _run_launched(cfg: RunConfig, busy: RunDirBusy | None) -> int:
             return 2
         processes = rank_processes(world)
         try:
-            run_rank(to_dict(cfg))
+            run_rank(to_dict(cfg), prompts)
         except Exception:
             gone = gone_on_this_host(processes)
             if gone:

@@ -20,7 +20,7 @@ from megatron_rl.checkpoint.init_source import InitSource, inspect_init_checkpoi
 from megatron_rl.checkpoint.trainer_source import check_trainer_checkpoint
 from megatron_rl.config import RunConfig
 from megatron_rl.config_loading import ConfigError
-from megatron_rl.data.prompts import check_data_config, load_prompts
+from megatron_rl.data.prompts import PromptSet, check_data_config, load_prompts
 from megatron_rl.data.tokenizer import (
     PromptTokenizer,
     check_tokenizer_config,
@@ -33,23 +33,35 @@ from megatron_rl.train.teacher_checks import check_teacher_inputs
 
 
 @dataclass(kw_only=True)
+class RunPrompts:
+    """The run's tokenizer and both prompt splits, as the input check loaded them. The ranks
+    start from these rather than reading and tokenizing the files again (seconds per rank for
+    thousands of prompts), so every rank trains on exactly the prompts that were checked, with
+    the tokenizer that encoded them."""
+
+    tokenizer: PromptTokenizer
+    """The run's tokenizer (:func:`run_tokenizer`)."""
+    train: PromptSet
+    """The training prompts kept."""
+    eval: PromptSet
+    """The held-out prompts kept (may be empty)."""
+
+
+@dataclass(kw_only=True)
 class InputSummary:
-    """What the checks found, for the one-line report before training."""
+    """What the checks found: the one-line report before training, and the prompts the ranks use."""
 
     init: InitSource | None
     """The starting checkpoint (None: random weights)."""
-    train_prompts: int
-    """Training prompts kept."""
-    eval_prompts: int
-    """Eval prompts kept."""
-    dropped: int
-    """Prompts over the length limit, both splits."""
+    prompts: RunPrompts
+    """The tokenizer and the prompts, loaded once for the whole run."""
 
     def describe(self) -> str:
         """One line for the run's log."""
         start = f"{self.init.hf.architecture} checkpoint {self.init.path}" if self.init else "random weights"
-        return (f"policy from {start}; prompts: {self.train_prompts} train, {self.eval_prompts} eval "
-                f"({self.dropped} over the length limit dropped)")
+        train, evals = self.prompts.train, self.prompts.eval
+        return (f"policy from {start}; prompts: {len(train)} train, {len(evals)} eval "
+                f"({train.num_filtered + evals.num_filtered} over the length limit dropped)")
 
 
 def max_prompt_tokens(cfg: RunConfig) -> int:
@@ -111,11 +123,23 @@ def check_inputs(cfg: RunConfig) -> InputSummary:
     if frame > limit:  # known before a prompt file is read (thousands of rows: seconds)
         raise ConfigError(f"{set_by}: leaves {limit} tokens for a prompt, fewer than the {frame} the tokenizer's "
                           "chat template takes around an empty one")
-    train = load_prompts(cfg.data, "train", tokenizer, limit, set_by)
-    evals = load_prompts(cfg.data, "eval", tokenizer, limit, set_by)
-    check_teacher_inputs(cfg, tokenizer, train.records)
-    return InputSummary(init=init, train_prompts=len(train.records), eval_prompts=len(evals.records),
-                        dropped=train.num_filtered + evals.num_filtered)
+    prompts = load_run_prompts(cfg, tokenizer)
+    check_teacher_inputs(cfg, tokenizer, prompts.train.records)
+    return InputSummary(init=init, prompts=prompts)
+
+
+def load_run_prompts(cfg: RunConfig, tokenizer: PromptTokenizer | None = None) -> RunPrompts:
+    """Both prompt splits read, tokenized with ``tokenizer`` (default: :func:`run_tokenizer`)
+    and length-filtered.
+
+    Raises:
+        ConfigError: as :func:`~megatron_rl.data.prompts.load_prompts`.
+    """
+    if tokenizer is None:
+        tokenizer = run_tokenizer(cfg)
+    limit, set_by = prompt_limit(cfg)
+    return RunPrompts(tokenizer=tokenizer, train=load_prompts(cfg.data, "train", tokenizer, limit, set_by),
+                      eval=load_prompts(cfg.data, "eval", tokenizer, limit, set_by))
 
 
 def _check_hf_engine(cfg: RunConfig, init: InitSource | None) -> None:

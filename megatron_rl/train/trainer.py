@@ -39,7 +39,7 @@ from megatron_rl.parallel.logprobs import compute_logprobs
 from megatron_rl.parallel.optim import gather_updated_weights, optimizer_step
 from megatron_rl.parallel.train_step import TrainBatch, forward_backward
 from megatron_rl.rollout.trajectory import turn_layout
-from megatron_rl.train.build import build_run
+from megatron_rl.train.build import RunPrompts, build_run
 from megatron_rl.train.checkpoint import TrainerState
 from megatron_rl.train.drift import LagMeans, behaviour_route_ids, shift_record
 from megatron_rl.train.phases import StepWatch, phase_timer
@@ -49,9 +49,9 @@ from megatron_rl.train.rollouts import Groups
 class Trainer:
     """One RL run on this rank (construct and ``run()`` on every rank together)."""
 
-    def __init__(self, cfg: RunConfig, groups: ParallelGroups) -> None:
+    def __init__(self, cfg: RunConfig, groups: ParallelGroups, prompts: RunPrompts | None = None) -> None:
         self.cfg, self.groups = cfg, groups
-        parts = build_run(cfg, groups)
+        parts = build_run(cfg, groups, prompts)
         self.objective, self.tokenizer = parts.objective, parts.tokenizer
         self.train_set, self.eval_set = parts.train_set, parts.eval_set
         self.ddp, self.optimizer, self.plan = parts.ddp, parts.optimizer, parts.plan

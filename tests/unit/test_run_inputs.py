@@ -234,15 +234,38 @@ def test_bad_input_is_one_line_exit_2_and_no_world(case, bad_inputs, capsys, mon
     assert expected.replace("{root}", root) in err, err
 
 
-def test_the_world_guard_is_live(monkeypatch, tmp_path):
-    """Control: with valid inputs the guarded ``run_world`` is what main calls."""
+def test_the_world_guard_is_live_and_the_ranks_get_the_checked_prompts(monkeypatch, tmp_path):
+    """Control: with valid inputs the guarded ``run_world`` is what main calls. And the prompt
+    files are read and tokenized once per run: the ranks are handed what the input check loaded
+    (pickled, as the ranks' forkserver gets it), with the tokenizer that encoded it."""
+    import pickle
+
+    import megatron_rl.train.prepare as prepare
+    from megatron_rl.data.prompts import load_prompts
+    from megatron_rl.train.prepare import RunPrompts
+
+    started, loaded = [], {}
 
     def no_world(*args, **kwargs):
+        started.append(args)
         raise AssertionError("world started")
 
+    def recorded(cfg, split, *args):
+        assert split not in loaded, f"{split} prompts read twice"
+        loaded[split] = load_prompts(cfg, split, *args)
+        return loaded[split]
+
     monkeypatch.setattr(train_main, "run_world", no_world)
+    monkeypatch.setattr(prepare, "load_prompts", recorded)
     with pytest.raises(AssertionError, match="world started"):
         main(["--config", str(DEMO), f"train.run_dir={tmp_path}"])
+    (fn, nproc, cfg_dict, handed), = started
+    assert fn is train_main.run_rank and sorted(loaded) == ["eval", "train"]
+    handed = pickle.loads(pickle.dumps(handed))
+    assert isinstance(handed, RunPrompts)
+    assert handed.train.records == loaded["train"].records and len(handed.train) == 2300
+    assert handed.eval.records == loaded["eval"].records and len(handed.eval) == 200
+    assert all(handed.tokenizer.encode_prompt(r.prompt) == list(r.prompt_ids) for r in handed.eval.records)
 
 
 @pytest.mark.parametrize("saved, overrides", [
