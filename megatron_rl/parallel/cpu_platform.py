@@ -253,11 +253,7 @@ def cpu_platform(enable: bool = True) -> Iterator[bool]:
         _patch_torch_cuda(patcher)
         _patch_megatron(patcher)
         _ACTIVE.append(True)
-        # Megatron's fusions are torch.compile'd (megatron/core/jit.py: jit_fuser), the router's
-        # _apply_expert_bias on every MoE forward: on CPU each process traces them and Inductor
-        # builds C++ for element-wise ops on a few thousand numbers (about 0.6 CPU-s per rank in
-        # a tiny MoE world). Eager runs the same functions.
-        with mode, torch.compiler.set_stance("force_eager"):
+        with mode:
             yield True
     finally:
         _ACTIVE.clear()

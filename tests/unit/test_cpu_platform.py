@@ -108,30 +108,6 @@ def test_float_tensors_answer_cuda_type_names_and_cuda_is_the_tensor():
     assert torch.zeros(2).type() == "torch.FloatTensor"
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the patches only apply without CUDA")
-def test_torch_compiled_functions_run_eager_and_compile_again_after():
-    """Megatron's fusions are ``torch.compile``'d (its ``jit_fuser``; the router's
-    ``_apply_expert_bias`` runs in every MoE forward): on the CPU platform they run eager, not
-    traced and built per process; outside it ``torch.compile`` compiles as before."""
-    from megatron.core import jit
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    assert jit.jit_fuser is torch.compile and hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
-    graphs = []
-
-    def backend(graph, example_inputs):
-        graphs.append(graph)
-        return graph.forward
-
-    def quick_gelu(x):
-        return x * torch.sigmoid(1.702 * x)
-
-    compiled, x = torch.compile(quick_gelu, backend=backend), torch.randn(5)
-    with platform.cpu_platform():
-        assert torch.equal(compiled(x), quick_gelu(x)) and graphs == []
-    assert torch.equal(compiled(x), quick_gelu(x)) and len(graphs) == 1
-
-
 def test_split_sizes_become_int_lists():
     assert platform._split_sizes_as_ints(None) is None
     assert platform._split_sizes_as_ints(torch.tensor([3, 1])) == [3, 1]
