@@ -321,6 +321,22 @@ the model's tiny ops gained nothing from it. libgomp reads this once, as torch l
 the forkserver (which imports torch as it starts) or a spawned rank."""
 
 
+EAGER_WITHOUT_CUDA = {"TORCHDYNAMO_DISABLE": "1"}
+"""On a machine without CUDA the ranks run Megatron's ``torch.compile``'d fusions eager, unless
+the caller's environment says otherwise. Megatron decorates them with ``torch.compile`` as it
+is imported (``megatron/core/jit.py``: ``jit_fuser``); with this set, torch's ``optimize`` hands
+each function back as it is (``torch/_dynamo/eval_frame.py``), so no frame is traced or guarded.
+Compiled, every rank traced the router's ``_apply_expert_bias`` on its first MoE forward (and
+GPT-OSS's ``quick_gelu``, Qwen3-Next's output gate, through Inductor's C++ build), seconds of
+CPU per rank for element-wise ops on a few thousand numbers. Read when Megatron is imported: in
+the forkserver or a spawned rank."""
+
+
+def _rank_defaults() -> dict[str, str]:
+    """The environment the ranks get where the caller's has none of these keys."""
+    return {**OPENMP_WAIT, **({} if torch.cuda.is_available() else EAGER_WITHOUT_CUDA)}
+
+
 @contextlib.contextmanager
 def _environment_default(values: dict[str, str]) -> Iterator[None]:
     """``values`` in ``os.environ`` where it has none of them, while processes start (the
@@ -366,13 +382,14 @@ def run_world(
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _rank_context(*preload)
+    defaults = _rank_defaults()
     results: mp.Queue = ctx.Queue()
     # The caller hosts the ranks' store on a port it holds from the start (:func:`rendezvous_store`).
     store = rendezvous_store(world_size)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), {**OPENMP_WAIT, **os.environ}, fn,
+            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), {**defaults, **os.environ}, fn,
                   args, results, backend),
             name=f"rank{rank}",
         )
@@ -386,7 +403,7 @@ def run_world(
         # A rank re-runs the caller's main module only when ``fn`` lives there: otherwise it
         # would import the entry point again (or pytest), and so would every process it spawns.
         with parent_main_hidden() if getattr(fn, "__module__", None) != "__main__" else contextlib.nullcontext(), \
-                _environment_default(OPENMP_WAIT):
+                _environment_default(defaults):
             for proc in procs:
                 proc.start()
         late = f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in {timeout_s:.0f}s"
