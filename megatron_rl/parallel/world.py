@@ -322,14 +322,12 @@ the forkserver (which imports torch as it starts) or a spawned rank."""
 
 
 EAGER_WITHOUT_CUDA = {"TORCHDYNAMO_DISABLE": "1"}
-"""On a machine without CUDA the ranks run Megatron's ``torch.compile``'d fusions eager, unless
-the caller's environment says otherwise. Megatron decorates them with ``torch.compile`` as it
-is imported (``megatron/core/jit.py``: ``jit_fuser``); with this set, torch's ``optimize`` hands
-each function back as it is (``torch/_dynamo/eval_frame.py``), so no frame is traced or guarded.
-Compiled, every rank traced the router's ``_apply_expert_bias`` on its first MoE forward (and
-GPT-OSS's ``quick_gelu``, Qwen3-Next's output gate, through Inductor's C++ build), seconds of
-CPU per rank for element-wise ops on a few thousand numbers. Read when Megatron is imported: in
-the forkserver or a spawned rank."""
+"""Without CUDA the ranks run Megatron's fusions eager unless the caller's environment says
+otherwise: Megatron wraps them in ``torch.compile`` as it is imported (``megatron/core/jit.py``),
+which then hands each back as it is (``torch/_dynamo/eval_frame.py``: ``optimize``). Compiled,
+every rank traced the router's ``_apply_expert_bias`` on its first MoE forward (GPT-OSS's
+``quick_gelu`` and Qwen3-Next's output gate through Inductor's C++), seconds of CPU per rank for
+element-wise ops on a few thousand numbers. Read as Megatron is imported (forkserver or rank)."""
 
 
 def _rank_defaults() -> dict[str, str]:
