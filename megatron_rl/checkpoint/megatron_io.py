@@ -49,7 +49,7 @@ from megatron_rl.checkpoint.trainer_source import (
     is_optimizer_key,
     is_trainer_checkpoint,
 )
-from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_checkpoint, mcore_compat as mc
 from megatron_rl.parallel.checkpoint import load_model, load_sharded, save_model
 from megatron_rl.parallel.comm import all_gather_objects
 from megatron_rl.parallel.groups import ParallelGroups
@@ -265,21 +265,21 @@ class DistCheckpointReader:
     def __init__(self, directory: str | Path, template: GPTModel) -> None:
         self.directory = str(directory)
         sharded = template.sharded_state_dict()
-        self._entries = {name: mc.stored_boxes(sharded[name]) for name in named_weights(template)}
-        objects = mc.stored_object_keys(sharded)
+        self._entries = {name: mcore_checkpoint.stored_boxes(sharded[name]) for name in named_weights(template)}
+        objects = mcore_checkpoint.stored_object_keys(sharded)
         stored = dcp.FileSystemReader(self.directory).read_metadata().state_dict_metadata
-        expected = mc.stored_tensor_shapes(sharded)
+        expected = mcore_checkpoint.stored_tensor_shapes(sharded)
         skip = is_optimizer_key if is_trainer_checkpoint(directory) else (lambda key: False)
         problems = []
         for key, meta in stored.items():
             if skip(key):
                 continue
             if isinstance(meta, BytesStorageMetadata):
-                base = mc.object_base_key(key)
+                base = mcore_checkpoint.object_base_key(key)
                 # A TE-spec model's norms write ``_extra_state`` (FP8 scaling metadata, no
                 # weights) that the local-spec template lacks; reading weights skips it.
                 # Megatron's own common state (0.19: an object in the DCP files) is no weight either.
-                if base not in objects and not base.endswith("_extra_state") and not mc.is_megatron_object(base):
+                if base not in objects and not base.endswith("_extra_state") and not mcore_checkpoint.is_megatron_object(base):
                     problems.append(f"unknown object {key}")
             elif key not in expected:
                 problems.append(f"unknown tensor {key} {tuple(meta.size)}")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
 from megatron_rl.parallel import mcore_compat as mc
-from megatron_rl.parallel.mcore_compat import return_unexpected
+from megatron_rl.parallel.mcore_checkpoint import collect_write_results_here, return_unexpected
 from megatron_rl.parallel.mcore_optimizer import (
     adam_step_fix,
     distributed_optimizer_metadata,
@@ -40,6 +40,7 @@ def save_model(model: torch.nn.Module, directory: str | Path) -> None:
     if dist.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    collect_write_results_here()
     dist_checkpointing.save(model.sharded_state_dict(), str(directory))
     dist.barrier()
 
@@ -115,6 +116,7 @@ def save_training_state(model, optimizer, directory: str | Path, sharding: str |
     writer_log = logging.getLogger(mc.ASYNC_WRITER_LOGGER)
     if not any(isinstance(f, _RaisedAnyway) for f in writer_log.filters):
         writer_log.addFilter(_RaisedAnyway())
+    collect_write_results_here()
     dist_checkpointing.save(state, str(directory), content_metadata=metadata)
 
 

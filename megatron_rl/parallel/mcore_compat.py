@@ -17,10 +17,11 @@ instance internals we read, override or rewrite (``TopKRouter.routing``,
 module flags we correct, private (underscore) names, and facts about Megatron's on-disk
 checkpoint format. Each entry of :data:`INTERNALS` carries its reason and the versions it
 is known to hold for; the helpers below (router and replay internals, replay hazards, MLA
-build fixes, checkpoint format) give their reason in their docstring and hold for 0.16.1 and
+build fixes) give their reason in their docstring and hold for 0.16.1 and
 0.19.2 unless it says otherwise; the optimizer and training-state helpers live in its
-optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, and ``parallel_state``'s globals in
-:mod:`megatron_rl.parallel.mcore_state`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
+optimizer half, :mod:`megatron_rl.parallel.mcore_optimizer`, the stored shards and the
+checkpoint writer in :mod:`megatron_rl.parallel.mcore_checkpoint`, and ``parallel_state``'s
+globals in :mod:`megatron_rl.parallel.mcore_state`, under the same rule. ``test_mcore_contract.py`` checks every one of them.
 
 Names resolve lazily (PEP 562 ``__getattr__``): importing this module imports no Megatron-Core
 (the checkpoint-format constants serve the input checks, which run first)."""
@@ -432,69 +433,3 @@ def _resolve_qk_norm_without_q_latent(attention: Any, submodules: Any) -> dict:
     resolved = resolver_class(without, dataclasses.replace(submodules, q_layernorm=identity, kv_layernorm=identity)).resolve()
     resolved["kv_layernorm"] = submodules.kv_layernorm
     return resolved
-
-
-# ------------------------------------------------------------------------ checkpoint shards
-
-
-@dataclasses.dataclass(frozen=True)
-class StoredBox:
-    """One box of a stored tensor: ``key`` at ``offsets`` with ``shape`` (prepended axes included)."""
-
-    key: str
-    offsets: tuple[int, ...]
-    shape: tuple[int, ...]
-    dtype: Any
-
-
-def stored_boxes(entry: Any) -> tuple[list[StoredBox], Callable[[list], Any]]:
-    """The stored boxes that make one sharded-state-dict entry, and how to merge them back.
-
-    A ``ShardedTensorFactory`` (e.g. fused gate/up weights) stores several parts; a
-    ``ShardedTensor`` stores one box whose shape gains ``prepend_axis_num`` leading 1s.
-    """
-    if isinstance(entry, __getattr__("ShardedTensorFactory")):
-        parts = entry.build()
-        parts = parts if isinstance(parts, list) else [parts]
-        boxes = [stored_boxes(p)[0][0] for p in parts]
-
-        def merge(tensors, parts=parts):
-            return entry.merge_fn([t.reshape(p.local_shape) for t, p in zip(tensors, parts)])
-
-        return boxes, merge
-    shape = (1,) * entry.prepend_axis_num + tuple(entry.local_shape)
-    box = StoredBox(entry.key, tuple(entry.global_offset), shape, entry.dtype)
-    return [box], lambda tensors: tensors[0].reshape(entry.local_shape)
-
-
-def stored_tensor_shapes(sharded_state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Checkpoint key -> global shape of every tensor a sharded state dict stores."""
-    factory, tensor = __getattr__("ShardedTensorFactory"), __getattr__("ShardedTensor")
-    shapes = {}
-    for entry in sharded_state_dict.values():
-        parts = entry.build() if isinstance(entry, factory) else [entry]
-        for part in parts if isinstance(parts, list) else [parts]:
-            if isinstance(part, tensor):
-                shapes[part.key] = tuple(part.global_shape)
-    return shapes
-
-
-def stored_object_keys(sharded_state_dict: Mapping[str, Any]) -> set[str]:
-    """Keys of the ShardedObjects a sharded state dict stores."""
-    sharded_object = __getattr__("ShardedObject")
-    return {e.key for e in sharded_state_dict.values() if isinstance(e, sharded_object)}
-
-
-def object_base_key(stored_key: str) -> str:
-    """The ShardedObject key of a stored object key (``<key>/shard_...`` -> ``<key>``)."""
-    return stored_key.split(SHARDED_OBJECT_SEPARATOR)[0]
-
-
-def is_megatron_object(base_key: str) -> bool:
-    """A stored object Megatron writes for itself (not one of the model's)."""
-    return base_key == COMMON_STATE_KEY
-
-
-def return_unexpected() -> Any:
-    """``dist_checkpointing.load(strict=...)`` value that returns the absent keys as a 3-tuple."""
-    return __getattr__("StrictHandling").RETURN_UNEXPECTED

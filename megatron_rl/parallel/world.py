@@ -303,8 +303,10 @@ def _rank_context(*preload: str) -> Any:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # Last: its exit handler then runs first, and the forkserver exits without a teardown.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", *RANK_IMPORTS, *preload, FORKSERVER_EXIT])
+    # ``megatron_rl`` first: it defers what Megatron-Core only probes for (deferred_imports).
+    # FORKSERVER_EXIT last: its exit handler then runs first, and the forkserver exits without a teardown.
+    ctx.set_forkserver_preload(["megatron_rl", "torch", "torch.distributed", *RANK_IMPORTS, *preload,
+                                FORKSERVER_EXIT])
     if not _ENDS_AT_EXIT:
         # The last of multiprocessing's own exit finalizers: after those that still talk to
         # the resource tracker (a queue's semaphores), which is stopped too.

@@ -35,9 +35,13 @@ Every token carries the version of the weights that produced it (``weight_versio
 A pause also stops an engine call in progress at its next decode step (engines that can: the
 hf engine's :class:`~megatron_rl.rollout.local.hf_generate.DecodeControl`), as SGLang's
 scheduler stops decoding at its next step in every mode (``scheduler.py:2031-2036``, an abort at
-``:5800-5812``): the call's responses come back cut, and with no clock they count as produced up
-to the cut (with one, the clock had not started: nothing was). So a pause in mode ``abort``
-returns within a decode step rather than after the whole call.
+``:5800-5812``): the call's responses come back cut, and every token the call returns counts as
+produced, clock or not: the engine decoded them one step at a time before the stop, its own
+steps standing for the clock, as SGLang's scheduler had. So a pause in mode ``abort`` returns
+within a decode step rather than after the whole call, with the tokens decoded by then; a kept
+request goes on from them. (An engine that cannot stop computes its whole call past the pause;
+which of its tokens came before the pause is unknown, so none counts as produced: the clock had
+not started.)
 
 Owns the queue, the batch window and size, the modelled decode clock and the pause cuts.
 Does not own HTTP, request parsing or the pause endpoints
@@ -152,12 +156,14 @@ class ContinuousBatcher:
         token_latency_s: modelled decode time per token (0: answered at once).
         alone: every request is its own engine call.
         keeps_kv: the engine keeps each row's KV when asked (pauses in place are modelled).
+        stops: the engine stops a call between decode steps when its control is stopped.
     """
 
     def __init__(self, generate: GenerateFn, *, window_s: float = 0.01, max_batch: int = 256,
-                 token_latency_s: float = 0.0, alone: bool = False, keeps_kv: bool = False) -> None:
+                 token_latency_s: float = 0.0, alone: bool = False, keeps_kv: bool = False,
+                 stops: bool = False) -> None:
         self.generate, self.window_s, self.max_batch = generate, window_s, max_batch
-        self.token_latency_s, self.alone, self.keeps_kv = token_latency_s, alone, keeps_kv
+        self.token_latency_s, self.alone, self.keeps_kv, self.stops = token_latency_s, alone, keeps_kv, stops
         self.last_answer = 0.0
         """``time.monotonic()`` when the engine last answered (or failed) a batch."""
         self.batches = 0
@@ -255,6 +261,7 @@ class ContinuousBatcher:
         # Computed after the pause began (nothing was produced yet), or stopped by a pause that has
         # ended since (its requests were cut all the same, and the kept ones go on at once).
         mode = self.paused or stopped_in
+        decoded_before_stop = stopped_in is not None and self.stops
         for m, (prompt, _, _), sample in zip(members, pieces, samples):
             m.kv = None
             entry = None if kv is None else kv.take((*prompt, *sample.output_ids[:-1]))
@@ -263,7 +270,7 @@ class ContinuousBatcher:
             m.decoding = (sample, version, now, entry, task)
             self.decoding.add(m)
             if mode is not None:
-                self._cut(m, now, mode)
+                self._cut(m, now, mode, every_token_produced=decoded_before_stop)
         if self.paused is None and self.parked:
             self.resume()
 
@@ -296,14 +303,15 @@ class ContinuousBatcher:
             while not self._waiting.empty():
                 self._resolve(self._waiting.get_nowait(), "abort")
 
-    def _cut(self, request: _Request, now: float, mode: str) -> None:
+    def _cut(self, request: _Request, now: float, mode: str, every_token_produced: bool = False) -> None:
         sample, version, t0, entry, task = request.decoding
         task.cancel()
         self.decoding.discard(request)
         request.decoding = None
         latency = self.token_latency_s
-        produced = len(sample.output_ids) if latency <= 0 else min(len(sample.output_ids),
-                                                                  math.floor((now - t0) / latency + 1e-9))
+        produced = len(sample.output_ids)
+        if latency > 0 and not every_token_produced:
+            produced = min(produced, math.floor((now - t0) / latency + 1e-9))
         prompt_len = len(request.prompt) + len(request.output_ids)
         request.keep(sample, version, produced)
         if produced == len(sample.output_ids) and sample.finish_reason != "abort":  # it had ended

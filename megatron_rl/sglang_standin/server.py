@@ -119,7 +119,7 @@ class ProtocolServer(MemoryRoutes, PauseRoutes):
         started again reports new ones, which is how a client tells a restart."""
         self.batcher = ContinuousBatcher(self._engine_generate, window_s=batch_window_s, max_batch=max_batch,
                                          token_latency_s=token_latency_s, alone=deterministic,
-                                         keeps_kv=getattr(host, "engine_kind", None) == "hf")
+                                         keeps_kv=(hf := getattr(host, "engine_kind", None) == "hf"), stops=hf)
         self.engine_version = weight_version
         """The version of the weights the engine computes with (set on the engine thread when a
         session ends: the HF replica follows the model only then)."""

@@ -49,8 +49,11 @@ pytestmark = pytest.mark.parallel
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "demo_task.yaml"
 K, STEPS, PROMPTS = 2, 5, 4
-LATENCY, SLOW = 0.05, 0.5
-"""Seconds per generated token the stand-in models, and while step 1's batches ahead are computed."""
+LATENCY, SLOW = 0.05, 5.0
+"""Seconds per generated token the stand-in models, and while step 1's batches ahead are computed:
+a response seen part-way stays so for at least ``SLOW`` s, which the push must take to pause the
+server (at 0.5 s a busy run once saw no push land inside a response: most likely its push
+paused the server after the part-way responses had ended)."""
 SMALL = [
     f"train.steps={STEPS}", "train.sft_steps=0", "train.save_every=1", "train.eval_every=100", "train.progress=false",
     "train.mini_batches=1", "train.routing_replay=R3", "optim.lr=3e-3", "optim.clip_grad=0",

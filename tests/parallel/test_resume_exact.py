@@ -9,6 +9,7 @@ state) and at step 4 must load into freshly built model and optimizer and reprod
 uninterrupted run's next gradient and update exactly.
 """
 
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,7 @@ def resume_worker(run_dir: str) -> dict:
                 save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(0, 0, 0), {}, groups.world)
             if step == SAVE_STEP:
                 save_checkpoint(run_dir, run.ddp, run.optimizer, TrainerState(step, 0, step), {}, groups.world)
+        out["processes_left_by_saves"] = [child.name for child in multiprocessing.active_children()]
 
         resumed = _Run()
         load_checkpoint(Path(run_dir) / "checkpoints" / f"step_{SAVE_STEP:06d}", resumed.ddp, resumed.optimizer,
@@ -149,3 +151,10 @@ def test_resume_from_step_zero_checkpoint_before_first_optimizer_step(result):
     assert "zero_error" not in result, result.get("zero_error")
     assert result["zero_grads_equal"]
     assert result["zero_weights_equal"]
+
+
+def test_a_synchronous_save_starts_no_process_for_its_write_results(result):
+    """Megatron's writer would spawn a Manager process per rank for its results queue (a fresh
+    interpreter, 3-4 CPU-s); a synchronous save collects them in this process
+    (``mcore_checkpoint.collect_write_results_here``) and the checkpoints above still resume exactly."""
+    assert result["processes_left_by_saves"] == []

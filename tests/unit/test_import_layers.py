@@ -7,7 +7,8 @@ submodule runs first. The layers, lowest first (a module may import its own laye
 lower one):
 
 0. pure: the objective library (``algos``), ``moe_routing`` (the routing record's math),
-   the config mechanics and the registry;
+   the config mechanics, the registry, and the deferred optional imports (stdlib only; the
+   package's ``__init__`` runs it first);
 1. config sections: ``sections`` and each owner's ``config`` module (leaves);
 2. parallel plumbing: ``parallel`` (the routing record, replay and layout included);
 3. I/O: ``rollout``, ``checkpoint``, ``data``, ``rewards``, telemetry;
@@ -41,6 +42,7 @@ LAYERS: dict[str, int] = {
     "megatron_rl.algos": 0,
     "megatron_rl.registry": 0,
     "megatron_rl.config_loading": 0,
+    "megatron_rl.deferred_imports": 0,
     "moe_routing": 0,
     "megatron_rl.sections": 1,
     "megatron_rl.data.config": 1,
@@ -67,7 +69,8 @@ LAYERS: dict[str, int] = {
 """Module (or package) prefix -> layer; the longest matching prefix decides."""
 
 PACKAGE_ROOTS = ("megatron_rl", "moe_routing")
-"""The top-level ``__init__`` files, which only carry docstrings, belong to no layer."""
+"""The top-level ``__init__`` files belong to no layer (docstrings; ``megatron_rl``'s also defers
+optional imports through a layer-0 module)."""
 
 
 def discover(root: Path, packages=PACKAGES) -> dict[str, tuple[Path, bool]]:

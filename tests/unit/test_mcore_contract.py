@@ -12,13 +12,14 @@ import importlib
 import inspect
 import logging
 import os
+import queue
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from megatron_rl.parallel import mcore_compat as mc
+from megatron_rl.parallel import mcore_checkpoint, mcore_compat as mc
 from megatron_rl.parallel import mcore_layers as ml
 from megatron_rl.parallel import mcore_optimizer as mo
 from megatron_rl.sections import ModelConfig, ParallelConfig
@@ -291,18 +292,18 @@ def test_thd_rope_reads_our_context_parallel_layout(cp_size):
 
 def test_sharded_tensor_boxes():
     tensor = mc.ShardedTensor.from_rank_offsets("w", torch.arange(6.0).reshape(2, 3), (1, 1, 2), prepend_axis_num=1)
-    boxes, merge = mc.stored_boxes(tensor)
-    expect(boxes == [mc.StoredBox("w", (0, 2, 0), (1, 2, 3), torch.float32)], "ShardedTensor",
+    boxes, merge = mcore_checkpoint.stored_boxes(tensor)
+    expect(boxes == [mcore_checkpoint.StoredBox("w", (0, 2, 0), (1, 2, 3), torch.float32)], "ShardedTensor",
            f"key, global_offset, local_shape, prepend_axis_num, dtype (got {boxes})")
     assert torch.equal(merge([torch.arange(6.0).reshape(1, 2, 3)]), torch.arange(6.0).reshape(2, 3))
-    expect(mc.stored_tensor_shapes({"w": tensor}) == {"w": (1, 4, 3)}, "ShardedTensor.global_shape",
+    expect(mcore_checkpoint.stored_tensor_shapes({"w": tensor}) == {"w": (1, 4, 3)}, "ShardedTensor.global_shape",
            "the full shape, prepended axes included")
     factory = mc.ShardedTensorFactory("f", torch.zeros(2, 3), lambda key, t, *replica_and_range: [
         mc.ShardedTensor.from_rank_offsets(f"{key}.{i}", part) for i, part in enumerate(t.chunk(2))
     ], lambda parts: torch.cat(parts))
     expect(callable(getattr(factory, "build", None)) and callable(getattr(factory, "merge_fn", None)),
            "ShardedTensorFactory", "build() and merge_fn")
-    boxes, merge = mc.stored_boxes(factory)
+    boxes, merge = mcore_checkpoint.stored_boxes(factory)
     assert [b.key for b in boxes] == ["f.0", "f.1"] and merge([torch.ones(1, 3), torch.zeros(1, 3)]).shape == (2, 3)
 
 
@@ -310,7 +311,7 @@ def test_sharded_object_key_and_format_names():
     obj = mc.ShardedObject("extra", {"a": 1}, (2,), (1,), replica_id=0)
     expect(obj.unique_key.startswith("extra" + mc.SHARDED_OBJECT_SEPARATOR), "ShardedObject.unique_key",
            f"'<key>{mc.SHARDED_OBJECT_SEPARATOR}<offset>_<shape>' (got {obj.unique_key!r})")
-    assert mc.object_base_key(obj.unique_key) == "extra" and mc.stored_object_keys({"x": obj}) == {"extra"}
+    assert mcore_checkpoint.object_base_key(obj.unique_key) == "extra" and mcore_checkpoint.stored_object_keys({"x": obj}) == {"extra"}
     core = importlib.import_module("megatron.core.dist_checkpointing.core")
     common = importlib.import_module("megatron.core.dist_checkpointing.strategies.common")
     expect(core.CONFIG_FNAME == mc.MEGATRON_METADATA_NAME, "dist_checkpointing.core.CONFIG_FNAME",
@@ -331,11 +332,27 @@ def test_sharded_object_key_and_format_names():
     assert mc.OPTIMIZER_KEY.match("chained_1.optimizer.state.exp_avg.x") and not mc.OPTIMIZER_KEY.match("decoder.x")
 
 
+def test_a_synchronous_save_takes_its_write_results_from_the_queue_we_set():
+    writer = importlib.import_module(mcore_checkpoint.WRITER_MODULE)
+    getter = getattr(writer, "get_write_results_queue", None) or writer._get_write_results_queue
+    base = importlib.import_module("megatron.core.dist_checkpointing.strategies.base")
+    expect("execute_sync()" in inspect.getsource(base.AsyncSaveShardedStrategy.save),
+           "AsyncSaveShardedStrategy.save", "a synchronous save runs the writer in the calling process")
+    saved = writer._results_queue
+    try:
+        writer._results_queue = None
+        mcore_checkpoint.collect_write_results_here()
+        expect(isinstance(writer._results_queue, queue.Queue) and getter() is writer._results_queue,
+               f"filesystem_async.{getter.__name__}", "to hand out the module's _results_queue once it is set")
+    finally:
+        writer._results_queue = saved
+
+
 def test_strict_load_mode():
     from megatron.core import dist_checkpointing
 
     expect("strict" in params(dist_checkpointing.load), "dist_checkpointing.load", "a strict= argument")
-    expect(mc.return_unexpected() is mc.StrictHandling.RETURN_UNEXPECTED, "StrictHandling.RETURN_UNEXPECTED",
+    expect(mcore_checkpoint.return_unexpected() is mc.StrictHandling.RETURN_UNEXPECTED, "StrictHandling.RETURN_UNEXPECTED",
            "the mode that returns (state, missing, unexpected)")
 
 

@@ -1,6 +1,6 @@
-"""Only ``parallel/mcore_compat.py`` (with its optimizer, layer and parallel-state halves
-``mcore_optimizer.py``, ``mcore_layers.py`` and ``mcore_state.py``, and the CPU shims) may name
-Megatron-Core internals.
+"""Only ``parallel/mcore_compat.py`` (with its optimizer, layer, checkpoint and parallel-state halves
+``mcore_optimizer.py``, ``mcore_layers.py``, ``mcore_checkpoint.py`` and ``mcore_state.py``, and
+the CPU shims) may name Megatron-Core internals.
 
 The rule (``mcore_compat`` docstring): other modules import from Megatron-Core only the
 names of ``mcore_compat.PUBLIC_API``; they do not name a private (underscore) Megatron-Core
@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 ROOTS = ("megatron_rl", "moe_routing", "tools", "launch")
 EXEMPT = {Path("megatron_rl/parallel/mcore_compat.py"), Path("megatron_rl/parallel/mcore_optimizer.py"),
           Path("megatron_rl/parallel/mcore_layers.py"), Path("megatron_rl/parallel/mcore_state.py"),
+          Path("megatron_rl/parallel/mcore_checkpoint.py"),
           Path("megatron_rl/parallel/cpu_platform.py")}
 _PRIVATE_DEFINITION = re.compile(
     r"^\s*(?:async\s+def|def|class)\s+(_[A-Za-z]\w*)|^(_[A-Za-z]\w*)\s*[:=]|self\.(_[A-Za-z]\w*)\s*=", re.M

@@ -211,8 +211,8 @@ async def _paused_inside_the_call(client, server, host, mode: str):
 
 @pytest.mark.parametrize("latency", [LATENCY, 0.0])
 def test_an_abort_pause_stops_the_engine_call_at_its_next_step(latency):
-    """Before, the pause waited for the whole call (here 20 s). With the modelled clock nothing of the
-    call was produced yet, so the request is answered with no token; without it, with the tokens computed."""
+    """Before, the pause waited for the whole call (here 20 s). The request is answered with the tokens
+    the call decoded before the stop, with the modelled clock or without (its steps were their clock)."""
     async def scenario():
         server, host = _server(latency=latency, host=_SteppingHost())
         async with TestClient(TestServer(server.app())) as client:
@@ -225,15 +225,17 @@ def test_an_abort_pause_stops_the_engine_call_at_its_next_step(latency):
     assert status == 200 and stopped - taken <= 1 and stopped < LONG  # the step it was in, then no more
     assert payload["meta_info"]["finish_reason"]["type"] == "abort"
     got = _decode(payload, abort=True)
-    assert got.output_ids == ([] if latency else [10 + i for i in range(stopped)])
+    assert got.output_ids == [10 + i for i in range(stopped)]
 
 
+@pytest.mark.parametrize("latency", [LATENCY, 0.0])
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_a_call_a_pause_stopped_is_continued_from_its_tokens_under_the_new_weights(mode):
-    """Without the clock the tokens computed before the stop count as produced: kept, and the rest
-    computed after the continue under the new weights, by the rules of each mode."""
+def test_a_call_a_pause_stopped_is_continued_from_its_tokens_under_the_new_weights(mode, latency):
+    """The tokens decoded before the stop count as produced, with the modelled clock or without: kept,
+    and the rest computed after the continue under the new weights, by the rules of each mode. (With
+    the clock they once counted as none, so a push never landed inside a response whose call it stopped.)"""
     async def scenario():
-        server, host = _server(latency=0.0, host=_SteppingHost())
+        server, host = _server(latency=latency, host=_SteppingHost())
         async with TestClient(TestServer(server.app())) as client:
             request, taken, status = await _paused_inside_the_call(client, server, host, mode)
             for _ in range(12000):  # until the call came back (cut), at most a minute
@@ -241,7 +243,7 @@ def test_a_call_a_pause_stopped_is_continued_from_its_tokens_under_the_new_weigh
                     break
                 await asyncio.sleep(0.005)
             stopped = host.steps
-            host.step_s = 0.0
+            host.step_s, server.batcher.token_latency_s = 0.0, 0.0  # the rest answered once computed
             await client.post("/update_weight_version", json={"new_version": "2"})
             await client.post("/continue_generation", json={})
             return taken, stopped, status, await (await asyncio.wait_for(request, 60)).json()
