@@ -323,6 +323,18 @@ the model's tiny ops gained nothing from it. libgomp reads this once, as torch l
 the forkserver (which imports torch as it starts) or a spawned rank."""
 
 
+EAGER_WITHOUT_CUDA = {"TORCHDYNAMO_DISABLE": "1"}
+"""Without CUDA the ranks run Megatron's fusions eager unless the caller's environment says
+otherwise: Megatron wraps them in ``torch.compile`` as it is imported (``megatron/core/jit.py``),
+which then hands each back as it is (``torch/_dynamo/eval_frame.py``: ``optimize``). Compiled,
+GPT-OSS's ``quick_gelu`` cost each rank 4.7 CPU-s of tracing and Inductor on its first forward
+and backward (Qwen3-Next's output gate alike). Read as Megatron is imported (forkserver or rank)."""
+
+
+def _rank_defaults() -> dict[str, str]:  # the ranks' environment where the caller's lacks the key
+    return {**OPENMP_WAIT, **({} if torch.cuda.is_available() else EAGER_WITHOUT_CUDA)}
+
+
 @contextlib.contextmanager
 def _environment_default(values: dict[str, str]) -> Iterator[None]:
     """``values`` in ``os.environ`` where it has none of them, while processes start (the
@@ -368,13 +380,14 @@ def run_world(
     if threads_per_rank is None:
         threads_per_rank = max(1, (os.cpu_count() or 1) // world_size)
     ctx = _rank_context(*preload)
+    defaults = _rank_defaults()
     results: mp.Queue = ctx.Queue()
     # The caller hosts the ranks' store on a port it holds from the start (:func:`rendezvous_store`).
     store = rendezvous_store(world_size)
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), {**OPENMP_WAIT, **os.environ}, fn,
+            args=(rank, world_size, store.port, threads_per_rank, os.getpid(), {**defaults, **os.environ}, fn,
                   args, results, backend),
             name=f"rank{rank}",
         )
@@ -388,7 +401,7 @@ def run_world(
         # A rank re-runs the caller's main module only when ``fn`` lives there: otherwise it
         # would import the entry point again (or pytest), and so would every process it spawns.
         with parent_main_hidden() if getattr(fn, "__module__", None) != "__main__" else contextlib.nullcontext(), \
-                _environment_default(OPENMP_WAIT):
+                _environment_default(defaults):
             for proc in procs:
                 proc.start()
         late = f"world of {world_size} ({getattr(fn, '__name__', fn)}) did not finish in {timeout_s:.0f}s"

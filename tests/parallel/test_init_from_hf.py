@@ -189,20 +189,25 @@ def world(tmp_path_factory):
     return checkpoints, prompts, results[-1], root / "export"
 
 
+@pytest.fixture(scope="module")
+def references(world):
+    """transformers' outputs for each starting checkpoint, computed once for every layout's test."""
+    checkpoints, prompts, _, _ = world
+    return functools.cache(lambda name: hf_reference(checkpoints[name], prompts[name], topk=2))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["random", "shipped"])
-def test_step0_logprobs_and_routes_match_transformers(world, name, layout):
-    checkpoints, prompts, results, _ = world
-    reference = hf_reference(checkpoints[name], prompts[name], topk=2)
-    report = compare(reference, results["layouts"][(name, layout)])
+def test_step0_logprobs_and_routes_match_transformers(world, references, name, layout):
+    results = world[2]
+    report = compare(references(name), results["layouts"][(name, layout)])
     assert not report.violations(TOLERANCES), (name, layout, report.to_dict())
 
 
 @pytest.mark.parametrize("layout", ["EP2", "PP2"])
-def test_megatron_checkpoint_of_the_converter_starts_the_same_policy(world, layout):
-    checkpoints, prompts, results, _ = world
-    reference = hf_reference(checkpoints["random"], prompts["random"], topk=2)
-    report = compare(reference, results["layouts"][("megatron", layout)])
+def test_megatron_checkpoint_of_the_converter_starts_the_same_policy(world, references, layout):
+    results = world[2]
+    report = compare(references("random"), results["layouts"][("megatron", layout)])
     assert not report.violations(TOLERANCES), (layout, report.to_dict())
 
 

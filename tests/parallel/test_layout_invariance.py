@@ -3,10 +3,11 @@ the single-process logits (1e-5, fp32) and router / output-layer gradients (1e-4
 the same response log-probs and entropies (1e-5) and the same routing records (ids exactly,
 router probabilities 1e-5) from the forward-only log-prob pass.
 
-One gloo world per layout; everything a layout checks comes out of that one world.
+The single process in a world of its own, then every layout of 2 processes in turn in ONE world
+of 2 and every layout of 4 in ONE world of 4 (groups torn down between layouts); everything a
+layout checks comes out of its turn in that world.
 """
 
-import functools
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +66,11 @@ def checked_layout_worker(run: CheckedRun) -> dict:
         return {**forward_backward(model, groups, run), "logprob_pass": logprob_pass, "extra": extra}
 
 
+def layouts_worker(runs: dict[str, CheckedRun]) -> dict:
+    """Every rank of one world: each layout of ``runs`` in turn, as :func:`checked_layout_worker`."""
+    return {name: checked_layout_worker(run) for name, run in runs.items()}
+
+
 def _logprob_pass(model, groups, run: CheckedRun) -> dict:
     """Per-sample response log-probs, entropies and routing records of this DP rank."""
     from megatron_rl.parallel.logprobs import compute_logprobs
@@ -115,20 +121,22 @@ def reference(checkpoint_dir):
 
 @pytest.fixture(scope="module")
 def layout_results(checkpoint_dir, reference):
-    @functools.cache
-    def run(name):
-        parallel, world = LAYOUTS[name]
-        job = CheckedRun(
-            model=MODEL,
-            parallel=parallel,
-            checkpoint_dir=checkpoint_dir,
-            sequences=SEQUENCES,
-            prompt_lengths=PROMPT_LENGTHS,
-            extra_check=token_budget_pass,
-        )
-        return _merged(run_world(checked_layout_worker, world, job, timeout_s=300))
-
-    return run
+    results = {}
+    for world in sorted({size for _, size in LAYOUTS.values()}):
+        runs = {
+            name: CheckedRun(
+                model=MODEL,
+                parallel=parallel,
+                checkpoint_dir=checkpoint_dir,
+                sequences=SEQUENCES,
+                prompt_lengths=PROMPT_LENGTHS,
+                extra_check=token_budget_pass,
+            )
+            for name, (parallel, size) in LAYOUTS.items() if size == world
+        }
+        per_rank = run_world(layouts_worker, world, runs, timeout_s=600)
+        results.update({name: _merged([rank[name] for rank in per_rank]) for name in runs})
+    return results
 
 
 def test_reference_is_not_degenerate(reference):
@@ -144,7 +152,7 @@ def test_reference_is_not_degenerate(reference):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_single_process(name, layout_results, reference):
-    report = compare(layout_results(name), reference)
+    report = compare(layout_results[name], reference)
     assert report["logits_max_abs_diff"] <= 1e-5, report
     grads = {k: v for k, v in report.items() if k.startswith("grad_rel_err")}
     assert len(grads) == 5
@@ -253,7 +261,7 @@ def test_record_matches_hooked_router_logits(reference):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_logprob_pass_and_record_match_single_process(name, layout_results, reference):
-    actual, expected = layout_results(name)["logprob_pass"], reference["logprob_pass"]
+    actual, expected = layout_results[name]["logprob_pass"], reference["logprob_pass"]
     assert sorted(actual) == sorted(expected) == list(range(len(SEQUENCES)))
     for sample, ref in expected.items():
         got = actual[sample]
@@ -267,7 +275,7 @@ def test_logprob_pass_and_record_match_single_process(name, layout_results, refe
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_every_model_parallel_rank_returns_the_same_outputs(name, layout_results):
-    per_rank = layout_results(name)["per_rank_logprob_pass"]
+    per_rank = layout_results[name]["per_rank_logprob_pass"]
     by_sample = {}
     for rank_result in per_rank:
         for sample, value in rank_result.items():
@@ -388,7 +396,7 @@ def test_perturbing_one_packed_sample_changes_no_other_sample(reference):
 
 @pytest.mark.parametrize("name", ["single process", *LAYOUTS])
 def test_token_budget_packing_gives_the_same_per_sample_outputs(name, layout_results, reference):
-    result = reference if name == "single process" else layout_results(name)
+    result = reference if name == "single process" else layout_results[name]
     actual = {}
     for extra in result["extra"]:
         actual.update(extra["budget_pass"])

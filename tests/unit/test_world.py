@@ -33,8 +33,12 @@ def _all_reduce_rank(scale):
     # The caller's main module (pytest's script here; the entry point in a run), had the
     # rank re-run it: every process a rank spawns would re-run it too (seconds each).
     main_file = getattr(sys.modules["__main__"], "__file__", None)
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    # Megatron's jit_fuser is torch.compile; a function it decorated as the forkserver imported it.
+    compiled = hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
     return {"rank": dist.get_rank(), "sum": value * scale, "main_file": main_file,
-            "omp_wait": os.environ.get("OMP_WAIT_POLICY")}
+            "omp_wait": os.environ.get("OMP_WAIT_POLICY"), "megatron_compiles": compiled}
 
 
 def _fail_on_rank_one():
@@ -63,6 +67,9 @@ def test_results_come_back_in_rank_order(monkeypatch):
     assert [r["main_file"] for r in results] == [None, None]
     # Ranks' OpenMP threads sleep when they wait, the caller's environment left as it was.
     assert [r["omp_wait"] for r in results] == ["PASSIVE", "PASSIVE"] and "OMP_WAIT_POLICY" not in os.environ
+    # Without CUDA, Megatron's fusions are the plain functions in the ranks (world.EAGER_WITHOUT_CUDA).
+    assert [r["megatron_compiles"] for r in results] == [torch.cuda.is_available()] * 2
+    assert "TORCHDYNAMO_DISABLE" not in os.environ
 
 
 def test_the_callers_openmp_wait_policy_wins(monkeypatch):
