@@ -29,6 +29,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
+import threading
 import types
 
 DEFERRED = ("wandb",)
@@ -52,8 +53,10 @@ def defer_optional_imports(names: tuple[str, ...] = DEFERRED) -> None:
 
 def _executor(module: types.ModuleType):
     def __getattr__(attr: str):
-        execute(module)
-        return getattr(module, attr)
+        if id(module) not in _running_here():  # (while it runs, a missing name is missing, as in any import)
+            execute(module)
+            return getattr(module, attr)
+        raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
 
     return __getattr__
 
@@ -64,11 +67,35 @@ def is_deferred(module: object) -> bool:
     return getattr(hook, "__qualname__", "") == "_executor.<locals>.__getattr__"
 
 
+_RUNNING = threading.RLock()
+"""Held while a deferred module runs: another thread's first attribute waits for it (as CPython
+3.12's ``LazyLoader`` does) rather than reading a half-run module."""
+_THREAD = threading.local()
+
+
+def _running_here() -> set[int]:
+    """The deferred modules this thread is running now."""
+    if not hasattr(_THREAD, "running"):
+        _THREAD.running = set()
+    return _THREAD.running
+
+
 def execute(module: types.ModuleType) -> None:
-    """Run a deferred module's code in its module object (once)."""
-    if is_deferred(module):
-        del module.__dict__["__getattr__"]
-        module.__spec__.loader.exec_module(module)
+    """Run a deferred module's code in its module object (once); a failed run leaves it out of
+    ``sys.modules``, as a failed import does."""
+    with _RUNNING:
+        running = _running_here()
+        if not is_deferred(module) or id(module) in running:
+            return
+        running.add(id(module))
+        try:
+            module.__spec__.loader.exec_module(module)
+        except BaseException:
+            sys.modules.pop(module.__name__, None)
+            raise
+        finally:
+            running.discard(id(module))
+            module.__dict__.pop("__getattr__", None)
 
 
 class _PackageFirst(importlib.abc.MetaPathFinder):
@@ -77,7 +104,7 @@ class _PackageFirst(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path, target=None):
         parent = sys.modules.get(fullname.partition(".")[0])
-        if "." not in fullname or not is_deferred(parent):
+        if "." not in fullname or not is_deferred(parent) or id(parent) in _running_here():
             return None
         execute(parent)
         loaded = sys.modules.get(fullname)

@@ -6,6 +6,7 @@ case, importing Megatron-Core's GPT model with wandb installed, in a fresh inter
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import subprocess
 import sys
@@ -57,6 +58,33 @@ def test_a_submodule_imported_first_runs_its_package_first_and_nothing_twice(pac
     assert sys.modules[first] is module and module.__spec__.name == first
     assert type(module.__spec__.loader).__name__ == "SourceFileLoader"  # its own spec, not the finder's
     assert importlib.import_module("deferpkg").VALUE == 42 and getattr(sys.modules["deferpkg"], first.split(".")[1]) is module
+
+
+def test_two_threads_first_asking_at_once_both_get_the_run_package(package, tmp_path):
+    (tmp_path / "deferpkg" / "__init__.py").write_text(textwrap.dedent("""
+        import time, deferruns
+        deferruns.RUNS.append("deferpkg")
+        time.sleep(0.3)  # the second thread asks while this runs
+        VALUE = 42
+    """))
+    defer_optional_imports(("deferpkg",))
+    import deferpkg
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        values = list(pool.map(lambda _: deferpkg.VALUE, range(2)))
+    assert values == [42, 42] and package == ["deferpkg"]
+
+
+def test_a_package_whose_run_fails_is_left_out_as_a_failed_import_is(package, tmp_path):
+    (tmp_path / "deferpkg" / "__init__.py").write_text("raise RuntimeError('broken package')\n")
+    defer_optional_imports(("deferpkg",))
+    import deferpkg
+
+    with pytest.raises(RuntimeError, match="broken package"):
+        deferpkg.VALUE
+    assert "deferpkg" not in sys.modules
+    with pytest.raises(RuntimeError, match="broken package"):
+        importlib.import_module("deferpkg")
 
 
 def test_an_absent_package_stays_absent_and_an_imported_one_is_left_as_it_is(package):
