@@ -58,13 +58,14 @@ def _executor(module: types.ModuleType):
             return getattr(module, attr)
         raise AttributeError(f"module {module.__name__!r} has no attribute {attr!r}")
 
+    __getattr__.runs = module  # what :func:`is_deferred` recognises
     return __getattr__
 
 
 def is_deferred(module: object) -> bool:
     """A module :func:`defer_optional_imports` put in ``sys.modules`` that has not run yet."""
     hook = getattr(module, "__dict__", {}).get("__getattr__")
-    return getattr(hook, "__qualname__", "") == "_executor.<locals>.__getattr__"
+    return hook is not None and getattr(hook, "runs", None) is module
 
 
 _RUNNING = threading.RLock()
