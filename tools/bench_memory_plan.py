@@ -18,8 +18,14 @@ profiler misses are handled). Not counted: memory that no tensor holds (the inte
 Megatron's modules, gloo's own buffers).
 
 Resident: the peak resident set (``VmHWM``, restarted at the second step) above the process's
-resident size before the model was built: what the machine must hold, which the allocator's
-bytes understate by whatever the C allocator keeps of freed memory.
+resident size before the model was built, in a second world of the case that runs the same
+two steps without the profiler (whose event records, held until it stops, and the heap
+fragmentation they cause would count: 370-470 MiB more on tp1-1k): what the machine must
+hold, which the allocator's bytes understate by whatever the C allocator keeps of freed
+memory and the library code the steps page in (docs/memory.md, "Resident memory on CPU").
+Step CPU-s: the CPU-seconds of that second step, all ranks together, so that a malloc tunable
+(``MALLOC_MMAP_THRESHOLD_=131072 python tools/bench_memory_plan.py``) shows what it costs
+beside what it saves.
 
 Predicted: the ``train`` phase of ``megatron_rl.plan.make_plan`` on a CPU machine (no runtime
 reserve), worst pipeline stage. The table goes to docs/memory.md.
@@ -144,8 +150,10 @@ def peak_held(events: list[tuple[int, int, int]], begin: int, end: int) -> int:
     return peak
 
 
-def measure_rank(cfg: RunConfig, seed: int) -> dict:
-    """On one rank: build as the trainer does, two update steps; the allocator peak of the second."""
+def measure_rank(cfg: RunConfig, seed: int, profiled: bool) -> dict:
+    """On one rank: build as the trainer does, two update steps; the allocator peak of the
+    second (``profiled``), or its resident peak and CPU-seconds (not: the profiler's records
+    and its time would count)."""
     from torch.profiler import ProfilerActivity, profile
 
     from megatron_rl.algos.presets import get_preset
@@ -173,24 +181,27 @@ def measure_rank(cfg: RunConfig, seed: int) -> dict:
         )
         before = resident_bytes("VmRSS")
         prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        prof.start()
+        if profiled:
+            prof.start()
         model = build_model(cfg.model, cfg.parallel, moe_enable_routing_replay=True,
                             **recompute_fields(cfg.train.recompute))
         ddp = wrap_for_training(model)
         optimizer = build_optimizer(ddp, cfg.optim)
-        start = time.perf_counter()
         for step in range(2):
             if step == 1:
                 reset_resident_peak()
+                cpu_start = time.process_time()
             with torch.profiler.record_function(f"STEP{step}"):
                 forward_backward(ddp, groups, batch, get_preset("dr_grpo"), RoutingPlan(mode="none", diagnostics=False),
                                  micro_batch_tokens=cfg.train.micro_batch_tokens)
                 optimizer_step(optimizer)
-        seconds = time.perf_counter() - start
+        cpu_s = time.process_time() - cpu_start
         resident = resident_bytes("VmHWM") - before
+        if not profiled:
+            return {"resident": resident, "cpu_s": cpu_s}
         prof.stop()
     events, spans = _allocations(prof)
-    return {"peak": peak_held(events, *spans["STEP1"]), "resident": resident, "step_s": seconds / 2}
+    return {"peak": peak_held(events, *spans["STEP1"])}
 
 
 def resident_bytes(field: str) -> int:
@@ -211,21 +222,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", help="case names to run")
     args = parser.parse_args(argv)
     cases = [c for c in CASES if not args.only or c.name in args.only]
-    print("| case | layout | tokens | recompute | predicted MiB | measured MiB | error | resident MiB | error |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| case | layout | tokens | recompute | predicted MiB | measured MiB | error | resident MiB | error "
+          "| step CPU-s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for case in cases:
         cfg = case_config(case)
         predicted = predicted_peak(cfg, case.world)
-        results = run_world(measure_rank, case.world, cfg, 1234, timeout_s=1800)
-        measured = max(r["peak"] for r in results)
-        resident = max(r["resident"] for r in results)
+        measured = max(r["peak"] for r in run_world(measure_rank, case.world, cfg, 1234, True, timeout_s=1800))
+        unprofiled = run_world(measure_rank, case.world, cfg, 1234, False, timeout_s=1800)
+        resident = max(r["resident"] for r in unprofiled)
         error = (predicted - measured) / measured
         worst = max(worst, abs(error))
         layout = make_plan(cfg, Machine(gpus=case.world, gpu_memory=GIB, cpu=True)).layout.describe().split(" on ")[0]
         print(f"| {case.name} | {layout} | {cfg.train.micro_batch_tokens} | {cfg.train.recompute} | "
               f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} | {100 * error:+.1f}% | {resident / 2**20:.1f} | "
-              f"{100 * (predicted - resident) / resident:+.1f}% |", flush=True)
+              f"{100 * (predicted - resident) / resident:+.1f}% | {sum(r['cpu_s'] for r in unprofiled):.1f} |", flush=True)
     print(f"\nworst error {100 * worst:.1f}% over {len(cases)} cases")
     return 0
 
