@@ -20,7 +20,7 @@ Megatron's modules, gloo's own buffers).
 Resident: the peak resident set (``VmHWM``, restarted at the second step) above the process's
 resident size before the model was built, in a second world of the case that runs the same
 two steps without the profiler (whose event records, held until it stops, and the heap
-fragmentation they cause would count: 370-470 MiB more on tp1-1k): what the machine must
+fragmentation they cause would count: 355-490 MiB more on tp1-1k): what the machine must
 hold, which the allocator's bytes understate by whatever the C allocator keeps of freed
 memory and the library code the steps page in (docs/memory.md, "Resident memory on CPU").
 Step CPU-s: the CPU-seconds of that second step, all ranks together, so that a malloc tunable
