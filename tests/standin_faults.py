@@ -16,8 +16,9 @@ endpoints) with two test endpoints:
   scheduler) blocks until the fault is disarmed, while the HTTP front end answers what it
   answers alone (``/ping``). ``times`` 0 disarms.
 * ``GET /_test/stats``: ``generate_requests`` (received), ``responses`` (answered 200),
-  ``faults_fired`` by kind, the served ``weight_version``, ``sessions`` ended and the last
-  session's report (``not_updated``, ``dropped``, ``skipped`` names, ``loaded`` count).
+  ``faults_fired`` by kind, the served ``weight_version``, ``sessions`` ended, the last
+  session's report (``not_updated``, ``dropped``, ``skipped`` names, ``loaded`` count) and
+  ``megatron_compiles`` (:func:`megatron_compiles`).
 * ``GET /_test/calls``: the memory, generation-control and weight-update calls received, in
   order, each ``[path, tags]`` (``tags`` of a release or resume, else null), with one
   ``["/generate", n]`` for each run of ``n`` generate requests (the order of a colocated turn).
@@ -55,6 +56,16 @@ from megatron_rl.sglang_standin.server import ProtocolServer, argument_parser, s
 FAULT_KINDS = ("http_500", "malformed_json", "delay", "wrong_route_length", "no_routes", "stale_version", "abort",
                "stop_on_update", "hang_scheduler")
 """Faults ``POST /_test/fault`` can arm."""
+
+
+def megatron_compiles() -> bool | None:
+    """Whether Megatron's fusions are ``torch.compile``'d in this process (its ``jit_fuser``
+    wraps them as it is imported); None where Megatron is not imported."""
+    if "megatron.core.transformer.moe.router" not in sys.modules:
+        return None
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
 
 
 class FaultInjectingServer(ProtocolServer):
@@ -137,7 +148,8 @@ class FaultInjectingServer(ProtocolServer):
                                             "dropped": report.dropped, "skipped": report.skipped}
         return web.json_response({"generate_requests": self.requests, "responses": self.responses,
                                   "faults_fired": self.fired, "weight_version": self.weight_version,
-                                  "sessions": self.counters.sessions, "last_session": last})
+                                  "sessions": self.counters.sessions, "last_session": last,
+                                  "megatron_compiles": megatron_compiles()})
 
     async def weights(self, request: web.Request) -> web.Response:
         """SHA-256 of each served tensor by HF name (its bytes as the model holds them)."""

@@ -1,8 +1,8 @@
 """Benchmark asynchronous and partial rollouts on CPU: RL steps per hour, held-out accuracy and router drift.
 
     python tools/bench_async.py [--steps 16] [--runs 3] [--token-latency-s 0.05] [--long-tail 0.05] \\
-        [--max-new-tokens 48] [--configs 0,1,1p,2,2p,4,4p] [--server-nice 19] [--out tools/results/bench_async] \\
-        [key=value ...]
+        [--max-new-tokens 48] [--configs 0,1,1p,2,2p,4,4p] [--server-nice 19] [--split-cores] \\
+        [--out tools/results/bench_async] [key=value ...]
 
 Each configuration is ``rollout.max_staleness`` k, with ``p`` partial rollouts (``rollout.partial
 =true``, mode abort), run ``--runs`` times, run r with ``seed=1 + r`` (the seeds' spread is the
@@ -19,7 +19,10 @@ a response's tokens come one per ``--token-latency-s`` after it is computed, res
 side by side (continuous batching); its compute (one thread) is real CPU work that a GPU would
 do, run at ``--server-nice`` on the cores the trainer leaves idle. So a synchronous step waits
 for its longest response (a few at the cap in nearly every batch), which partial rollouts let
-run on under the next weights.
+run on under the next weights. With ``--split-cores`` the server has the last core to itself and
+the trainer (both ranks) the others, as inference and training GPUs are apart in a
+disaggregated run: the server's compute then takes nothing from the trainer's, in every
+configuration alike.
 
 Steps per hour are measured from outside, by when each step's row appears in ``metrics.jsonl``:
 steps 1 .. N-1 (evaluation only runs at step 0, before the clock starts, and at step N, after
@@ -60,6 +63,8 @@ def _start_server(args, log: Path) -> tuple[subprocess.Popen, str]:
            "--threads", "1", "--token-latency-s", str(args.token_latency_s), "--long-tail", str(args.long_tail)]
     if args.server_nice:
         cmd = ["nice", "-n", str(args.server_nice), *cmd]  # nice execs the server: same pid, same group
+    if args.split_cores:
+        cmd = ["taskset", "-c", str(_cores()[-1]), *cmd]  # taskset execs it too
     with sock:
         proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True,
                                 pass_fds=(sock.fileno(),),
@@ -72,6 +77,15 @@ def _start_server(args, log: Path) -> tuple[subprocess.Popen, str]:
         proc.wait()
         raise
     return proc, url
+
+
+def _cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+def _trainer_cores(args) -> list[str]:
+    """``taskset`` for the trainer with ``--split-cores``: every core but the server's (its ranks inherit it)."""
+    return ["taskset", "-c", ",".join(map(str, _cores()[:-1]))] if args.split_cores else []
 
 
 def _parse_config(name: str) -> tuple[int, bool]:
@@ -99,8 +113,8 @@ def _run(name: str, seed: int, server: int, url: str, args, out: Path) -> dict:
     server_cpu: dict[int, float] = {}
     load_before, started = os.getloadavg(), time.monotonic()
     with (run_dir / "trainer.log").open("w") as log:
-        trainer = subprocess.Popen([sys.executable, "-m", "megatron_rl.train.main", "--config", str(CONFIG),
-                                    *overrides], stdout=log, stderr=subprocess.STDOUT,
+        trainer = subprocess.Popen([*_trainer_cores(args), sys.executable, "-m", "megatron_rl.train.main",
+                                    "--config", str(CONFIG), *overrides], stdout=log, stderr=subprocess.STDOUT,
                                    env={**os.environ, "PYTHONWARNINGS": "ignore"})
         try:
             while trainer.poll() is None:
@@ -182,7 +196,8 @@ def _summary(results: list[dict], configs: list[str]) -> dict[str, dict]:
 def _report(summary: dict[str, dict], results: list[dict], args) -> str:
     first = next(iter(summary))
     knobs = (f"--steps {args.steps} --runs {args.runs} --configs {args.configs} --token-latency-s {args.token_latency_s} --long-tail "
-             f"{args.long_tail} --max-new-tokens {args.max_new_tokens} --server-nice {args.server_nice}")
+             f"{args.long_tail} --max-new-tokens {args.max_new_tokens} --server-nice {args.server_nice}"
+             + (" --split-cores" if args.split_cores else ""))
     loads = [x for r in results for x in r["load_average"]]
     resumed = " (`--resume`: runs of earlier invocations of the same options kept)" if args.resume else ""
     lines = [f"Command: `python tools/bench_async.py {knobs}" + "".join(f" {o}" for o in args.overrides) + "`" + resumed,
@@ -257,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--long-tail", type=float, default=0.05, help="share of responses that run to the cap")
     parser.add_argument("--max-new-tokens", type=int, default=48, help="the length cap (rollout.max_new_tokens)")
     parser.add_argument("--server-nice", type=int, default=19, help="the server's niceness")
+    parser.add_argument("--split-cores", action="store_true",
+                        help="the server on the last core alone, the trainer on the others (disaggregated placement)")
     parser.add_argument("--out", default=str(REPO / "tools" / "results" / "bench_async"))
     parser.add_argument("--resume", action="store_true",
                         help="keep the runs already in <out>/results.json (same options) and make only the missing ones")
@@ -265,13 +282,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 4:
         parser.error("--steps: at least 4 (steps 1..N-1 are timed)")
+    if args.split_cores and len(_cores()) < 2:
+        parser.error("--split-cores: needs at least 2 cores (the server takes one)")
     configs = args.configs.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.report and not args.resume:
         parser.error("--report: only with --resume")
     knobs = {key: value for key, value in vars(args).items()
-             if key not in ("runs", "configs", "out", "resume", "report")}
+             if key not in ("runs", "configs", "out", "resume", "report") and not (key == "split_cores" and not value)}
     results = _earlier_runs(out / "results.json", knobs) if args.resume else []
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))  # the finally clauses run
     todo = [(name, 1 + run) for run in range(args.runs) for name in configs

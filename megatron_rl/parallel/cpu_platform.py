@@ -27,6 +27,20 @@ log = logging.getLogger(__name__)
 _CPU = torch.device("cpu")
 
 
+EAGER_WITHOUT_CUDA = {"TORCHDYNAMO_DISABLE": "1"}
+"""Without CUDA the ranks and the SGLang stand-in run Megatron's fusions eager unless the
+caller's environment says otherwise: Megatron wraps them in ``torch.compile`` as it is imported (``megatron/core/jit.py``),
+which then hands each back as it is (``torch/_dynamo/eval_frame.py``: ``optimize``). Compiled,
+GPT-OSS's ``quick_gelu`` cost each rank 4.7 CPU-s of tracing and Inductor on its first forward
+and backward (Qwen3-Next's output gate alike). Read as Megatron is imported (forkserver, rank or stand-in)."""
+
+
+def eager_fusions_environment() -> dict[str, str]:
+    """What a process about to import Megatron-Core gets in its environment (where it lacks the
+    key): :data:`EAGER_WITHOUT_CUDA` without CUDA, nothing with it."""
+    return {} if torch.cuda.is_available() else EAGER_WITHOUT_CUDA
+
+
 def _is_cuda_device(device: Any) -> bool:
     if isinstance(device, str):
         return device.startswith("cuda")

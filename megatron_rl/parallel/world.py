@@ -49,6 +49,7 @@ import psutil
 import torch
 
 from megatron_rl.parallel import comm
+from megatron_rl.parallel.cpu_platform import eager_fusions_environment
 from megatron_rl.parallel.main_module import parent_main_hidden
 from megatron_rl.parallel.mcore_compat import RANK_IMPORTS
 from megatron_rl.parallel.world_end import adopt_orphans, end_forkserver_at_exit, end_groups, running
@@ -323,16 +324,8 @@ the model's tiny ops gained nothing from it. libgomp reads this once, as torch l
 the forkserver (which imports torch as it starts) or a spawned rank."""
 
 
-EAGER_WITHOUT_CUDA = {"TORCHDYNAMO_DISABLE": "1"}
-"""Without CUDA the ranks run Megatron's fusions eager unless the caller's environment says
-otherwise: Megatron wraps them in ``torch.compile`` as it is imported (``megatron/core/jit.py``),
-which then hands each back as it is (``torch/_dynamo/eval_frame.py``: ``optimize``). Compiled,
-GPT-OSS's ``quick_gelu`` cost each rank 4.7 CPU-s of tracing and Inductor on its first forward
-and backward (Qwen3-Next's output gate alike). Read as Megatron is imported (forkserver or rank)."""
-
-
 def _rank_defaults() -> dict[str, str]:  # the ranks' environment where the caller's lacks the key
-    return {**OPENMP_WAIT, **({} if torch.cuda.is_available() else EAGER_WITHOUT_CUDA)}
+    return {**OPENMP_WAIT, **eager_fusions_environment()}
 
 
 @contextlib.contextmanager

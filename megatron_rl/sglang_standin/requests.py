@@ -1,13 +1,15 @@
 """The CPU stand-in's ``/generate`` request: its fields read and checked as SGLang reads them.
 
 Owns the request body's parsing (``input_ids``, ``sampling_params``, ``rid``, the seed SGLang
-would sample with) and the stand-in's benchmark knob ``long_tail``. Does not own HTTP
+would sample with), the stand-in's benchmark knob ``long_tail`` and SGLang's reading of a
+boolean environment variable. Does not own HTTP
 (:mod:`~megatron_rl.sglang_standin.server`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 from typing import Any
 
@@ -15,6 +17,11 @@ from megatron_rl.rollout.engine import SamplingParams
 
 TOP_K_ALL = 1 << 30
 """SGLang's "no top-k" value (``-1`` on the wire is mapped to it)."""
+
+
+def bool_env(name: str) -> bool:
+    """SGLang's ``get_bool_env_var`` (utils/common.py:1424-1442): "true"/"1" (any case) only."""
+    return os.environ.get(name, "false").lower() in ("true", "1")
 
 
 def is_long(seed: int, share: float) -> bool:

@@ -77,5 +77,6 @@ async def answer_scoring(host, body: dict, weight_version: str, started: float) 
         "weight_version": weight_version, "num_retractions": 0, **entries, "output_token_logprobs": [],
         "output_token_logprobs_length": 0, "reasoning_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
         "e2e_latency": time.monotonic() - started,
+        "response_sent_to_client_ts": time.time(),  # as every finished body (wire.generate_response_payload)
     }
     return web.json_response({"output_ids": [], "meta_info": meta})

@@ -62,15 +62,11 @@ from megatron_rl.sglang_standin.body import json_body
 from megatron_rl.sglang_standin.engine import EngineHost
 from megatron_rl.sglang_standin.memory import MemoryOccupation, MemoryRoutes
 from megatron_rl.sglang_standin.pausing import FLUSH_REFUSED, PauseRoutes, UpdateLock
-from megatron_rl.sglang_standin.requests import parse_generate
+from megatron_rl.sglang_standin.requests import bool_env, parse_generate
 from megatron_rl.sglang_standin.scoring import answer_scoring, is_scoring
 from megatron_rl.sglang_standin.weights import NO_SESSION, SchedulerCrash, decode_entries
 from megatron_rl.rollout.sglang.weight_payload import FLATTENED_BUCKET
 from megatron_rl.rollout.sglang.wire import SGLANG_VERSION, generate_response_payload
-
-def bool_env(name: str) -> bool:
-    """SGLang's ``get_bool_env_var`` (utils/common.py:1424-1442): "true"/"1" (any case) only."""
-    return os.environ.get(name, "false").lower() in ("true", "1")
 
 
 @dataclass
@@ -455,6 +451,10 @@ def serve(args: argparse.Namespace, server_type: type[ProtocolServer] = Protocol
     :class:`ProtocolServer` or a subclass) until SIGTERM/SIGINT; prints what it did on stop."""
     import torch
 
+    from megatron_rl.parallel.cpu_platform import eager_fusions_environment
+
+    for key, value in eager_fusions_environment().items():  # before Megatron is imported, as in the ranks
+        os.environ.setdefault(key, value)
     # As the run reads it: a config that starts from a checkpoint takes its model section from it.
     # The trainer's rule on rollout.sglang.hf_architecture is the trainer's: a stand-in started
     # from a checkpoint serves that checkpoint's architecture.

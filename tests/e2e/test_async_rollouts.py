@@ -44,6 +44,7 @@ from protocol_servers import running_protocol_server
 from megatron_rl.config import RunConfig, load_config
 from megatron_rl.config_loading import to_dict
 from megatron_rl.parallel.world import WorldError, run_world
+from megatron_rl.rollout.sglang.control import request_json
 
 pytestmark = pytest.mark.parallel
 
@@ -260,6 +261,8 @@ def test_staleness_two_partial_rollouts_per_token_versions_and_exactly_once_acro
         assert died.value.lost, f"world {world}: no rank was killed: {died.value}"
         rows[world] = _rows(cfg)
         print(f"world {world}: killed ({kill}) after {time.monotonic() - started:.1f}s")
+    # The stand-in's Megatron engine runs its fusions eager without CUDA, as the ranks do.
+    assert request_json("GET", server.url + "/_test/stats")[1]["megatron_compiles"] == torch.cuda.is_available()
     started = time.monotonic()
     final = run_world(_world, 2, to_dict(cfg), "D", None, str(out), True, timeout_s=900)
     rows["D"] = _rows(cfg)

@@ -67,7 +67,7 @@ def test_results_come_back_in_rank_order(monkeypatch):
     assert [r["main_file"] for r in results] == [None, None]
     # Ranks' OpenMP threads sleep when they wait, the caller's environment left as it was.
     assert [r["omp_wait"] for r in results] == ["PASSIVE", "PASSIVE"] and "OMP_WAIT_POLICY" not in os.environ
-    # Without CUDA, Megatron's fusions are the plain functions in the ranks (world.EAGER_WITHOUT_CUDA).
+    # Without CUDA, Megatron's fusions are the plain functions in the ranks (cpu_platform.EAGER_WITHOUT_CUDA).
     assert [r["megatron_compiles"] for r in results] == [torch.cuda.is_available()] * 2
     assert "TORCHDYNAMO_DISABLE" not in os.environ
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import base64
 import binascii
 import math
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
@@ -373,6 +374,9 @@ def generate_response_payload(
     if routed_experts is not None:
         meta["routed_experts"] = encode_routed_experts(routed_experts)
     meta["e2e_latency"] = e2e_latency
+    # Written as the finished body is sent (``TokenizerManager._stream_one_response``,
+    # ``managers/tokenizer_manager.py:2023-2029``): wall-clock seconds.
+    meta["response_sent_to_client_ts"] = time.time()
     return {"output_ids": [int(t) for t in output_ids], "meta_info": meta}
 
 
