@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         layout = make_plan(cfg, Machine(gpus=case.world, gpu_memory=GIB, cpu=True)).layout.describe().split(" on ")[0]
         print(f"| {case.name} | {layout} | {cfg.train.micro_batch_tokens} | {cfg.train.recompute} | "
               f"{predicted / 2**20:.1f} | {measured / 2**20:.1f} | {100 * error:+.1f}% | {resident / 2**20:.1f} | "
-              f"{100 * (predicted - resident) / resident:+.1f}% | {sum(r['cpu_s'] for r in unprofiled):.1f} |", flush=True)
+              f"{100 * (predicted - resident) / resident:+.1f}% | {sum(r['cpu_s'] for r in unprofiled):.1f} |",
+              flush=True)
     print(f"\nworst error {100 * worst:.1f}% over {len(cases)} cases")
     return 0
 

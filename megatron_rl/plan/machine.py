@@ -24,6 +24,12 @@ RUNTIME_RESERVE = 3 * GIB
 torch), NCCL's communicator buffers (about 1 GiB for the TP, EP, DP and PP groups) and the
 caching allocator's fragmentation (about 1.5 GiB). Not counted on a CPU machine."""
 
+CPU_RESIDENT_EXCESS = 0.54
+"""On a CPU machine, how far a rank's resident set rose above the planned train peak in the
+worst case of ``tools/bench_memory_plan.py`` (tp2; 17-54% over its ten cases, 2026-11-29):
+glibc's heaps keep freed activations resident, fragmented, which no formula of the config
+gives (docs/memory.md, "Resident memory on CPU"). Not in any peak; the report states it."""
+
 Placement = Literal["disaggregated", "colocated"]
 
 

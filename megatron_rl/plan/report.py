@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_rl.config import RunConfig
-from megatron_rl.plan.machine import Layout, Machine, gib
+from megatron_rl.plan.machine import CPU_RESIDENT_EXCESS, Layout, Machine, gib
 from megatron_rl.plan.params import model_params
 from megatron_rl.plan.phases import (
     Phase,
@@ -129,9 +129,13 @@ def format_plan(plan: Plan) -> str:
     binding = plan.binding
     lines.append(f"highest: phase '{binding.name}' [{binding.device}], {gib(binding.need)} GiB; biggest term: "
                  f"{binding.biggest.name} ({gib(binding.biggest.bytes)} GiB)")
+    train_peak = max(p.peak for p in plan.phases if p.name == "train")
+    if machine.cpu:
+        lines.append(f"resident (CPU): allow {gib(train_peak * (1 + CPU_RESIDENT_EXCESS))} GiB per process in "
+                     f"training, {100 * CPU_RESIDENT_EXCESS:.0f}% over its peak and not counted above: glibc's heaps "
+                     "keep freed activations (the worst case of tools/bench_memory_plan.py; docs/memory.md)")
     if not plan.distributed:
-        plain = max(p.peak for p in plan.phases if p.name == "train")
-        lines.append(f"optimizer: Megatron's plain optimizer (train peak {gib(plain)} GiB); the distributed "
+        lines.append(f"optimizer: Megatron's plain optimizer (train peak {gib(train_peak)} GiB); the distributed "
                      f"optimizer would make it {gib(plan.train_peak_distributed)} GiB")
     else:
         lines.append("optimizer: Megatron's distributed optimizer (optim.distributed)")
